@@ -1,0 +1,149 @@
+"""Request → token ids and spans, exactly as the reference ``encode_record`` (clef-head.md §3).
+
+Every piece is tokenized on its own (token boundaries are forced at piece boundaries), the schema is
+built first, and only the state is cut to fit ``max_length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clefcore.errors import ContextLengthError
+from clefcore.jsonvalue import render
+from clefcore.tokenize import Tokenizer
+
+SYSTEM_PROMPT = ("Read the complete state and schema. Decide every field jointly. "
+                 "Each answer must be exactly one of that field's allowed options.")
+PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nSTATE:\n"
+SCHEMA_HEAD = "\n\nSCHEMA FIELDS:\n"
+OPTIONS_HEAD = "\nALLOWED OPTIONS:\n"
+OPTION_END = "\n"
+FIELD_END = "END FIELD\n"
+SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
+NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+TYPE_INDEX = {"noul": 0, "choice": 1, "score": 2}
+
+
+def field_head(index: int, question_id: str, question_type: str) -> str:
+    # 1-based index; id and type go in raw, unescaped, as in the reference.
+    return f"\nFIELD {index}\nID: {question_id}\nTYPE: {question_type}\nINSTRUCTION: "
+
+
+def option_head(index: int) -> str:
+    return f"OPTION {index}: "
+
+
+def instruction_text(question_id: str, question: dict) -> str:
+    # Only null and "" fall back to the id: 0, false, [] and {} are rendered.
+    instructions = question.get("instructions")
+    if instructions is None or instructions == "":
+        return question_id
+    return render(instructions)
+
+
+def question_options(question: dict) -> list[tuple[str, Any]]:
+    """(option id, description) in model (= logit) order; a None description is left out of the prompt."""
+    criteria = question.get("criteria")
+    if question["type"] == "noul":
+        # Defaults overridden key by key; an explicit null removes the description; other keys ignored.
+        given = criteria or {}
+        return [(key, given.get(key, default)) for key, default in NOUL_DEFAULTS.items()]
+    if question["type"] == "choice":
+        return sorted(criteria.items(), key=lambda item: item[0])  # code-point order, not request order
+    return [(str(index), level) for index, level in enumerate(criteria)]
+
+
+def option_text(option_id: str, description: Any) -> str:
+    semantics = {"option_id": option_id}
+    if description is not None:
+        semantics["description"] = description
+    return render(semantics)
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    id: str
+    type: str                       # "noul" | "choice" | "score"
+    type_index: int                 # 0, 1, 2
+    question_span: tuple[int, int]  # half-open, into input_ids
+    option_ids: tuple[str, ...]     # model (= logit) order
+    option_spans: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: np.ndarray           # int32 [L]
+    questions: tuple[EncodedQuestion, ...]   # request order
+    state_span: tuple[int, int]
+    state_tokens_before_truncation: int
+    state_truncated: bool
+
+
+class Encoder:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, request: dict, max_length: int) -> EncodedRecord:
+        """Encode a request normalised by ``validate_request``; raises ``ContextLengthError`` when the
+        prompt without its state is longer than ``max_length``."""
+        tok = self.tokenizer
+        plans = []   # per question: (id, type, option ids)
+        pieces = []  # the request-dependent pieces, tokenized in one batch
+        for index, (question_id, question) in enumerate(request["questions"].items(), 1):
+            options = question_options(question)
+            plans.append((question_id, question["type"], tuple(option_id for option_id, _ in options)))
+            pieces.append(field_head(index, question_id, question["type"]))
+            pieces.append(instruction_text(question_id, question))
+            pieces.extend(option_text(option_id, description) for option_id, description in options)
+        encoded = iter(tok.encode_pieces(pieces))
+
+        # Spans are measured inside the schema first and shifted once the kept state length is known.
+        schema = list(tok.encode_constant(SCHEMA_HEAD))
+        spans = []
+        for _, _, option_ids in plans:
+            schema += next(encoded)
+            start = len(schema)
+            schema += next(encoded)
+            question_span = (start, len(schema))
+            schema += tok.encode_constant(OPTIONS_HEAD)
+            option_spans = []
+            for number in range(1, len(option_ids) + 1):
+                schema += tok.encode_constant(option_head(number))
+                start = len(schema)
+                schema += next(encoded)
+                option_spans.append((start, len(schema)))
+                schema += tok.encode_constant(OPTION_END)
+            schema += tok.encode_constant(FIELD_END)
+            spans.append((question_span, option_spans))
+
+        prefix = tok.encode_constant(PREFIX)
+        suffix = tok.encode_constant(SUFFIX)
+        fixed = len(prefix) + len(schema) + len(suffix)
+        if fixed > max_length:
+            raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {max_length}",
+                                     required=fixed, maximum=max_length)
+        state = tok.encode_pieces([render(request["state"])])[0]
+        kept = state[:max_length - fixed]  # keeps the head; may cut inside a multi-token character
+        offset = len(prefix) + len(kept)
+
+        def shift(span: tuple[int, int]) -> tuple[int, int]:
+            return (span[0] + offset, span[1] + offset)
+
+        questions = tuple(
+            EncodedQuestion(id=question_id, type=question_type, type_index=TYPE_INDEX[question_type],
+                            question_span=shift(question_span), option_ids=option_ids,
+                            option_spans=tuple(shift(span) for span in option_spans))
+            for (question_id, question_type, option_ids), (question_span, option_spans) in zip(plans, spans))
+        return EncodedRecord(
+            input_ids=np.array(prefix + kept + schema + suffix, dtype=np.int32),
+            questions=questions,
+            state_span=(len(prefix), offset),
+            state_tokens_before_truncation=len(state),
+            state_truncated=len(kept) < len(state),
+        )

@@ -1,0 +1,182 @@
+"""System One request validation.
+
+``mode="reference"`` accepts exactly what Cloudflare's reference ``systemone`` accepts, with its messages
+(clef-head.md §2); where the reference would crash or return NaN logits it gets a clear ``RequestError``.
+``mode="cloudflare"`` adds the hosted Workers AI limits (systemone-protocol.md §3, §9, §14) and reports
+the first violation in body order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from clefcore.errors import RequestError
+from clefcore.jsonvalue import join_path
+
+QUESTION_TYPES = ("noul", "choice", "score")
+TOP_LEVEL_FIELDS = ("model", "state", "document", "questions")
+QUESTION_FIELDS = ("type", "instructions", "criteria")
+MAX_QUESTIONS = 64
+CHOICE_OPTIONS = (2, 255)
+SCORE_LEVELS = (2, 10)
+QUESTION_ID = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
+def validate_request(body: Any, mode: str = "cloudflare") -> dict:
+    """Check a parsed body; return ``{"model", "state", "questions"}`` (questions in request order)."""
+    if mode not in ("reference", "cloudflare"):
+        raise ValueError(f"unknown validation mode {mode!r}")
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {_kind(body)}")
+    if mode == "reference":
+        return _reference(body)
+    return _cloudflare(body)
+
+
+def _kind(value: Any) -> str:
+    # JSON names, so messages speak the client's language (bool before int: bool is an int subclass).
+    for cls, name in ((str, "string"), (bool, "boolean"), (int, "number"), (float, "number"),
+                      (dict, "object"), (list, "array")):
+        if isinstance(value, cls):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _show(text: str, limit: int = 40) -> str:
+    """A quoted, escaped, shortened id for messages (ids are client-controlled and unbounded)."""
+    shown = json.dumps(text[:limit])
+    return shown if len(text) <= limit else shown[:-1] + '..."'
+
+
+def _got(container: dict, key: str) -> str:
+    return "missing" if key not in container else _kind(container[key])
+
+
+def _state_key(body: dict) -> str | None:
+    # `document` is the TypeSafe draft's name for `state` (protocol §3.1); it counts only without `state`.
+    return "state" if "state" in body else "document" if "document" in body else None
+
+
+def _normalised(body: dict, state_key: str) -> dict:
+    return {"model": body["model"], "state": body[state_key], "questions": body["questions"]}
+
+
+# --- reference -------------------------------------------------------------------------------------
+
+def _reference(body: dict) -> dict:
+    state_key = _state_key(body)
+    if not isinstance(body.get("model"), str) or state_key is None:
+        raise RequestError("model and state are required", field="model" if state_key else "state")
+    questions = body.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        raise RequestError("at least one question is required", field="questions", limit="at least 1 question")
+    for qid, question in questions.items():
+        path = join_path("questions", qid)
+        if not isinstance(question, dict):  # the reference raises AttributeError on question.get
+            raise RequestError(f"{qid}: question must be an object, got {_kind(question)}", field=path)
+        qtype = question.get("type")
+        if not isinstance(qtype, str) or qtype not in QUESTION_TYPES:  # unhashable types: TypeError there
+            raise RequestError(f"{qid}: type must be noul, choice, or score", field=path + ".type",
+                               limit="noul, choice, or score")
+        criteria = question.get("criteria")
+        if qtype != "noul" and not criteria:
+            raise RequestError(f"{qid}: criteria must not be empty", field=path + ".criteria")
+        # The reference iterates choice criteria with .items() and score criteria with enumerate(), and
+        # dict.update()s truthy noul criteria; anything else crashes or means nothing there.
+        wanted = {"noul": dict, "choice": dict, "score": list}[qtype]
+        if criteria and not isinstance(criteria, wanted):
+            raise RequestError(f"{qid}: {qtype} criteria must be {'an object' if wanted is dict else 'an array'}, "
+                               f"got {_kind(criteria)}", field=path + ".criteria")
+        # An empty question span averages nothing: the reference returns NaN logits.
+        if qid == "" and question.get("instructions") in (None, ""):
+            raise RequestError("question with an empty id needs non-empty instructions",
+                               field=path + ".instructions")
+    return _normalised(body, state_key)
+
+
+# --- cloudflare ------------------------------------------------------------------------------------
+
+def _cloudflare(body: dict) -> dict:
+    for key in body:
+        if key == "images":
+            raise RequestError("images: images are not supported yet", field="images")
+        if key not in TOP_LEVEL_FIELDS:
+            raise RequestError(f"{_show(key)}: unknown field (allowed: {', '.join(TOP_LEVEL_FIELDS)})",
+                               field=join_path("", key))
+    if not isinstance(body.get("model"), str):
+        raise RequestError(f"model: required string, got {_got(body, 'model')}", field="model")
+    if "state" in body and "document" in body:
+        raise RequestError("document: give state or document, not both", field="document")
+    state_key = _state_key(body)
+    if state_key is None:
+        raise RequestError("state: required", field="state")
+    if not isinstance(body[state_key], (str, dict, list)):
+        raise RequestError(f"{state_key}: must be a string, object or array, got {_kind(body[state_key])}",
+                           field=state_key, limit="string, object or array")
+    questions = body.get("questions")
+    if not isinstance(questions, dict):
+        raise RequestError(f"questions: required object, got {_got(body, 'questions')}", field="questions")
+    if not 1 <= len(questions) <= MAX_QUESTIONS:
+        raise RequestError(f"questions: 1 to {MAX_QUESTIONS} questions, got {len(questions)}",
+                           field="questions", limit=f"1..{MAX_QUESTIONS} questions")
+    for qid, question in questions.items():
+        _cloudflare_question(qid, question)
+    return _normalised(body, state_key)
+
+
+def _cloudflare_question(qid: str, question: Any) -> None:
+    path = join_path("questions", qid)
+    if not QUESTION_ID.fullmatch(qid):
+        raise RequestError(f"questions: id {_show(qid)} must be 1 to 100 characters of A-Z a-z 0-9 _ . - "
+                           f"(got {len(qid)} characters)", field=path, limit="[A-Za-z0-9_.-]{1,100}")
+    if not isinstance(question, dict):
+        raise RequestError(f"{path}: must be an object, got {_kind(question)}", field=path)
+    for key in question:
+        if key not in QUESTION_FIELDS:
+            raise RequestError(f"{join_path(path, key)}: unknown field (allowed: {', '.join(QUESTION_FIELDS)})",
+                               field=join_path(path, key))
+    qtype = question.get("type")
+    if qtype not in QUESTION_TYPES:
+        raise RequestError(f"{path}.type: must be noul, choice, or score, got "
+                           f"{_show(qtype) if isinstance(qtype, str) else _kind(qtype)}",
+                           field=path + ".type", limit="noul, choice, or score")
+    instructions = question.get("instructions")
+    if not isinstance(instructions, (str, dict, list)) or not instructions:
+        got = _got(question, "instructions")
+        if isinstance(instructions, (str, dict, list)):
+            got = "empty " + got
+        raise RequestError(f"{path}.instructions: required non-empty string, object or array, got {got}",
+                           field=path + ".instructions", limit="non-empty")
+    criteria = question.get("criteria")
+    cpath = path + ".criteria"
+    if qtype == "noul":
+        if criteria is None:
+            return
+        if not isinstance(criteria, dict):
+            raise RequestError(f"{cpath}: noul criteria must be an object, got {_kind(criteria)}", field=cpath)
+        for key in criteria:
+            if key not in ("true", "false"):
+                raise RequestError(f"{cpath}: noul criteria keys must be true or false, got {_show(key)}",
+                                   field=join_path(cpath, key), limit="true, false")
+    elif qtype == "choice":
+        if not isinstance(criteria, dict):
+            raise RequestError(f"{cpath}: choice criteria must be an object of options, got "
+                               f"{_got(question, 'criteria')}",
+                               field=cpath)
+        low, high = CHOICE_OPTIONS
+        if not low <= len(criteria) <= high:
+            raise RequestError(f"{cpath}: choice needs {low} to {high} options, got {len(criteria)}",
+                               field=cpath, limit=f"{low}..{high} options")
+        if "" in criteria:
+            raise RequestError(f"{cpath}: option ids must be non-empty strings", field=cpath, limit="non-empty")
+    else:
+        if not isinstance(criteria, list):
+            raise RequestError(f"{cpath}: score criteria must be an array of levels, got "
+                               f"{_got(question, 'criteria')}",
+                               field=cpath)
+        low, high = SCORE_LEVELS
+        if not low <= len(criteria) <= high:
+            raise RequestError(f"{cpath}: score needs {low} to {high} levels, got {len(criteria)}",
+                               field=cpath, limit=f"{low}..{high} levels")

@@ -1,0 +1,274 @@
+"""The fp32 numpy backend: the engine's ground truth and every CUDA kernel's reference.
+
+Each function here is one op of the interface that ``clefcore.model`` is written against; the CUDA backend
+(``clefcore.backends.cuda``) implements the same names with the same shapes. Activations are ``[tokens, ...]``
+row-major; several sequences may be packed into one token stream, described by ``cu_seqlens`` (int array of
+sequence starts plus the total, like ``[0, 300, 512]``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checkpoint import to_float32
+
+xp = np
+name = "cpu"
+
+ATTN_QUERY_BLOCK = 256   # query rows per block: bounds the score matrix, never L x L
+GDN_CHUNK = 64
+
+
+def asarray(x):
+    return np.asarray(x)
+
+
+def to_host(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def weight(w: np.ndarray) -> np.ndarray:
+    """How a checkpoint tensor (fp32 on the host) is stored for this backend."""
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def table(ref) -> np.ndarray:
+    """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
+    return to_float32(ref)
+
+
+def gather_rows(table, ids):
+    return table[np.asarray(ids)].astype(np.float32)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+# ---------------------------------------------------------------------------------------------- backbone ops
+
+def embed(table, ids):
+    return table[ids].astype(np.float32)
+
+
+def rmsnorm(x, w, eps):
+    """Zero-centred RMSNorm over the last axis: x / rms(x) * (1 + w)."""
+    x = x.astype(np.float32, copy=False)
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return x * inv * (1.0 + w)
+
+
+def add_rmsnorm(x, delta, w, eps):
+    """Residual add fused with the next norm: returns (x + delta, rmsnorm(x + delta))."""
+    s = x + delta
+    return s, rmsnorm(s, w, eps)
+
+
+def linear(x, w, b=None):
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+def mlp(x, w_gate, w_up, w_down):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+def sigmoid_gate(o, gate):
+    """Attention output times sigmoid(gate), both [T, heads, D]."""
+    return o * sigmoid(gate)
+
+
+def rope_tables(positions, rotary_dim, theta):
+    """cos/sin [T, rotary_dim/2] in fp32, as transformers builds them (inv_freq in fp32)."""
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
+    ang = positions.astype(np.float32)[:, None] * inv.astype(np.float32)[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def rotary(x, cos, sin):
+    """Half-split (NeoX) rotation of the first 2*cos.shape[1] dims of each head; x is [T, heads, D]."""
+    half = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    out = x.copy()
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:2 * half] = x2 * c + x1 * s
+    return out
+
+
+def attention(q, k, v, cu_seqlens, scale):
+    """Causal GQA softmax attention inside each packed sequence. q [T,Hq,D], k/v [T,Hkv,D] -> [T,Hq,D]."""
+    T, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = np.empty((T, hq, v.shape[2]), dtype=np.float32)
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        kk = np.repeat(k[s0:s1], group, axis=1).transpose(1, 2, 0)   # [Hq, D, L]
+        vv = np.repeat(v[s0:s1], group, axis=1).transpose(1, 0, 2)   # [Hq, L, Dv]
+        for b0 in range(s0, s1, ATTN_QUERY_BLOCK):
+            b1 = min(b0 + ATTN_QUERY_BLOCK, s1)
+            qq = q[b0:b1].transpose(1, 0, 2)                           # [Hq, n, D]
+            keys = b1 - s0                                              # later keys are all masked
+            sc = (qq @ kk[:, :, :keys]) * np.float32(scale)
+            rows = np.arange(b0 - s0, b1 - s0)[:, None]
+            sc = np.where(np.arange(keys)[None, :] <= rows, sc, -np.inf)
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            p = sc / sc.sum(axis=-1, keepdims=True)
+            out[b0:b1] = (p @ vv[:, :keys]).transpose(1, 0, 2)
+    return out
+
+
+def conv1d_silu(x, w, cu_seqlens):
+    """Causal depthwise conv (cross-correlation, tap K-1 = current token) + SiLU. x [T,C], w [C,K]."""
+    K = w.shape[1]
+    out = np.empty_like(x, dtype=np.float32)
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        xs = np.concatenate([np.zeros((K - 1, x.shape[1]), np.float32), x[s0:s1]])
+        acc = np.zeros((s1 - s0, x.shape[1]), np.float32)
+        for j in range(K):
+            acc += xs[j:j + s1 - s0] * w[:, j]
+        out[s0:s1] = silu(acc)
+    return out
+
+
+def l2norm(x, eps, scale=1.0):
+    """x / sqrt(sum(x^2) + eps) * scale over the last axis (eps inside the sqrt of the sum)."""
+    return x * (np.float32(scale) / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps)))
+
+
+def gdn_gates(a, b, a_log, dt_bias):
+    """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias) (log-decay, <= 0). a, b [T, Hv]."""
+    z = a + dt_bias
+    softplus = np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0))))
+    return -np.exp(a_log) * softplus, sigmoid(b)
+
+
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens):
+    """Chunked (WY/UT) gated delta rule with an fp32 state, per packed sequence.
+
+    q, k [T, Hk, dk] (already L2-normalised; q also scaled), v [T, Hv, dv], g, beta [T, Hv].
+    Value head j reads key head j // (Hv/Hk). Returns o [T, Hv, dv].
+    """
+    T, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    r = hv // hk
+    C = GDN_CHUNK
+    out = np.empty((T, hv, dv), np.float32)
+    tri_incl = np.tril(np.ones((C, C), bool))
+    tri_strict = np.tril(np.ones((C, C), bool), -1)
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        L = s1 - s0
+        n = -(-L // C)
+        pad = n * C - L
+
+        def chunks(a, heads):  # [L, heads, d] -> [heads, n, C, d], zero-padded tail
+            a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], np.float32)])
+            return a.reshape(n, C, heads, -1).transpose(2, 0, 1, 3)
+
+        Q = np.repeat(chunks(q[s0:s1], hk), r, axis=0)
+        K = np.repeat(chunks(k[s0:s1], hk), r, axis=0)
+        V = chunks(v[s0:s1], hv)
+        B = chunks(beta[s0:s1, :, None], hv)[..., 0]      # [Hv, n, C]
+        G = np.cumsum(chunks(g[s0:s1, :, None], hv)[..., 0], axis=-1)   # gamma, cumulative log-decay
+        diff = G[..., :, None] - G[..., None, :]
+        D = np.exp(np.where(tri_incl, diff, -np.inf))      # mask before exp: never exponentiate > 0
+        KK = K @ K.transpose(0, 1, 3, 2)
+        A = np.where(tri_strict, B[..., :, None] * KK * D, 0.0)
+        eye = np.eye(C, dtype=np.float32)
+        rhs = np.concatenate([B[..., None] * V, (B * np.exp(G))[..., None] * K], axis=-1)
+        sol = np.linalg.solve(eye + A, rhs).astype(np.float32)   # (I + A)^-1 [beta V | beta Gamma K]
+        Unew, W = sol[..., :dv], sol[..., dv:]
+        QK = (Q @ K.transpose(0, 1, 3, 2)) * D
+        Qg = Q * np.exp(G)[..., None]
+        Kd = K * np.exp(G[..., -1:] - G)[..., None]
+        S = np.zeros((hv, dk, dv), np.float32)
+        O = np.empty((hv, n, C, dv), np.float32)
+        for c in range(n):        # the only sequential part: one step per 64-token chunk
+            U = Unew[:, c] - W[:, c] @ S
+            O[:, c] = Qg[:, c] @ S + QK[:, c] @ U
+            S = np.exp(G[:, c, -1])[:, None, None] * S + Kd[:, c].transpose(0, 2, 1) @ U
+        out[s0:s1] = O.transpose(1, 2, 0, 3).reshape(n * C, hv, dv)[:L]
+    return out
+
+
+def gated_rmsnorm(x, z, w, eps):
+    """Per-head RMSNorm with a plain weight, times SiLU(z). x, z [N, d]."""
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return (x * inv) * w * silu(z)
+
+
+# -------------------------------------------------------------------------------------------------- head ops
+
+def layernorm(x, w, b, eps=1e-5):
+    mu = x.mean(axis=-1, keepdims=True)
+    c = x - mu
+    var = (c * c).mean(axis=-1, keepdims=True)
+    return c / np.sqrt(var + np.float32(eps)) * w + b
+
+
+def _erf(x):
+    """erf in float64: Maclaurin series for |x| <= 2.5, continued fraction for erfc beyond."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.abs(x)
+    small = np.minimum(a, 2.5)
+    term = small.copy()
+    total = small.copy()
+    x2 = small * small
+    for n in range(1, 60):
+        term = term * (-x2) / n
+        total += term / (2 * n + 1)
+    series = total * (2.0 / np.sqrt(np.pi))
+    big = np.maximum(a, 2.5)
+    frac = np.zeros_like(big)
+    for n in range(60, 0, -1):  # erfc(z) = exp(-z^2)/sqrt(pi) / (z + (1/2)/(z + 1/(z + (3/2)/(z + ...))))
+        frac = (n / 2.0) / (big + frac)
+    cf = 1.0 - np.exp(-big * big) / np.sqrt(np.pi) / (big + frac)
+    return np.sign(x) * np.where(a <= 2.5, series, cf)
+
+
+def gelu(x):
+    """Exact (erf) GELU."""
+    return (0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))).astype(np.float32)
+
+
+def mha(xq, xkv, in_w, in_b, out_w, out_b, heads):
+    """torch.nn.MultiheadAttention forward without masks: every query row attends to all of xkv."""
+    W = xq.shape[-1]
+    d = W // heads
+    q = (xq @ in_w[:W].T + in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
+    k = (xkv @ in_w[W:2 * W].T + in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
+    v = (xkv @ in_w[2 * W:].T + in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
+    o = np.empty((heads, q.shape[1], d), np.float32)
+    for b0 in range(0, q.shape[1], ATTN_QUERY_BLOCK):
+        sc = (q[:, b0:b0 + ATTN_QUERY_BLOCK] @ k) * np.float32(1.0 / np.sqrt(d))
+        sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+        o[:, b0:b0 + ATTN_QUERY_BLOCK] = (sc / sc.sum(axis=-1, keepdims=True)) @ v
+    return o.transpose(1, 0, 2).reshape(-1, W) @ out_w.T + out_b
+
+
+def span_means(x, starts, ends):
+    """Mean of x[s:e] for each half-open span, from a float64 prefix sum. x [L, D] -> [n, D]."""
+    c = np.zeros((x.shape[0] + 1, x.shape[1]), np.float64)
+    np.cumsum(x, axis=0, out=c[1:])
+    starts, ends = np.asarray(starts), np.asarray(ends)
+    return ((c[ends] - c[starts]) / (ends - starts)[:, None]).astype(np.float32)
+
+
+def normalize(x, eps):
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), np.float32(eps))
+
+
+def segment_softmax_sum(scores, values, owner, n_groups):
+    """For each group q: softmax of scores over the rows it owns, then the weighted sum of their values."""
+    m = np.full(n_groups, -np.inf, np.float32)
+    np.maximum.at(m, owner, scores)
+    e = np.exp(scores - m[owner])
+    den = np.zeros(n_groups, np.float32)
+    np.add.at(den, owner, e)
+    out = np.zeros((n_groups, values.shape[1]), np.float32)
+    np.add.at(out, owner, (e / den[owner])[:, None] * values)
+    return out

@@ -1,0 +1,63 @@
+"""Every error clefcore raises on purpose.
+
+Callers (the CLI, the server, embedding code) catch ``ClefError`` and map the subclasses to exit codes or
+HTTP statuses; anything else escaping the engine is a bug.
+"""
+
+from __future__ import annotations
+
+
+class ClefError(Exception):
+    """Base class. ``type`` is the machine-readable error kind used in JSON error bodies."""
+
+    type = "clef_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def to_json(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type}}
+
+
+class RequestError(ClefError):
+    """The client's request is wrong. ``field`` is a dotted path (``questions.team.criteria``) or ``""``
+    for the body itself; ``limit`` describes the rule that was broken, when there is one."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, field: str = "", limit: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.limit = limit
+
+    def to_json(self) -> dict:
+        body = super().to_json()
+        if self.field:
+            body["error"]["field"] = self.field
+        if self.limit is not None:
+            body["error"]["limit"] = self.limit
+        return body
+
+
+class ContextLengthError(RequestError):
+    """The fixed part of the prompt (everything but the state) does not fit ``max_length``."""
+
+    type = "exceed_context_size_error"
+
+    def __init__(self, message: str, required: int, maximum: int):
+        super().__init__(message, field="questions", limit=f"{maximum} tokens")
+        self.required = required
+        self.maximum = maximum
+
+
+class CheckpointError(ClefError):
+    """A model directory is missing a file, a tensor, or holds inconsistent values."""
+
+    type = "checkpoint_error"
+
+
+class DeviceError(ClefError):
+    """The device failed a request: out of memory, a NaN/Inf/all-zero guard, a CUDA error."""
+
+    type = "device_error"

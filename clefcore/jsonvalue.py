@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 from clefcore.errors import RequestError
 
 MAX_DEPTH = 64  # nested objects/arrays; far beyond any real request, far below the recursion limit
+KEY_SHOWN = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -30,9 +32,12 @@ def parse_body(data: bytes | str) -> Any:
     except json.JSONDecodeError as e:
         raise RequestError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     except RecursionError:
-        raise RequestError(f"JSON nested deeper than {MAX_DEPTH} levels", limit=f"{MAX_DEPTH} levels") from None
-    except ValueError as e:  # int literal beyond sys.get_int_max_str_digits()
-        raise RequestError(f"malformed JSON: {e}") from None
+        raise RequestError(f"JSON nested deeper than {MAX_DEPTH} levels",
+                           limit=f"{MAX_DEPTH} levels") from None
+    except ValueError:  # the only other ValueError: an int literal beyond sys.get_int_max_str_digits()
+        limit = sys.get_int_max_str_digits()
+        raise RequestError(f"JSON integer literal longer than {limit} digits",
+                           limit=f"{limit} digits") from None
     _check_tree(value)
     return value
 
@@ -55,14 +60,18 @@ def _check_tree(root: Any) -> None:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in items:
             if isinstance(key, str) and _SURROGATE.search(key):
-                raise RequestError(f"{path or 'body'}: object key contains a lone UTF-16 surrogate", field=path)
+                raise RequestError(f"{path or 'body'}: object key contains a lone UTF-16 surrogate",
+                                   field=path)
             stack.append((child, join_path(path, key), depth + 1))
 
 
 def join_path(path: str, key: str | int) -> str:
-    """Dotted field path; list indices in brackets. Surrogates are escaped so the path itself is UTF-8."""
+    """Dotted field path; list indices in brackets. Keys are client-controlled: each is cut to
+    ``KEY_SHOWN`` characters so paths stay short, and surrogates are escaped so the path is valid UTF-8."""
     if isinstance(key, int):
         return f"{path}[{key}]"
+    if len(key) > KEY_SHOWN:
+        key = key[:KEY_SHOWN] + "..."
     key = key.encode("utf-8", "backslashreplace").decode("utf-8")
     return f"{path}.{key}" if path else key
 

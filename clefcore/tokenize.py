@@ -14,11 +14,11 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 # transformers 5.10 Qwen2Tokenizer vs 5.24 Qwen3_5Tokenizer: they differ only in \p{M} (combining marks).
-SPLIT_REGEX = {
-    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-    "qwen35": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+SPLIT_REGEX = {  # verbatim patterns
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",  # noqa: E501
+    "qwen35": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",  # noqa: E501
 }
-_CACHE_LIMIT = 4096  # constant pieces only (template strings, "OPTION j: "), so this is never reached in practice
+_CACHE_LIMIT = 4096  # only template pieces and "OPTION j: " are cached; a bound all the same
 
 
 class Tokenizer:
@@ -29,14 +29,15 @@ class Tokenizer:
                 raise ValueError(f"regex must be None, 'qwen2' or 'qwen35', got {regex!r}")
             spec["normalizer"] = {"type": "NFC"}
             spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": SPLIT_REGEX[regex]}, "behavior": "Isolated", "invert": False},
+                {"type": "Split", "pattern": {"Regex": SPLIT_REGEX[regex]}, "behavior": "Isolated",
+                 "invert": False},
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
             ]}
         self._tok = _HFTokenizer.from_str(json.dumps(spec))
         self._constants: dict[str, list[int]] = {}
 
     def encode_pieces(self, pieces: list[str]) -> list[list[int]]:
-        """Each piece on its own, no BOS/EOS; added tokens (``<|im_end|>`` ...) are matched inside any text."""
+        """Each piece on its own, no BOS/EOS; added tokens (``<|im_end|>``...) are matched in any text."""
         if not pieces:
             return []
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]

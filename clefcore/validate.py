@@ -71,13 +71,14 @@ def _reference(body: dict) -> dict:
         raise RequestError("model and state are required", field="model" if state_key else "state")
     questions = body.get("questions")
     if not isinstance(questions, dict) or not questions:
-        raise RequestError("at least one question is required", field="questions", limit="at least 1 question")
+        raise RequestError("at least one question is required", field="questions",
+                           limit="at least 1 question")
     for qid, question in questions.items():
         path = join_path("questions", qid)
         if not isinstance(question, dict):  # the reference raises AttributeError on question.get
             raise RequestError(f"{qid}: question must be an object, got {_kind(question)}", field=path)
         qtype = question.get("type")
-        if not isinstance(qtype, str) or qtype not in QUESTION_TYPES:  # unhashable types: TypeError there
+        if qtype not in QUESTION_TYPES:  # a tuple, so unhashable types compare (a TypeError there)
             raise RequestError(f"{qid}: type must be noul, choice, or score", field=path + ".type",
                                limit="noul, choice, or score")
         criteria = question.get("criteria")
@@ -87,8 +88,9 @@ def _reference(body: dict) -> dict:
         # dict.update()s truthy noul criteria; anything else crashes or means nothing there.
         wanted = {"noul": dict, "choice": dict, "score": list}[qtype]
         if criteria and not isinstance(criteria, wanted):
-            raise RequestError(f"{qid}: {qtype} criteria must be {'an object' if wanted is dict else 'an array'}, "
-                               f"got {_kind(criteria)}", field=path + ".criteria")
+            shape = "an object" if wanted is dict else "an array"
+            raise RequestError(f"{qid}: {qtype} criteria must be {shape}, got {_kind(criteria)}",
+                               field=path + ".criteria")
         # An empty question span averages nothing: the reference returns NaN logits.
         if qid == "" and question.get("instructions") in (None, ""):
             raise RequestError("question with an empty id needs non-empty instructions",
@@ -119,7 +121,7 @@ def _cloudflare(body: dict) -> dict:
     if not isinstance(questions, dict):
         raise RequestError(f"questions: required object, got {_got(body, 'questions')}", field="questions")
     if not 1 <= len(questions) <= MAX_QUESTIONS:
-        raise RequestError(f"questions: 1 to {MAX_QUESTIONS} questions, got {len(questions)}",
+        raise RequestError(f"questions: needs 1 to {MAX_QUESTIONS} questions, got {len(questions)}",
                            field="questions", limit=f"1..{MAX_QUESTIONS} questions")
     for qid, question in questions.items():
         _cloudflare_question(qid, question)
@@ -135,8 +137,8 @@ def _cloudflare_question(qid: str, question: Any) -> None:
         raise RequestError(f"{path}: must be an object, got {_kind(question)}", field=path)
     for key in question:
         if key not in QUESTION_FIELDS:
-            raise RequestError(f"{join_path(path, key)}: unknown field (allowed: {', '.join(QUESTION_FIELDS)})",
-                               field=join_path(path, key))
+            field = join_path(path, key)
+            raise RequestError(f"{field}: unknown field (allowed: {', '.join(QUESTION_FIELDS)})", field=field)
     qtype = question.get("type")
     if qtype not in QUESTION_TYPES:
         raise RequestError(f"{path}.type: must be noul, choice, or score, got "
@@ -155,7 +157,8 @@ def _cloudflare_question(qid: str, question: Any) -> None:
         if criteria is None:
             return
         if not isinstance(criteria, dict):
-            raise RequestError(f"{cpath}: noul criteria must be an object, got {_kind(criteria)}", field=cpath)
+            raise RequestError(f"{cpath}: noul criteria must be an object, got {_kind(criteria)}",
+                               field=cpath)
         for key in criteria:
             if key not in ("true", "false"):
                 raise RequestError(f"{cpath}: noul criteria keys must be true or false, got {_show(key)}",
@@ -170,7 +173,8 @@ def _cloudflare_question(qid: str, question: Any) -> None:
             raise RequestError(f"{cpath}: choice needs {low} to {high} options, got {len(criteria)}",
                                field=cpath, limit=f"{low}..{high} options")
         if "" in criteria:
-            raise RequestError(f"{cpath}: option ids must be non-empty strings", field=cpath, limit="non-empty")
+            raise RequestError(f"{cpath}: option ids must be non-empty strings", field=cpath,
+                               limit="non-empty")
     else:
         if not isinstance(criteria, list):
             raise RequestError(f"{cpath}: score criteria must be an array of levels, got "

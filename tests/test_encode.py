@@ -1,0 +1,173 @@
+"""Encoding against the reference's golden fixtures, plus render and tokenizer-regex unit tests."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import unicodedata
+
+import numpy as np
+import pytest
+
+from clefcore.encode import Encoder
+from clefcore.errors import ContextLengthError, RequestError
+from clefcore.jsonvalue import parse_body, render
+from clefcore.tokenize import Tokenizer
+from clefcore.validate import validate_request
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+TOKENIZER = GOLDEN / "model" / "tokenizer.json"
+NOUL_DEFAULTS = {"true": "The proposition is true or the answer is yes.",  # clef-head.md §3.1
+                 "false": "The proposition is false or the answer is no."}
+REQUESTS = (GOLDEN / "requests.jsonl").read_bytes().splitlines()
+EXPECTED = [json.loads(line) for line in (GOLDEN / "expected.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def encoders() -> dict:
+    return {regex: Encoder(Tokenizer(TOKENIZER, regex=regex)) for regex in (None, "qwen2", "qwen35")}
+
+
+def encode_fixture(encoder: Encoder, index: int):
+    request = validate_request(parse_body(REQUESTS[index]), mode="reference")
+    return encoder.encode(request, EXPECTED[index]["max_length"])
+
+
+def as_expected(record) -> dict:
+    """The encoder's output in the fixture's vocabulary."""
+    return {
+        "input_ids": record.input_ids.tolist(),
+        "num_tokens": len(record.input_ids),
+        "state_span": list(record.state_span),
+        "state_tokens_before_truncation": record.state_tokens_before_truncation,
+        "state_truncated": record.state_truncated,
+        "questions": [
+            {"id": q.id, "type": q.type, "type_index": q.type_index, "question_span": list(q.question_span),
+             "option_ids": list(q.option_ids), "option_spans": [list(span) for span in q.option_spans]}
+            for q in record.questions
+        ],
+    }
+
+
+def test_fixture_files_line_up():
+    assert len(REQUESTS) == len(EXPECTED) > 0
+    assert [e["index"] for e in EXPECTED] == list(range(len(EXPECTED)))
+
+
+@pytest.mark.parametrize("index", range(len(EXPECTED)), ids=[e["name"] for e in EXPECTED])
+def test_golden(encoders, index):
+    expected = EXPECTED[index]
+    if "error" in expected:
+        with pytest.raises(RequestError) as info:
+            encode_fixture(encoders[None], index)
+        assert info.value.message == expected["error"]
+        return
+    record = encode_fixture(encoders[None], index)
+    assert record.input_ids.dtype == np.int32
+    keys = ("id", "type", "type_index", "question_span", "option_ids", "option_spans")
+    want = {key: expected[key] for key in ("input_ids", "num_tokens", "state_span",
+                                            "state_tokens_before_truncation", "state_truncated")}
+    want["questions"] = [{key: q[key] for key in keys} for q in expected["questions"]]
+    assert as_expected(record) == want
+
+
+def test_schema_error_carries_numbers(encoders):
+    index = next(e["index"] for e in EXPECTED if e.get("error", "").startswith("schema requires"))
+    with pytest.raises(ContextLengthError) as info:
+        encode_fixture(encoders[None], index)
+    assert f"schema requires {info.value.required} tokens" in info.value.message
+    assert info.value.maximum == EXPECTED[index]["max_length"] < info.value.required
+
+
+def test_zero_budget_boundary(encoders):
+    """max_length == schema length keeps zero state tokens; one less is the schema error."""
+    request = validate_request(parse_body(REQUESTS[0]), mode="reference")
+    full = encoders[None].encode(request, 16384)
+    fixed = len(full.input_ids) - full.state_tokens_before_truncation
+    empty = encoders[None].encode(request, fixed)
+    assert empty.state_span[0] == empty.state_span[1] and empty.state_truncated
+    assert len(empty.input_ids) == fixed
+    with pytest.raises(ContextLengthError) as info:
+        encoders[None].encode(request, fixed - 1)
+    assert (info.value.required, info.value.maximum) == (fixed, fixed - 1)
+
+
+def test_spans_cover_rendered_pieces(encoders):
+    """Independent of the fixtures: every option span re-tokenizes to its rendered option JSON."""
+    tokenizer = encoders[None].tokenizer
+    request = validate_request(parse_body(REQUESTS[0]), mode="reference")
+    record = encoders[None].encode(request, 16384)
+    for q in record.questions:
+        question = request["questions"][q.id]
+        for option_id, (start, end) in zip(q.option_ids, q.option_spans):
+            if question["type"] == "score":
+                description = question["criteria"][int(option_id)]
+            elif question["type"] == "choice":
+                description = question["criteria"][option_id]
+            else:
+                description = (question.get("criteria") or {}).get(option_id, NOUL_DEFAULTS[option_id])
+            text = render({"option_id": option_id, "description": description})
+            assert record.input_ids[start:end].tolist() == tokenizer.encode_pieces([text])[0]
+
+
+# --- render ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, text", [
+    (1e-05, "1e-05"), (1e16, "1e+16"), (1e15, "1000000000000000.0"), (-0.0, "-0.0"), (5e-324, "5e-324"),
+    (1250.0, "1250.0"), (1.5e300, "1.5e+300"), (0.0001, "0.0001"), (float("inf"), "Infinity"),
+    (float("-inf"), "-Infinity"), (10**30, "1" + "0" * 30), (True, "true"), (None, "null"),
+])
+def test_render_numbers(value, text):
+    assert render(value) == text
+
+
+def test_render_parsed_literals():
+    # The int/float distinction of the incoming JSON survives parse_body and render.
+    body = parse_body('[1e5, 2.5E-3, 2.50, -0, -0.0, 123456789.123456789, 1E400, 7]')
+    assert render(body) == "[100000.0,0.0025,2.5,0,-0.0,123456789.12345679,Infinity,7]"
+
+
+def test_render_strings_and_objects():
+    assert render("raw \"text\"\n") == "raw \"text\"\n"
+    assert render(["\x00\x1f\b\f\n\r\t\"\\"]) == '["\\u0000\\u001f\\b\\f\\n\\r\\t\\"\\\\"]'
+    assert render(["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"]) == '["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"]'
+    # Keys sorted by code point, recursively; arrays keep their order.
+    assert render({"b": {"z": 1, "Z": 2}, "a": [3, 1], "\u00e9": 0, "B": None}) == \
+        '{"B":null,"a":[3,1],"b":{"Z":2,"z":1},"\u00e9":0}'
+    assert render({"option_id": "x", "description": "d"}) == '{"description":"d","option_id":"x"}'
+
+
+# --- tokenizer regex ------------------------------------------------------------------------------
+
+def has_surviving_marks(line: bytes) -> bool:
+    text = unicodedata.normalize("NFC", json.dumps(json.loads(line), ensure_ascii=False))
+    return any(unicodedata.category(c).startswith("M") for c in text)
+
+
+@pytest.mark.parametrize("index", [e["index"] for e in EXPECTED if "error" not in e],
+                         ids=[e["name"] for e in EXPECTED if "error" not in e])
+def test_forced_regex_on_golden(encoders, index):
+    """The fixtures follow transformers 5.24 (Qwen3.5 regex, same as the shipped file). The Qwen2 regex
+    agrees wherever no combining mark survives NFC, and must differ where one does."""
+    shipped = as_expected(encode_fixture(encoders[None], index))
+    assert as_expected(encode_fixture(encoders["qwen35"], index)) == shipped
+    qwen2 = as_expected(encode_fixture(encoders["qwen2"], index))
+    assert (qwen2 != shipped) == has_surviving_marks(REQUESTS[index])
+
+
+def test_forced_regex_differs_on_combining_marks(encoders):
+    qwen2, qwen35 = encoders["qwen2"].tokenizer, encoders["qwen35"].tokenizer
+    assert qwen2.encode_pieces(["x\u0304"]) != qwen35.encode_pieces(["x\u0304"])
+    plain = ["Plain ASCII text, numbers 12345 and  spaces.\n", "caf\u00e9 \u4e2d\u6587"]
+    assert qwen2.encode_pieces(plain) == qwen35.encode_pieces(plain)
+
+
+def test_special_tokens_in_text_are_parsed(encoders):
+    tokenizer = encoders[None].tokenizer
+    (ids,) = tokenizer.encode_pieces(["a<|im_end|>b"])
+    assert tokenizer.encode_pieces(["<|im_end|>"]) == [[ids[1]]] and len(ids) == 3
+
+
+def test_unknown_regex_rejected():
+    with pytest.raises(ValueError):
+        Tokenizer(TOKENIZER, regex="gpt2")

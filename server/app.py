@@ -1,0 +1,401 @@
+"""`clefcore serve`: System One over HTTP (aiohttp + uvloop).
+
+One request through this module: middleware (request id, auth, error shape, log line, metrics)
+► handler (phase, content type, body size, JSON) ► engine.prepare on a CPU thread (validation and
+tokenization happen before queueing, so a bad body never takes a queue slot) ► batcher (queue, packed
+forward on the device thread) ► bare or Cloudflare-enveloped JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from clefcore.errors import ClefError, RequestError
+from clefcore.jsonvalue import parse_body
+
+from . import errors
+from .batcher import Batcher, DeadlineExceeded, QueueFull
+from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle, in_daemon_thread
+from .logs import log
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+from .openapi import build_spec
+
+PLAYGROUND = Path(__file__).parent / "playground" / "index.html"
+CLOUDFLARE_PREFIX = "/client/v4/"
+CLOUDFLARE_MODELS = ("clef", "clef-flash")
+# A client-supplied x-request-id is echoed only when it is short and harmless in a log line or header.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+CONFIG = web.AppKey("config", argparse.Namespace)
+STATE = web.AppKey("state", "ServerState")
+
+
+class ServerState:
+    """Everything the handlers share. ``engine`` and ``batcher`` are None until the model is loaded."""
+
+    def __init__(self, config: argparse.Namespace):
+        self.config = config
+        self.lifecycle = Lifecycle()
+        self.metrics = Metrics()
+        self.engine: Any = None
+        self.batcher: Batcher | None = None
+        # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest.
+        self.cpu = ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2)),
+                                      thread_name_prefix="clef-prepare")
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
+    parser.add_argument("--validation", default="cloudflare", choices=("cloudflare", "reference"),
+                        help="request rules: Cloudflare's limits, or the reference code's lenient ones")
+    parser.add_argument("--confidence", default="cloudflare", help="confidence formula (see `clefcore --help`)")
+    parser.add_argument("--context-length", type=int, default=24576, help="maximum prompt tokens")
+    parser.add_argument("--on-overflow", default="truncate", choices=("truncate", "reject"),
+                        help="over-long state: cut its tail like the reference, or answer 400")
+    parser.add_argument("--max-body-bytes", type=int, default=13 * 1024 * 1024,
+                        help="largest request body accepted (413 above)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of one packed forward")
+    parser.add_argument("--max-batch-requests", type=int, default=32, help="requests in one packed forward")
+    parser.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 429")
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="seconds a request may wait for its answer (503 after)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds to finish accepted requests after SIGTERM")
+    parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
+                        help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY)")
+
+
+def run(args: argparse.Namespace) -> int:
+    devices = _devices(args)
+    if len(devices) > 1:
+        from .workers import supervise
+        return supervise(args, devices)
+    args.device = devices[0]
+    import uvloop
+    return uvloop.run(_serve(args))
+
+
+def _devices(args: argparse.Namespace) -> list[str]:
+    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    if args.workers > 0:
+        if devices != ["cuda"]:
+            raise SystemExit("--workers N goes with --device cuda (it serves on cuda:0..N-1)")
+        return [f"cuda:{i}" for i in range(args.workers)]
+    return devices or ["cpu"]
+
+
+# --- server -------------------------------------------------------------------------------------------
+
+async def _serve(args: argparse.Namespace) -> int:
+    state = ServerState(args)
+    app = build_app(state)
+    # handler_cancellation: a client that disconnects cancels its handler, which drops its queue entry.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=max(args.shutdown_timeout, 1.0))
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the real port when --port 0
+    log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device)
+    lifecycle = state.lifecycle
+    lifecycle.install_signal_handlers()
+
+    loader = asyncio.ensure_future(_load(state))
+    stop = asyncio.ensure_future(lifecycle.stop_requested.wait())
+    await asyncio.wait({loader, stop}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if not loader.done():  # SIGTERM while loading: nothing was accepted, leave at once
+        lifecycle.set(DRAINING, "shutting down")
+        loader.cancel()
+    elif loader.exception() is not None or lifecycle.phase == FAILED:
+        code = 1
+    else:
+        await stop
+        lifecycle.set(DRAINING, "shutting down")
+        log("draining", queued=state.batcher.queued, in_flight=lifecycle.in_flight)
+        drained = await lifecycle.wait_drained(state.batcher.idle, args.shutdown_timeout)
+        log("drained" if drained else "drain_timeout", in_flight=lifecycle.in_flight)
+        await state.batcher.stop()
+    state.metrics.ready.set(0)
+    await runner.cleanup()
+    state.cpu.shutdown(wait=False, cancel_futures=True)
+    log("exit", code=code)
+    return code
+
+
+async def _load(state: ServerState) -> None:
+    import clefcore
+
+    cfg = state.config
+    started = time.monotonic()
+    try:
+        engine = await in_daemon_thread(lambda: clefcore.load(
+            cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
+            validation=cfg.validation))
+        state.lifecycle.set(LOADING, "warming up and running the self-check")
+        await in_daemon_thread(engine.self_check)
+    except Exception as error:  # noqa: BLE001 - any load failure ends the process with a clear line
+        state.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
+        log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
+        return
+    state.engine = engine
+    state.metrics.watch_device_memory(engine.memory_in_use)
+    state.batcher = Batcher(engine, state.metrics, max_queue=cfg.max_queue,
+                            max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests)
+    state.batcher.start()
+    state.lifecycle.set(READY, "ready")
+    state.metrics.ready.set(1)
+    log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3))
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_middleware])
+    app[CONFIG] = state.config
+    app[STATE] = state
+    app.router.add_post("/v1/systemone", _systemone)
+    app.router.add_post("/client/v4/accounts/{account}/ai/run/@cf/cloudflare/{model}", _cloudflare)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/live", _live)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/", _playground)
+    return app
+
+
+# --- middleware: ids, auth, errors, the log line, request metrics --------------------------------------
+
+def _protected(path: str) -> bool:
+    return path.startswith("/v1/") or path.startswith(CLOUDFLARE_PREFIX)
+
+
+def _authorised(request: web.Request, key: str) -> bool:
+    auth = request.headers.get("Authorization", "")
+    offered = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+    return hmac.compare_digest(offered.encode(), key.encode())
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    state: ServerState = request.app[STATE]
+    request["started"] = time.monotonic()
+    offered_id = request.headers.get("x-request-id", "")
+    request["id"] = offered_id if _REQUEST_ID.fullmatch(offered_id) else uuid.uuid4().hex
+    request["log"] = {}
+    cloudflare = request.path.startswith(CLOUDFLARE_PREFIX)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"  # bounded label set
+    try:
+        response = await _answer(request, handler, state)
+    except errors.ApiError as error:
+        response = _error_response(error, request["id"], cloudflare)
+        request["log"]["error"] = error.kind
+        if error.status >= 500:
+            state.metrics.failures.labels(error.kind).inc()
+    except asyncio.CancelledError:
+        _finish(state, request, route, 499)  # nginx's "client closed request": logged, never sent
+        raise
+    response.headers["x-request-id"] = request["id"]
+    if cloudflare:
+        response.headers["cf-ai-req-id"] = request["id"]
+    _finish(state, request, route, response.status)
+    return response
+
+
+async def _answer(request: web.Request, handler, state: ServerState) -> web.StreamResponse:
+    """Run the handler; every failure comes out as an ApiError (the server answers, it never crashes)."""
+    try:
+        key = state.config.api_key
+        if key and _protected(request.path) and not _authorised(request, key):
+            raise errors.unauthorized()
+        return await handler(request)
+    except web.HTTPException as http_error:  # aiohttp's own 404/405
+        raise _from_http_exception(request, http_error) from None
+    except errors.ApiError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        log("unhandled", level="error", request_id=request["id"], error=repr(error))
+        raise errors.internal(error) from None
+
+
+def _finish(state: ServerState, request: web.Request, route: str, status: int) -> None:
+    duration = time.monotonic() - request["started"]
+    state.metrics.requests.labels(route, str(status)).inc()
+    log("request", request_id=request["id"], method=request.method, path=request.path, route=route,
+        status=status, duration_ms=round(duration * 1000, 2), client=request.remote, **request["log"])
+
+
+def _from_http_exception(request: web.Request, http_error: web.HTTPException) -> errors.ApiError:
+    if http_error.status == 404:
+        path = request.path
+        match = re.fullmatch(r"/client/v4/accounts/[^/]+/ai/run/@cf/cloudflare/([^/]+)", path)
+        return errors.no_cloudflare_model(match.group(1)) if match else errors.not_found(path)
+    if http_error.status == 405:
+        return errors.method_not_allowed(request.method, http_error.headers.get("Allow", ""))
+    return errors.ApiError(http_error.status, http_error.reason, "http_error", cf_code=errors.CF_BAD_INPUT)
+
+
+def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    # allow_nan=False: a NaN must never reach a client as invalid JSON; it surfaces as a 500 instead.
+    text = json.dumps(body, ensure_ascii=False, allow_nan=False)
+    return web.Response(text=text, status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(error: errors.ApiError, request_id: str, cloudflare: bool) -> web.Response:
+    if cloudflare:
+        return _json(error.cloudflare_body(request_id), error.cf_status, error.headers)
+    return _json(error.bare_body(), error.status, error.headers)
+
+
+# --- decision routes ----------------------------------------------------------------------------------
+
+async def _systemone(request: web.Request) -> web.Response:
+    response = await _decide(request, path_model=None)
+    return _json(response)
+
+
+async def _cloudflare(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    if model not in CLOUDFLARE_MODELS:
+        raise errors.no_cloudflare_model(model)
+    result = await _decide(request, path_model=model)
+    # Workers AI reports the selector from the path (`clef` / `clef-flash`), not the served checkpoint.
+    result["model"] = model
+    return _json({"result": result, "success": True, "errors": [], "messages": []},
+                 headers={"cache-control": "no-store"})
+
+
+async def _decide(request: web.Request, path_model: str | None) -> dict:
+    state: ServerState = request.app[STATE]
+    cfg = state.config
+    lifecycle = state.lifecycle
+    if lifecycle.phase != READY:
+        raise errors.unavailable(lifecycle.reason, retry_after_s=5 if lifecycle.phase == LOADING else 1)
+    lifecycle.in_flight += 1
+    try:
+        body = await _read_json(request, cfg.max_body_bytes)
+        if path_model is not None and isinstance(body, dict):
+            body_model = body.get("model")
+            if isinstance(body_model, str) and body_model.strip() != path_model:
+                raise errors.model_mismatch(body_model, path_model)
+        batcher = state.batcher
+        # Refuse before tokenizing when the queue is already full: shedding load must be cheap.
+        if batcher.full():
+            raise errors.queue_full(batcher.capacity, retry_after_s=1)
+        loop = asyncio.get_running_loop()
+        try:
+            prepared = await loop.run_in_executor(
+                state.cpu, lambda: state.engine.prepare(body, on_overflow=cfg.on_overflow))
+        except RequestError as error:
+            raise errors.invalid_request(error) from None
+        request["log"]["prompt_tokens"] = prepared.num_tokens
+        deadline = time.monotonic() + cfg.request_timeout
+        try:
+            outcome = await batcher.submit(prepared, deadline)
+        except QueueFull:
+            raise errors.queue_full(batcher.capacity, retry_after_s=1) from None
+        except DeadlineExceeded:
+            raise errors.timed_out(cfg.request_timeout) from None
+        except ClefError as error:
+            raise errors.inference_failed(error) from None
+        metrics = state.metrics
+        metrics.prompt_tokens.inc(prepared.num_tokens)
+        metrics.prompt_tokens_hist.observe(prepared.num_tokens)
+        metrics.e2e.labels("cloudflare" if path_model else "systemone").observe(
+            time.monotonic() - request["started"])
+        request["log"].update(queue_ms=round(outcome.queue_wait_s * 1000, 2),
+                              prefill_ms=round(outcome.prefill_s * 1000, 2),
+                              batch_requests=outcome.batch_requests, batch_tokens=outcome.batch_tokens)
+        return outcome.response
+    finally:
+        lifecycle.in_flight -= 1
+
+
+async def _read_json(request: web.Request, limit: int) -> Any:
+    if request.content_type != "application/json":
+        raise errors.unsupported_media_type(request.headers.get("Content-Type", ""))
+    if request.content_length is not None and request.content_length > limit:
+        raise errors.body_too_large(limit, request.content_length)
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:  # chunked uploads have no Content-Length: count as we read
+            raise errors.body_too_large(limit, None)
+        chunks.append(chunk)
+    request["log"]["bytes_in"] = size
+    try:
+        return parse_body(b"".join(chunks))
+    except RequestError as error:
+        raise errors.malformed_body(error) from None
+
+
+# --- plain routes -------------------------------------------------------------------------------------
+
+async def _models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    if state.engine is None:
+        raise errors.unavailable(state.lifecycle.reason, retry_after_s=5)
+    cfg = state.config
+    # TypeSafe's shape (systemone-protocol.md §14.8); the extra keys inside the entry are ignored by it.
+    return _json({"models": [{
+        "name": state.engine.model_name,
+        "description": "Cloudflare Clef-flash joint-schema decision model (System One), served by clefcore",
+        "release_date": "2026-10-01",
+        "device": state.engine.device,
+        "max_context_length": cfg.context_length,
+        "validation": cfg.validation,
+        "confidence": cfg.confidence,
+    }]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    lifecycle = state.lifecycle
+    body = {"status": "ok" if lifecycle.phase == READY else lifecycle.phase, "reason": lifecycle.reason,
+            "uptime_s": round(time.time() - lifecycle.started_at, 1)}
+    if state.engine is not None:
+        body.update(model=state.engine.model_name, device=state.engine.device)
+    if lifecycle.phase != READY:
+        return _json(body, 503, {"Retry-After": "5" if lifecycle.phase == LOADING else "1"})
+    return _json(body)
+
+
+async def _live(request: web.Request) -> web.Response:
+    # Liveness says only "the event loop answers": a full queue or a draining server is still alive, and
+    # restarting it would lose the queued requests (TGI #3241).
+    return _json({"status": "alive"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
+    body = state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return _json(build_spec(request.app[STATE].config))
+
+
+async def _playground(request: web.Request) -> web.Response:
+    return web.Response(body=PLAYGROUND.read_bytes(), content_type="text/html", charset="utf-8")

@@ -1,0 +1,158 @@
+"""Error responses: one exception type inside the server, two wire shapes outside.
+
+Our bare routes answer ``{"error": {"message", "type", "field"?, "limit"?, ...}, "detail": {"message",
+"error_type"}}``: the ``error`` object is what OpenAI-style and bobcat-style clients read, ``detail`` is the
+FastAPI-style body TypeSafe SDKs parse (systemone-protocol.md §8.2, §14.6). The Cloudflare route answers
+Cloudflare's envelope with its numeric codes (§7, §8.1); validation refusals nest the AiError JSON in
+``message`` exactly like Workers AI does, so clients that parse that nesting (neurolink) keep working.
+"""
+
+from __future__ import annotations
+
+import json
+
+from clefcore.errors import ContextLengthError, RequestError
+
+# TypeSafe's `detail.error_type` vocabulary; our own kinds map onto it.
+_TYPESAFE_KIND = {
+    "invalid_request_error": "invalid_request",
+    "invalid_json": "invalid_request",
+    "exceed_context_size_error": "tokens_exceeded",
+    "authentication_error": "authentication_error",
+    "timeout": "timeout",
+}
+
+# Cloudflare Workers AI error codes (systemone-protocol.md §8.1). 3040 is what Workers AI sends when it
+# sheds load; we use it for every "try again later" answer, 503 included.
+CF_BAD_INPUT = 5006
+CF_VALIDATION = 5012
+CF_NOT_JSON = 6003
+CF_NO_ROUTE = 7000
+CF_UNAUTHORIZED = 10000
+CF_TOO_LARGE = 5021
+CF_CAPACITY = 3040
+CF_INFERENCE_FAILED = 5012
+
+
+class ApiError(Exception):
+    """An HTTP error answer. ``extra`` goes into the bare ``error`` object (token counts for context
+    overflows); ``headers`` are sent as they are (``Retry-After``)."""
+
+    def __init__(self, status: int, message: str, kind: str, *, cf_code: int, field: str | None = None,
+                 limit: str | None = None, extra: dict | None = None, headers: dict | None = None,
+                 cf_nested: bool = False, cf_status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.cf_status = cf_status or status
+        self.message = message
+        self.kind = kind
+        self.cf_code = cf_code
+        self.field = field
+        self.limit = limit
+        self.extra = extra or {}
+        self.headers = headers or {}
+        self.cf_nested = cf_nested
+
+    def bare_body(self) -> dict:
+        error = {"message": self.message, "type": self.kind}
+        if self.field:
+            error["field"] = self.field
+        if self.limit is not None:
+            error["limit"] = self.limit
+        error.update(self.extra)
+        return {"error": error,
+                "detail": {"message": self.message, "error_type": _TYPESAFE_KIND.get(self.kind, self.kind)}}
+
+    def cloudflare_body(self, request_id: str) -> dict:
+        if self.cf_nested:
+            nested = {"error": {"type": "invalid_request", "message": "Request body failed validation",
+                                "details": {"formErrors": [] if self.field else [self.message],
+                                            "fieldErrors": {self.field: [self.message]} if self.field else {}}}}
+            message = f"AiError: AiError: {json.dumps(nested, ensure_ascii=False)} ({request_id})"
+        else:
+            message = f"AiError: {self.message} ({request_id})"
+        return {"errors": [{"message": message, "code": self.cf_code}], "success": False, "result": {},
+                "messages": []}
+
+
+def malformed_body(err: RequestError) -> ApiError:
+    return ApiError(400, err.message, "invalid_json", cf_code=CF_NOT_JSON, field=err.field or None,
+                    limit=err.limit)
+
+
+def invalid_request(err: RequestError) -> ApiError:
+    """A body the engine refused. Context overflows are 400 with llama.cpp-style token counts
+    (serving-and-peers.md §5a); every other rule is a 422 schema violation. On the Cloudflare route a
+    missing top-level property or an unknown question type is Workers AI's 400/5006, the rest 422/5012."""
+    if isinstance(err, ContextLengthError):
+        return ApiError(400, err.message, err.type, cf_code=CF_TOO_LARGE, field=err.field, limit=err.limit,
+                        extra={"n_prompt_tokens": err.required, "n_ctx": err.maximum})
+    field = err.field or ""
+    if (field in ("model", "state", "questions") and "required" in err.message) or field.endswith(".type"):
+        return ApiError(422, err.message, err.type, cf_code=CF_BAD_INPUT, field=field or None,
+                        limit=err.limit, cf_status=400)
+    return ApiError(422, err.message, err.type, cf_code=CF_VALIDATION, field=field or None,
+                    limit=err.limit, cf_nested=True)
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(415, f"Content-Type must be application/json, got {content_type or 'none'}",
+                    "unsupported_media_type", cf_code=CF_NOT_JSON, limit="application/json")
+
+
+def body_too_large(limit: int, size: int | None) -> ApiError:
+    got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return ApiError(413, f"request body is {got}; the limit is {limit} bytes", "request_too_large",
+                    cf_code=CF_TOO_LARGE, limit=f"{limit} bytes")
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "missing or invalid API key (send Authorization: Bearer <key> or X-Api-Key)",
+                    "authentication_error", cf_code=CF_UNAUTHORIZED,
+                    headers={"WWW-Authenticate": 'Bearer realm="clefcore"'})
+
+
+def queue_full(capacity: int, retry_after_s: int) -> ApiError:
+    return ApiError(429, f"server queue is full ({capacity} requests); retry later", "rate_limit_error",
+                    cf_code=CF_CAPACITY, limit=f"{capacity} queued requests",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def unavailable(reason: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, f"server is {reason}", "unavailable_error", cf_code=CF_CAPACITY,
+                    extra={"reason": reason}, headers={"Retry-After": str(retry_after_s)})
+
+
+def timed_out(timeout_s: float) -> ApiError:
+    return ApiError(503, f"request waited longer than {timeout_s:g} s for the model; retry later", "timeout",
+                    cf_code=CF_CAPACITY, limit=f"{timeout_s:g} s", headers={"Retry-After": "1"})
+
+
+def inference_failed(err: Exception) -> ApiError:
+    return ApiError(500, f"inference failed: {err}", "device_error", cf_code=CF_INFERENCE_FAILED)
+
+
+def internal(err: Exception) -> ApiError:
+    return ApiError(500, f"internal server error ({type(err).__name__})", "internal_error",
+                    cf_code=CF_INFERENCE_FAILED)
+
+
+def not_found(path: str) -> ApiError:
+    return ApiError(404, f"no route for {path}", "not_found_error", cf_code=CF_NO_ROUTE)
+
+
+def method_not_allowed(method: str, allowed: str) -> ApiError:
+    return ApiError(405, f"method {method} not allowed (allowed: {allowed})", "method_not_allowed",
+                    cf_code=CF_NO_ROUTE, headers={"Allow": allowed})
+
+
+def no_cloudflare_model(model: str) -> ApiError:
+    return ApiError(400, f"No route for that URI (@cf/cloudflare/{model} is not served here; "
+                         "use clef or clef-flash)", "invalid_request_error", cf_code=CF_NO_ROUTE,
+                    field="model", limit="clef or clef-flash")
+
+
+def model_mismatch(body_model: object, path_model: str) -> ApiError:
+    return ApiError(400, f"model: body model {json.dumps(body_model)} does not match the model in the "
+                         f"path ({path_model})", "invalid_request_error", cf_code=CF_BAD_INPUT, field="model",
+                    limit=path_model)

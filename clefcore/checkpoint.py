@@ -78,33 +78,38 @@ def to_float32(ref: TensorRef) -> np.ndarray:
     """Exact widening to a fresh fp32 array (bf16 is the top half of an fp32 bit pattern)."""
     if ref.dtype == "BF16":
         return (ref.raw.astype(np.uint32) << 16).view(np.float32)
-    return np.array(ref.raw, dtype=np.float32)
+    return np.array(ref.raw, dtype=np.float32)  # a copy: never a view into the read-only map
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """fp32 -> bf16 bit patterns, round to nearest even (for writing checkpoints)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    x = np.asarray(x, dtype=np.float32)
+    u = np.ascontiguousarray(x).view(np.uint32).reshape(x.shape)
     rounded = u + 0x7FFF + ((u >> 16) & 1)
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    out[nan] = 0x7FC0
-    return out
+    return np.where(np.isnan(x), np.uint16(0x7FC0), (rounded >> 16).astype(np.uint16))
 
 
-def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
-    """Write ``{name: (dtype_tag, array)}``; arrays must already hold the tag's element type."""
+def write_safetensors(path: Path, tensors: dict) -> int:
+    """Write ``{name: (dtype_tag, shape, make)}`` where ``make()`` returns the array in the tag's element type.
+
+    Tensors are produced and written one at a time, so a shard never has to fit in memory. Returns bytes written.
+    """
     header, offset = {}, 0
-    for name, (tag, arr) in tensors.items():
-        nbytes = arr.nbytes
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+    for name, (tag, shape, _) in tensors.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[tag]).itemsize
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
+        for name, (tag, shape, make) in tensors.items():
+            arr = np.asarray(make(), dtype=_DTYPES[tag])
+            if arr.shape != tuple(shape):
+                raise ValueError(f"{name}: made shape {arr.shape}, declared {tuple(shape)}")
+            f.write(arr.tobytes())
+    return offset
 
 
 class Checkpoint:

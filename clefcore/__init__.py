@@ -1,0 +1,13 @@
+"""clefcore: torch-free inference for Cloudflare's Clef-flash System One decisions.
+
+    import clefcore
+    engine = clefcore.load("path/to/clef-flash", device="cpu")   # or "cuda:0"
+    engine.decide({"model": "clef-flash", "state": "...", "questions": {...}})
+"""
+
+from .engine import Engine, Prepared, load
+from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, RequestError
+
+__version__ = "0.1.0"
+__all__ = ["load", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError", "CheckpointError",
+           "DeviceError", "__version__"]

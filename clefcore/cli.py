@@ -1,0 +1,150 @@
+"""``clefcore`` command line: decide, demo, synth, verify, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from . import answers
+from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
+from .errors import ClefError, RequestError
+from .jsonvalue import parse_body
+
+EXIT_REJECTED = 2
+
+
+def _print(obj) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LENGTH) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-length", type=int, default=max_length, help="prompt token limit; the state is cut to fit")
+    p.add_argument("--confidence", choices=answers.CONFIDENCE_MODES, default="cloudflare")
+    p.add_argument("--validation", choices=("cloudflare", "reference"), default="cloudflare")
+    p.add_argument("--regex", choices=("qwen2", "qwen35"), default=None,
+                   help="force the tokenizer's split regex (default: the one in tokenizer.json)")
+
+
+def _load(args, model: str):
+    return load(model, device=args.device, max_length=args.max_length, confidence=args.confidence,
+                validation=args.validation, regex=args.regex, progress=_progress_bar())
+
+
+def _progress_bar():
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int, what: str) -> None:
+        width = 30
+        fill = width * done // max(total, 1)
+        sys.stderr.write(f"\rloading [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+def cmd_decide(args) -> int:
+    engine = _load(args, args.model)
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    try:
+        prepared = engine.prepare(parse_body(data))
+    except RequestError as e:
+        _print(e.to_json())
+        return EXIT_REJECTED
+    logits, _, _ = engine.forward([prepared.record])
+    out = answers.response(prepared.request, prepared.record, logits[0], engine.confidence)
+    if args.debug:
+        rec = prepared.record
+        out["debug"] = {"input_ids": rec.input_ids.tolist(), "questions": [
+            {"id": q.id, "question_span": list(q.question_span), "option_ids": list(q.option_ids),
+             "option_spans": [list(s) for s in q.option_spans], "logits": [float(x) for x in z]}
+            for q, z in zip(rec.questions, logits[0])]}
+    _print(out)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The README's first command: a tiny synthetic model on the CPU and a built-in request."""
+    from . import synth
+    model = Path(args.model) if args.model else Path(tempfile.gettempdir()) / "clefcore-demo-tiny"
+    if not (model / "config.json").exists():
+        synth.write("tiny", 0, model)
+    engine = _load(args, str(model))
+    sys.stderr.write(f"clefcore demo: synthetic random-weight model at {model} on {engine.device}; "
+                     "its answers are meaningless (use --model DIR for real weights)\n")
+    _print({"request": SELF_CHECK_REQUEST, "response": engine.decide(SELF_CHECK_REQUEST)})
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from . import synth
+    out = synth.write(args.preset, args.seed, args.out, progress=_progress_bar())
+    print(out)
+    return 0
+
+
+def _delegate(module: str):
+    """Subcommands whose code lives beside what they exercise (the GPU backend, the server)."""
+    def run(args) -> int:
+        return importlib.import_module(module).run(args)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clefcore", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("decide", help="answer one System One request (a JSON file, or - for stdin)")
+    p.add_argument("--model", required=True, help="checkpoint directory (release layout)")
+    _engine_options(p)
+    p.add_argument("--debug", action="store_true", help="add input ids, spans and logits under \"debug\"")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_decide)
+
+    p = sub.add_parser("demo", help="synthesize a tiny random model and answer a built-in request")
+    p.add_argument("--model", default=None, help="use this checkpoint instead of the synthetic one")
+    _engine_options(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint in the release layout")
+    p.add_argument("--preset", choices=("tiny", "clef-flash"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_synth)
+
+    for name, module, help_text in (
+            ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
+            ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
+            ("serve", "clefcore.server.app", "serve System One over HTTP")):
+        p = sub.add_parser(name, help=help_text)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ImportError as e:  # an optional part is not installed (e.g. CuPy for verify/bench)
+            p.set_defaults(func=lambda args, e=e, name=name: _missing(name, e))
+            continue
+        p.set_defaults(func=_delegate(module))
+    return parser
+
+
+def _missing(name: str, error: Exception) -> int:
+    sys.stderr.write(f"clefcore {name}: unavailable ({error})\n")
+    return 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ClefError as e:
+        _print(e.to_json())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

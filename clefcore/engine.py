@@ -1,0 +1,154 @@
+"""The engine: one loaded model answering System One requests.
+
+A request's path: ``prepare`` (parse check, validate, encode: host only) -> ``infer`` (pack several prepared
+requests into one token stream, run the backbone once, the head per request, map logits to answers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import answers, model
+from .checkpoint import Checkpoint
+from .encode import EncodedRecord, Encoder
+from .errors import ClefError, ContextLengthError, DeviceError
+from .tokenize import Tokenizer
+from .validate import validate_request
+
+DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
+
+SELF_CHECK_REQUEST = {
+    "model": "clef-flash",
+    "state": "Our checkout started returning errors and orders are blocked.",
+    "questions": {
+        "department": {"type": "choice", "instructions": "Which team should handle the message?",
+                       "criteria": {"billing": "Payments or invoices", "technical": "Bugs or outages"}},
+        "urgency": {"type": "score", "instructions": "How urgent is it?",
+                    "criteria": ["Can wait", "This week", "Today"]},
+        "outage": {"type": "noul", "instructions": "Is a service down?"},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: dict            # normalised by validate_request
+    record: EncodedRecord
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.record.input_ids))
+
+
+def backend_for(device: str, **options):
+    """``"cpu"`` -> the numpy module; ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
+    if device == "cpu":
+        from .backends import cpu
+        return cpu
+    if device == "cuda" or device.startswith("cuda:"):
+        try:
+            index = int(device.partition(":")[2] or 0)
+        except ValueError:
+            raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+        from .backends.cuda import CudaOps
+        return CudaOps(index, **options)
+    raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N")
+
+
+class Engine:
+    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH,
+                 confidence: str = "cloudflare", validation: str = "cloudflare", regex: str | None = None,
+                 progress=None, **backend_options):
+        if confidence not in answers.CONFIDENCE_MODES:
+            raise ClefError(f"confidence {confidence!r}: expected one of {', '.join(answers.CONFIDENCE_MODES)}")
+        if validation not in ("cloudflare", "reference"):
+            raise ClefError(f"validation {validation!r}: expected cloudflare or reference")
+        if max_length < 1:
+            raise ClefError(f"max_length {max_length} must be positive")
+        self.checkpoint = Checkpoint(path)
+        self.model_name = self.checkpoint.path.resolve().name
+        self.device = device
+        self.max_length = max_length
+        self.confidence = confidence
+        self.validation = validation
+        self.encoder = Encoder(Tokenizer(self.checkpoint.tokenizer_path, regex=regex))
+        self.ops = backend_for(device, **backend_options)
+        self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
+
+    # ------------------------------------------------------------------------------------------- host side
+    def encode(self, request: dict) -> EncodedRecord:
+        """Token ids and spans of an already validated request."""
+        return self.encoder.encode(request, self.max_length)
+
+    def prepare(self, body, on_overflow: str = "truncate") -> Prepared:
+        """Validate and encode. ``on_overflow="reject"`` refuses a request whose state would be cut."""
+        request = validate_request(body, self.validation)
+        record = self.encode(request)
+        if on_overflow == "reject" and record.state_truncated:
+            need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
+                + record.state_tokens_before_truncation
+            raise ContextLengthError(f"prompt needs {need} tokens (state {record.state_tokens_before_truncation}); "
+                                     f"maximum is {self.max_length}", required=need, maximum=self.max_length)
+        return Prepared(request, record)
+
+    # ----------------------------------------------------------------------------------------- device side
+    def forward(self, records: list[EncodedRecord], keep_layers: bool = False):
+        """One packed backbone pass over every record, then the head per record.
+        Returns (logits per record, final hidden states [T, H] on the device, per-layer streams or None)."""
+        lengths = [len(r.input_ids) for r in records]
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
+        positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+        ops = self.ops
+        hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers)
+        self._guard(hs, "final hidden states")
+        logits = [model.head(ops, self.params, hs[cu[i]:cu[i + 1]], r.input_ids, r.questions)
+                  for i, r in enumerate(records)]
+        return logits, hs, layers
+
+    def _guard(self, x, what: str) -> None:
+        check = getattr(self.ops, "check_finite", None)
+        if check is not None:
+            check(x, what)
+            return
+        if not np.all(np.isfinite(x)):
+            raise DeviceError(f"{what}: non-finite values")
+        if not np.any(x):
+            raise DeviceError(f"{what}: all zeros")
+
+    def infer(self, prepared: list[Prepared]) -> list[dict]:
+        if not prepared:
+            return []
+        logits, _, _ = self.forward([p.record for p in prepared])
+        return [answers.response(p.request, p.record, z, self.confidence) for p, z in zip(prepared, logits)]
+
+    # -------------------------------------------------------------------------------------------- shortcuts
+    def decide(self, body) -> dict:
+        return self.infer([self.prepare(body)])[0]
+
+    def decide_many(self, bodies) -> list[dict]:
+        return self.infer([self.prepare(b) for b in bodies])
+
+    def self_check(self) -> dict:
+        """Run a built-in request; raise ClefError unless every answer is complete and well-formed."""
+        out = self.decide(SELF_CHECK_REQUEST)
+        got = out.get("answers", {})
+        if list(got) != list(SELF_CHECK_REQUEST["questions"]):
+            raise ClefError(f"self-check: answers for {list(got)}, expected {list(SELF_CHECK_REQUEST['questions'])}")
+        for qid, a in got.items():
+            probs = list(a.get("probabilities", {}).values()) or [a["noul"]]
+            if not all(0.0 <= p <= 1.0 for p in probs) or (len(probs) > 1 and abs(sum(probs) - 1) > 0.02):
+                raise ClefError(f"self-check: question {qid}: implausible probabilities {probs}")
+        return out
+
+    def memory_in_use(self) -> int:
+        used = getattr(self.ops, "memory_in_use", None)
+        return int(used()) if used is not None else 0
+
+
+def load(path: str | Path, device: str = "cpu", **options) -> Engine:
+    """Load a checkpoint directory (release layout) onto ``device`` ("cpu", "cuda", "cuda:N")."""
+    return Engine(path, device=device, **options)

@@ -42,7 +42,7 @@ def confidence(p: list[float], kind: str, mode: str) -> float:
     raise ValueError(f"confidence mode {mode!r} is not one of {CONFIDENCE_MODES}")
 
 
-def answer(question: dict, qid: str, model_ids: tuple[str, ...], probs: np.ndarray, mode: str) -> dict:
+def answer(question: dict, model_ids: tuple[str, ...], probs: np.ndarray, mode: str) -> dict:
     p = {oid: float(x) for oid, x in zip(model_ids, probs)}
     kind = question["type"]
     if kind == "noul":
@@ -79,6 +79,6 @@ def response(request: dict, record: EncodedRecord, logits: list[np.ndarray], mod
         if z.shape != (len(q.option_ids),) or not np.all(np.isfinite(z)):
             raise DeviceError(f"question {q.id!r}: head produced {z.shape[0]} logits for {len(q.option_ids)} "
                               f"options, finite: {bool(np.all(np.isfinite(z)))}")
-        answers[q.id] = answer(request["questions"][q.id], q.id, q.option_ids, softmax(z), mode)
+        answers[q.id] = answer(request["questions"][q.id], q.option_ids, softmax(z), mode)
     return {"model": request["model"], "answers": answers,
             "usage": {"input_tokens": int(len(record.input_ids)), "output_tokens": 0}}

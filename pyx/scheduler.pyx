@@ -24,7 +24,7 @@ cdef class Entry:
     cdef public double deadline
     cdef public double enqueued_at
     cdef readonly bint cancelled
-    cdef bint queued
+    cdef readonly bint queued
 
     def __init__(self, object payload, long tokens, double deadline, double enqueued_at):
         if tokens < 0:

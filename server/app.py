@@ -32,6 +32,7 @@ from .logs import log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openapi import build_spec
+from .testhooks import TestHooks
 
 PLAYGROUND = Path(__file__).parent / "playground" / "index.html"
 CLOUDFLARE_PREFIX = "/client/v4/"
@@ -50,6 +51,7 @@ class ServerState:
         self.config = config
         self.lifecycle = Lifecycle()
         self.metrics = Metrics()
+        self.hooks = TestHooks.from_environment()
         self.engine: Any = None
         self.batcher: Batcher | None = None
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest.
@@ -149,6 +151,8 @@ async def _load(state: ServerState) -> None:
 
     cfg = state.config
     started = time.monotonic()
+    if state.hooks.load_delay_s:
+        await asyncio.sleep(state.hooks.load_delay_s)
     try:
         engine = await in_daemon_thread(lambda: clefcore.load(
             cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
@@ -162,7 +166,8 @@ async def _load(state: ServerState) -> None:
     state.engine = engine
     state.metrics.watch_device_memory(engine.memory_in_use)
     state.batcher = Batcher(engine, state.metrics, max_queue=cfg.max_queue,
-                            max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests)
+                            max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
+                            hooks=state.hooks)
     state.batcher.start()
     state.lifecycle.set(READY, "ready")
     state.metrics.ready.set(1)

@@ -13,7 +13,6 @@ get a 500, the rest of the batch is answered normally.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,12 +22,7 @@ from clefcore.errors import DeviceError
 from clefcore.scheduler import Entry, Scheduler
 
 from .metrics import Metrics
-
-# Test-only fault injection (docs/operations.md, "Test hooks"). A request whose string state contains
-# the marker makes the device step raise DeviceError; the delay slows every forward so tests can fill
-# the queue deterministically. Both are unset in production.
-FAIL_MARKER_ENV = "CLEFCORE_TEST_FAIL_MARKER"
-BATCH_DELAY_ENV = "CLEFCORE_TEST_BATCH_DELAY_S"
+from .testhooks import TestHooks
 
 
 class QueueFull(Exception):
@@ -51,7 +45,7 @@ class Outcome:
 
 class Batcher:
     def __init__(self, engine: Any, metrics: Metrics, *, max_queue: int, max_batch_tokens: int,
-                 max_batch_requests: int):
+                 max_batch_requests: int, hooks: TestHooks):
         self._engine = engine
         self._metrics = metrics
         self._scheduler = Scheduler(max_queue)
@@ -61,8 +55,7 @@ class Batcher:
         self._wake = asyncio.Event()
         self._running = 0
         self._task: asyncio.Task | None = None
-        self._fail_marker = os.environ.get(FAIL_MARKER_ENV) or None
-        self._delay_s = float(os.environ.get(BATCH_DELAY_ENV) or 0)
+        self._hooks = hooks
 
     @property
     def capacity(self) -> int:
@@ -175,12 +168,13 @@ class Batcher:
         return results, time.perf_counter() - started
 
     def _infer(self, prepared: list) -> list[dict]:
-        if self._delay_s:
-            time.sleep(self._delay_s)
-        if self._fail_marker is not None:
+        hooks = self._hooks
+        if hooks.batch_delay_s:
+            time.sleep(hooks.batch_delay_s)
+        if hooks.fail_marker is not None:
             for p in prepared:
                 state = p.request.get("state")
-                if isinstance(state, str) and self._fail_marker in state:
+                if isinstance(state, str) and hooks.fail_marker in state:
                     raise DeviceError("injected device fault (test hook)")
         return self._engine.infer(prepared)
 

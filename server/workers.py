@@ -28,7 +28,8 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
     spawn = multiprocessing.get_context("spawn")  # no CUDA state may be inherited through fork
     workers = []
     for device in devices:
-        child = argparse.Namespace(**vars(args))
+        # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
+        child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
         child.device, child.workers, child.reuse_port = device, 0, True
         process = spawn.Process(target=_worker, args=(child,), name=f"clef-worker-{device}")
         process.start()

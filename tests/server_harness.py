@@ -1,0 +1,239 @@
+"""Start a real `clefcore serve` process on a loopback port with the tiny golden checkpoint on the CPU,
+and talk to it over real HTTP. Shared by the tests/test_server*.py modules.
+
+The server is started with ``--port 0``; its first JSON log line (``"event": "listening"``) names the port,
+so parallel test runs never race for a port. Every stderr line is kept for assertions on the request log.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GOLDEN = Path(__file__).parent / "golden"
+MODEL = GOLDEN / "model"
+
+SUPPORT_TICKET = {
+    "model": "clef",
+    "state": "Checkout has been failing for every customer for the last hour.",
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+        "team": {"type": "choice", "instructions": "Which team should handle this request?",
+                 "criteria": {"billing": "Payments, invoices, and refunds",
+                              "technical": "Outages, errors, and configuration",
+                              "sales": "Plans and upgrades"}},
+        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
+                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
+    },
+}
+
+
+def ticket(state: str, **changes) -> dict:
+    """The support-ticket request with another state (different prompts, same answer shapes)."""
+    body = json.loads(json.dumps(SUPPORT_TICKET))
+    body["state"] = state
+    body.update(changes)
+    return body
+
+
+class Server:
+    def __init__(self, *args: str, env: dict | None = None, start_timeout: float = 60.0):
+        self.args = list(args)
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._listening = threading.Event()
+        # Outside the source tree, so `-m clefcore.cli` imports the installed package (with its compiled
+        # scheduler), never the bare in-tree folder.
+        self._cwd = tempfile.mkdtemp(prefix="clef-serve-")
+        cmd = [sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=self._cwd, env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._listening.wait(start_timeout):
+            self.kill()
+            raise RuntimeError("server did not start listening:\n" + "\n".join(self.lines[-30:]))
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if self.port is None:
+                event = _json_or_none(line)
+                if event and event.get("event") == "listening":
+                    self.port = event["port"]
+                    self._listening.set()
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float = 60.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n" + "\n".join(self.lines[-30:]))
+            try:
+                if self.get("/health").status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server never became ready:\n" + "\n".join(self.lines[-30:]))
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._reader.join(5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in map(_json_or_none, list(self.lines)) if e and e.get("event") == name]
+
+    # --- HTTP ------------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None,
+                headers: dict | None = None, timeout: float = 60.0) -> "Reply":
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            if isinstance(body, dict):
+                body = json.dumps(body)
+            if isinstance(body, str):
+                body = body.encode()
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            conn.close()
+
+    def get(self, path: str, **kw) -> "Reply":
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body, headers: dict | None = None, **kw) -> "Reply":
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        return self.request("POST", path, body, headers, **kw)
+
+    def decide(self, body, **kw) -> "Reply":
+        return self.post("/v1/systemone", body, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Sum of a metric's samples whose label text contains ``labels``."""
+        total = 0.0
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if labels in line:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Reply:
+    def __init__(self, status: int, headers: dict, data: bytes):
+        self.status = status
+        self.headers = headers
+        self.data = data
+
+    @property
+    def text(self) -> str:
+        return self.data.decode()
+
+    def json(self):
+        return json.loads(self.data)
+
+    def __repr__(self) -> str:
+        return f"Reply({self.status}, {self.data[:300]!r})"
+
+
+def _json_or_none(line: str):
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# --- protocol §11: what strict clients (instructor-php, Effect, MemberJunction) verify ----------------------
+
+def check_client_rules(request: dict, response: dict) -> None:
+    assert isinstance(response.get("model"), str) and response["model"], response
+    usage = response["usage"]
+    for key in ("input_tokens", "output_tokens"):
+        assert type(usage[key]) is int and usage[key] >= 0, usage
+    answers = response["answers"]
+    assert list(answers) == list(request["questions"]), (list(answers), list(request["questions"]))
+    for qid, question in request["questions"].items():
+        answer = answers[qid]
+        kind = question["type"]
+        assert answer["type"] == kind
+        if kind == "noul":
+            assert set(answer) == {"type", "noul"}, answer
+            assert 0.0 <= answer["noul"] <= 1.0
+            continue
+        probs = answer["probabilities"]
+        assert all(isinstance(p, (int, float)) and 0.0 <= p <= 1.0 for p in probs.values())
+        assert abs(sum(probs.values()) - 1.0) <= 0.02, probs
+        assert 0.0 <= answer["confidence"] <= 1.0
+        assert all(math.isfinite(v) for v in probs.values())
+        if kind == "choice":
+            assert set(answer) == {"type", "choice", "confidence", "probabilities"}, answer
+            assert list(probs) == list(question["criteria"]), (list(probs), list(question["criteria"]))
+            assert answer["choice"] in question["criteria"]
+            assert probs[answer["choice"]] >= max(probs.values()) - 1e-4
+        else:
+            levels = question["criteria"]
+            keys = [str(i) for i in range(len(levels))]
+            assert set(answer) == {"type", "score", "confidence", "probabilities", "legend"}, answer
+            assert list(probs) == keys
+            assert list(answer["legend"]) == keys
+            assert [answer["legend"][k] for k in keys] == levels
+            recomputed = sum(i * probs[k] for i, k in enumerate(keys))
+            assert abs(answer["score"] - recomputed) <= 0.02, (answer["score"], recomputed)
+            assert 0.0 <= answer["score"] <= len(levels) - 1
+
+
+def same_answers(a: dict, b: dict, tol: float = 2e-4) -> bool:
+    """Equal up to the last rounded digit: a packed batch and a lone request differ only in fp32
+    summation order, which can move a 4-decimal value across a rounding boundary."""
+    if list(a["answers"]) != list(b["answers"]) or a["usage"] != b["usage"]:
+        return False
+    for qid, x in a["answers"].items():
+        y = b["answers"][qid]
+        if x.keys() != y.keys() or x.get("choice") != y.get("choice") or x.get("legend") != y.get("legend"):
+            return False
+        for key in ("noul", "score", "confidence"):
+            if key in x and abs(x[key] - y[key]) > tol:
+                return False
+        for k, p in x.get("probabilities", {}).items():
+            if abs(p - y["probabilities"][k]) > tol:
+                return False
+    return True

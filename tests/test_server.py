@@ -1,0 +1,275 @@
+"""`clefcore serve` over real HTTP: every route, every client-error status, the Cloudflare envelope, and the
+client rules of systemone-protocol.md §11. One server (golden tiny checkpoint, CPU) for the module."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
+
+CF = "/client/v4/accounts/0123abc/ai/run/@cf/cloudflare"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server("--max-body-bytes", "20000") as s:
+        s.wait_ready()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import clefcore
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+
+
+def error_of(reply, status: int, kind: str) -> dict:
+    assert reply.status == status, reply
+    assert reply.headers["content-type"].startswith("application/json")
+    body = reply.json()
+    assert body["error"]["type"] == kind, body
+    assert body["detail"]["message"] == body["error"]["message"]
+    return body["error"]
+
+
+# --- plain routes -----------------------------------------------------------------------------------------
+
+def test_health_live_models(server):
+    health = server.get("/health")
+    assert health.status == 200 and health.json()["status"] == "ok"
+    assert health.json()["device"] == "cpu"
+    assert server.get("/live").json() == {"status": "alive"}
+    models = server.get("/v1/models").json()["models"]
+    assert set(models[0]) >= {"name", "description", "release_date"}
+    assert models[0]["max_context_length"] == 24576
+
+
+def test_every_response_has_a_request_id_and_one_log_line(server):
+    seen = set()
+    for reply in (server.get("/health"), server.get("/nope"), server.decide(SUPPORT_TICKET),
+                  server.post("/v1/systemone", "{"), server.get("/metrics"), server.get("/")):
+        rid = reply.headers["x-request-id"]
+        assert rid and rid not in seen
+        seen.add(rid)
+    echoed = server.get("/live", headers={"x-request-id": "trace-123.abc"})
+    assert echoed.headers["x-request-id"] == "trace-123.abc"
+    unsafe = server.get("/live", headers={"x-request-id": "bad id\twith spaces"})
+    assert unsafe.headers["x-request-id"] != "bad id\twith spaces"
+    logged = [e["request_id"] for e in server.events("request")]
+    for rid in seen | {"trace-123.abc"}:
+        assert logged.count(rid) == 1, rid
+    line = next(e for e in server.events("request") if e["path"] == "/v1/systemone" and e["status"] == 200)
+    assert {"duration_ms", "prompt_tokens", "queue_ms", "prefill_ms", "batch_requests", "method"} <= set(line)
+
+
+def test_metrics_exposition(server):
+    server.decide(SUPPORT_TICKET)
+    reply = server.get("/metrics")
+    assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
+    text = reply.text
+    for name in ("clef_requests_total", "clef_queue_depth", "clef_batch_size_requests_bucket",
+                 "clef_prompt_tokens_total", "clef_queue_wait_seconds_bucket", "clef_prefill_seconds_bucket",
+                 "clef_request_duration_seconds_bucket", "clef_device_memory_bytes", "clef_ready 1.0"):
+        assert name in text, name
+    assert server.metric("clef_requests_total", 'route="/v1/systemone",status="200"') >= 1
+
+
+def test_openapi_and_playground(server):
+    spec = server.get("/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    assert "/v1/systemone" in spec["paths"] and "/health" in spec["paths"]
+    assert spec["components"]["schemas"]["SystemOneRequest"]["properties"]["questions"]["maxProperties"] == 64
+    page = server.get("/")
+    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
+    assert b"/v1/systemone" in page.data
+
+
+def test_unknown_route_and_method(server):
+    assert error_of(server.get("/v2/whatever"), 404, "not_found_error")
+    reply = server.get("/v1/systemone")
+    error_of(reply, 405, "method_not_allowed")
+    assert "POST" in reply.headers["allow"]
+
+
+# --- decisions ------------------------------------------------------------------------------------------
+
+def test_support_ticket_answer_follows_client_rules(server, engine):
+    reply = server.decide(SUPPORT_TICKET)
+    assert reply.status == 200 and reply.headers["content-type"].startswith("application/json")
+    body = reply.json()
+    check_client_rules(SUPPORT_TICKET, body)
+    assert body["usage"]["output_tokens"] == 0
+    assert same_answers(body, engine.decide(SUPPORT_TICKET), tol=0)
+
+
+def test_golden_requests_answer_like_the_engine(server, engine):
+    """Every golden request the Cloudflare rules accept answers exactly like the in-process engine; the
+    ones they refuse are 422 with a field path."""
+    answered = refused = 0
+    for line in (GOLDEN / "requests.jsonl").read_text().splitlines():
+        reply = server.post("/v1/systemone", line)
+        body = json.loads(line)
+        if reply.status == 200:
+            check_client_rules(body, reply.json())
+            assert same_answers(reply.json(), engine.decide(body), tol=0)
+            answered += 1
+        else:
+            assert reply.status == 422, reply
+            assert reply.json()["error"]["field"]
+            refused += 1
+    assert answered >= 10 and refused >= 1
+
+
+def test_document_alias_and_object_state(server):
+    body = {"model": "jev-latest", "document": {"ticket": "refund please", "n": [1, 2.5]},
+            "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
+    reply = server.decide(body)
+    assert reply.status == 200, reply
+    check_client_rules(body, reply.json())
+
+
+# --- client errors --------------------------------------------------------------------------------------
+
+def test_400_malformed_json_and_bad_utf8(server):
+    error_of(server.post("/v1/systemone", "{\"model\": "), 400, "invalid_json")
+    error_of(server.post("/v1/systemone", b"{\"model\": \"\xff\"}"), 400, "invalid_json")
+    error_of(server.post("/v1/systemone", "[" * 5000 + "]" * 5000), 400, "invalid_json")
+    error_of(server.post("/v1/systemone", ""), 400, "invalid_json")
+
+
+def test_415_content_type(server):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/xml"):
+        error_of(server.request("POST", "/v1/systemone", json.dumps(SUPPORT_TICKET),
+                                {"Content-Type": content_type}), 415, "unsupported_media_type")
+    error_of(server.request("POST", "/v1/systemone", json.dumps(SUPPORT_TICKET)), 415, "unsupported_media_type")
+    ok = server.post("/v1/systemone", json.dumps(SUPPORT_TICKET),
+                     {"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status == 200
+
+
+def test_413_body_too_large_with_and_without_content_length(server):
+    big = ticket("x" * 30000)
+    err = error_of(server.decide(big), 413, "request_too_large")
+    assert err["limit"] == "20000 bytes"
+    # Chunked upload: no Content-Length, the server counts while reading.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        payload = json.dumps(big).encode()
+        conn.putrequest("POST", "/v1/systemone")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for i in range(0, len(payload), 4096):
+            chunk = payload[i:i + 4096]
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        conn.send(b"0\r\n\r\n")
+        reply = conn.getresponse()
+        assert reply.status == 413
+        assert json.loads(reply.read())["error"]["type"] == "request_too_large"
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("mutate, field, limit", [
+    (lambda b: b["questions"].update({f"q{i}": {"type": "noul", "instructions": "x"} for i in range(70)}),
+     "questions", "1..64 questions"),
+    (lambda b: b["questions"]["team"].update(criteria={"only": "one"}), "questions.team.criteria", None),
+    (lambda b: b["questions"]["severity"].update(criteria=[str(i) for i in range(11)]),
+     "questions.severity.criteria", None),
+    (lambda b: b["questions"]["urgent"].update(instructions=""), "questions.urgent.instructions", None),
+    (lambda b: b.update(temperature=0.5), "temperature", None),
+    (lambda b: b["questions"].update({"bad id": {"type": "noul", "instructions": "x"}}), "questions.bad id",
+     "[A-Za-z0-9_.-]{1,100}"),
+    (lambda b: b["questions"]["urgent"].update(type="box"), "questions.urgent.type", "noul, choice, or score"),
+])
+def test_422_schema_violations_name_field_and_limit(server, mutate, field, limit):
+    body = json.loads(json.dumps(SUPPORT_TICKET))
+    mutate(body)
+    err = error_of(server.decide(body), 422, "invalid_request_error")
+    assert err["field"] == field, err
+    if limit is not None:
+        assert err["limit"] == limit, err
+    assert server.get("/health").status == 200
+
+
+def test_long_state_is_truncated_by_default(server):
+    reply = server.decide(ticket("log line with words " * 600))
+    assert reply.status == 200, reply
+    assert reply.json()["usage"]["input_tokens"] <= 24576
+
+
+def test_context_overflow_reject_and_truncate():
+    long_state = ticket("log line with words " * 200)
+    with Server("--context-length", "400", "--on-overflow", "reject") as s:
+        s.wait_ready()
+        err = error_of(s.decide(long_state), 400, "exceed_context_size_error")
+        assert err["n_ctx"] == 400 and err["n_prompt_tokens"] > 400
+        assert err["limit"] == "400 tokens"
+        assert s.decide(SUPPORT_TICKET).status == 200
+        cf = s.post(f"{CF}/clef", long_state)
+        assert cf.status == 400 and cf.json()["errors"][0]["code"] == 5021
+    with Server("--context-length", "400") as s:
+        s.wait_ready()
+        reply = s.decide(long_state)
+        assert reply.status == 200 and reply.json()["usage"]["input_tokens"] == 400
+
+
+# --- Cloudflare route -----------------------------------------------------------------------------------
+
+def test_cloudflare_envelope(server, engine):
+    body = dict(SUPPORT_TICKET, model=" clef-flash ")
+    reply = server.post(f"{CF}/clef-flash", body)
+    assert reply.status == 200, reply
+    assert reply.headers["cf-ai-req-id"] == reply.headers["x-request-id"]
+    assert reply.headers["cache-control"] == "no-store"
+    envelope = reply.json()
+    assert envelope["success"] is True and envelope["errors"] == [] and envelope["messages"] == []
+    result = envelope["result"]
+    assert result["model"] == "clef-flash"
+    check_client_rules(body, result)
+    assert result["answers"] == engine.decide(SUPPORT_TICKET)["answers"]
+
+
+def cf_error(reply, status: int, code: int) -> str:
+    assert reply.status == status, reply
+    body = reply.json()
+    assert body["success"] is False and body["result"] == {} and body["messages"] == []
+    assert body["errors"][0]["code"] == code, body
+    assert reply.headers["cf-ai-req-id"] in body["errors"][0]["message"]
+    return body["errors"][0]["message"]
+
+
+def test_cloudflare_errors(server):
+    cf_error(server.post(f"{CF}/clef", "{nope"), 400, 6003)
+    cf_error(server.post(f"{CF}/clef", {"model": "clef", "state": "x"}), 400, 5006)
+    cf_error(server.post(f"{CF}/llama", SUPPORT_TICKET), 400, 7000)
+    cf_error(server.post(f"{CF}/clef-flash", SUPPORT_TICKET), 400, 5006)  # body says clef, path clef-flash
+    bad = dict(SUPPORT_TICKET, questions={f"q{i}": {"type": "noul", "instructions": "x"} for i in range(65)})
+    message = cf_error(server.post(f"{CF}/clef", bad), 422, 5012)
+    nested = json.loads(message[len("AiError: AiError: "):message.rindex(" (")])
+    assert nested["error"]["details"]["fieldErrors"]["questions"]
+    cf_error(server.post(f"{CF}/clef", ticket("y" * 30000)), 413, 5021)
+    cf_error(server.request("POST", f"{CF}/clef", json.dumps(SUPPORT_TICKET), {"Content-Type": "text/plain"}),
+             415, 6003)
+
+
+# --- auth -----------------------------------------------------------------------------------------------
+
+def test_api_key():
+    with Server("--api-key", "s3cret") as s:
+        s.wait_ready()
+        error_of(s.decide(SUPPORT_TICKET), 401, "authentication_error")
+        assert s.decide(SUPPORT_TICKET, headers={"Authorization": "Bearer wrong"}).status == 401
+        assert s.decide(SUPPORT_TICKET, headers={"Authorization": "Bearer s3cret"}).status == 200
+        assert s.decide(SUPPORT_TICKET, headers={"X-Api-Key": "s3cret"}).status == 200
+        assert s.get("/v1/models").status == 401
+        cf = s.post(f"{CF}/clef", SUPPORT_TICKET)
+        assert cf.status == 401 and cf.json()["errors"][0]["code"] == 10000
+        for open_path in ("/health", "/live", "/metrics", "/openapi.json", "/"):
+            assert s.get(open_path).status == 200, open_path

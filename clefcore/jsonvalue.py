@@ -9,6 +9,7 @@ value can later be tokenized and serialized, so ``parse_body`` also rejects what
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from typing import Any
@@ -52,6 +53,10 @@ def _check_tree(root: Any) -> None:
             if _SURROGATE.search(value):
                 raise RequestError(f"{path or 'body'}: string contains a lone UTF-16 surrogate", field=path)
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            # NaN/Infinity literals and overflowing numbers (1e400) could not be echoed back as JSON
+            raise RequestError(f"{path or 'body'}: number is not finite (NaN, Infinity or beyond 1.8e308)",
+                               field=path, limit="finite double")
         if not isinstance(value, (dict, list)):
             continue
         if depth == MAX_DEPTH:

@@ -123,8 +123,13 @@ def test_render_numbers(value, text):
 
 def test_render_parsed_literals():
     # The int/float distinction of the incoming JSON survives parse_body and render.
-    body = parse_body('[1e5, 2.5E-3, 2.50, -0, -0.0, 123456789.123456789, 1E400, 7]')
-    assert render(body) == "[100000.0,0.0025,2.5,0,-0.0,123456789.12345679,Infinity,7]"
+    body = parse_body('[1e5, 2.5E-3, 2.50, -0, -0.0, 123456789.123456789, 7]')
+    assert render(body) == "[100000.0,0.0025,2.5,0,-0.0,123456789.12345679,7]"
+    # render itself follows the reference for non-finite floats; parse_body refuses them (not echoable)
+    assert render([float("inf"), float("nan")]) == "[Infinity,NaN]"
+    for literal in ("1E400", "NaN", "-Infinity"):
+        with pytest.raises(RequestError, match="not finite"):
+            parse_body(f'{{"state": [{literal}]}}')
 
 
 def test_render_strings_and_objects():

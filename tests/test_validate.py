@@ -452,3 +452,21 @@ def test_fuzz_hypothesis(encoder, model, state, questions, extra):
     optional={"instructions": json_values, "criteria": json_values}), max_size=4))
 def test_fuzz_hypothesis_questions(encoder, questions):
     run_pipeline(json.dumps({"model": "m", "state": "s", "questions": questions}), encoder, 16384)
+
+
+def test_fuzz_bodies_through_the_engine():
+    """The whole engine (tiny golden model): a typed RequestError or a complete answer, never anything else."""
+    import clefcore
+    engines = [clefcore.load(TOKENIZER.parent, validation=mode, max_length=600) for mode in MODES]
+    answered = 0
+    for data in bodies():
+        for engine in engines:
+            try:
+                out = engine.decide(parse_body(data))
+            except RequestError as error:
+                json.dumps(error.to_json(), allow_nan=False).encode("utf-8")
+                continue
+            text = json.dumps(out, allow_nan=False, ensure_ascii=False).encode("utf-8")  # sendable as is
+            assert list(out["answers"]) == list(parse_body(data)["questions"]) and text
+            answered += 1
+    assert answered >= 50

@@ -113,8 +113,9 @@ async def _serve(args: argparse.Namespace) -> int:
     state = ServerState(args)
     app = build_app(state)
     # handler_cancellation: a client that disconnects cancels its handler, which drops its queue entry.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=max(args.shutdown_timeout, 1.0))
+    # shutdown_timeout is aiohttp's wait for handlers at cleanup; by then our own drain has answered every
+    # request, so it only covers writing those last responses.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
     await site.start()

@@ -53,7 +53,7 @@ class Batcher:
         self._max_requests = max_batch_requests
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-device")
         self._wake = asyncio.Event()
-        self._running = 0
+        self._running: list = []  # entries of the batch on the device now
         self._task: asyncio.Task | None = None
         self._hooks = hooks
 
@@ -69,14 +69,15 @@ class Batcher:
         return self._scheduler.full()
 
     def idle(self) -> bool:
-        return len(self._scheduler) == 0 and self._running == 0
+        return len(self._scheduler) == 0 and not self._running
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="clef-dispatch")
 
     async def stop(self) -> None:
-        """Fail whatever is still queued (the drain timeout has passed) and stop the dispatcher."""
-        for entry in self._scheduler.drain():
+        """The drain timeout has passed: answer everything still queued or on the device with a timeout
+        (so no accepted request is cut off without an answer) and stop the dispatcher."""
+        for entry in self._scheduler.drain() + self._running:
             _, future = entry.payload
             if not future.done():
                 future.set_exception(DeadlineExceeded())
@@ -128,12 +129,12 @@ class Batcher:
                 continue
             started = time.monotonic()
             prepared = [entry.payload[0] for entry in batch.entries]
-            self._running = len(prepared)
-            self._metrics.running.set(self._running)
+            self._running = batch.entries
+            self._metrics.running.set(len(prepared))
             try:
                 results, prefill_s = await loop.run_in_executor(self._device, self._run_on_device, prepared)
             finally:
-                self._running = 0
+                self._running = []
                 self._metrics.running.set(0)
             self._metrics.batches.inc()
             self._metrics.batch_requests.observe(len(prepared))

@@ -1,0 +1,211 @@
+"""The server under concurrency and faults: batching, 429 backpressure, deadlines, 503 while loading and
+draining, device-failure isolation, client disconnects, a failed load, one worker per device.
+
+The test hooks (server/testhooks.py) slow the device step or make it fail for a marked request, so every
+situation is produced on purpose instead of hoped for."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import clefcore
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+
+
+def concurrently(fn, items, workers: int | None = None):
+    with ThreadPoolExecutor(max_workers=workers or len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def test_concurrent_requests_are_batched_and_answer_like_single_requests(engine):
+    bodies = [ticket(f"Ticket {i}: checkout fails with error {i * 7} for customers in region {i}.")
+              for i in range(16)]
+    with Server("--max-batch-requests", "16", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.3"}) as s:
+        s.wait_ready()
+        s.decide(SUPPORT_TICKET)  # occupies the device so that the next ones queue up together
+        replies = concurrently(s.decide, bodies)
+        for body, reply in zip(bodies, replies):
+            assert reply.status == 200, reply
+            check_client_rules(body, reply.json())
+            assert same_answers(reply.json(), engine.decide(body)), body["state"]
+        batches = s.metric("clef_batches_total")
+        assert batches < 1 + len(bodies)
+        single = s.metric("clef_batch_size_requests_bucket", 'le="1.0"')
+        assert s.metric("clef_batch_size_requests_count") - single >= 1, "no batch held several requests"
+        assert s.metric("clef_batch_size_tokens_sum") > 0
+        lines = [e for e in s.events("request") if e["path"] == "/v1/systemone"]
+        assert max(e["batch_requests"] for e in lines) > 1
+
+
+def test_full_queue_answers_429_with_retry_after():
+    with Server("--max-queue", "2", "--max-batch-requests", "1",
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.4"}) as s:
+        s.wait_ready()
+        replies = concurrently(s.decide, [ticket(f"state {i}") for i in range(10)])
+        statuses = [r.status for r in replies]
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 3, statuses
+        refused = next(r for r in replies if r.status == 429)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert refused.json()["error"]["limit"] == "2 queued requests"
+        cf = concurrently(lambda i: s.post("/client/v4/accounts/a/ai/run/@cf/cloudflare/clef",
+                                           ticket(f"cf {i}", model="clef")), range(10))
+        limited = [r for r in cf if r.status == 429]
+        assert limited and limited[0].json()["errors"][0]["code"] == 3040
+        assert s.decide(SUPPORT_TICKET).status == 200
+
+
+def test_request_past_its_deadline_gets_503_timeout():
+    with Server("--request-timeout", "1.5", "--max-batch-requests", "1",
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "1.0"}) as s:
+        s.wait_ready()
+        replies = concurrently(s.decide, [ticket(f"deadline {i}") for i in range(3)])
+        timed_out = [r for r in replies if r.status == 503]
+        assert timed_out, replies
+        assert timed_out[0].json()["error"]["type"] == "timeout"
+        assert "retry-after" in timed_out[0].headers
+        assert {r.status for r in replies} <= {200, 503}
+        time.sleep(2.5)  # let the device finish the batch whose caller gave up
+        assert s.decide(SUPPORT_TICKET).status == 200
+
+
+def test_503_while_loading():
+    with Server(env={"CLEFCORE_TEST_LOAD_DELAY_S": "2"}) as s:
+        health = s.get("/health")
+        assert health.status == 503 and health.json()["status"] == "loading"
+        assert health.headers["retry-after"]
+        reply = s.decide(SUPPORT_TICKET)
+        assert reply.status == 503 and reply.json()["error"]["type"] == "unavailable_error"
+        assert reply.headers["retry-after"]
+        assert s.get("/v1/models").status == 503
+        assert s.get("/live").status == 200
+        assert "clef_ready 0.0" in s.get("/metrics").text
+        s.wait_ready()
+        assert s.decide(SUPPORT_TICKET).status == 200
+
+
+def test_device_failure_fails_alone_and_the_server_keeps_serving(engine):
+    good = [ticket(f"healthy request {i}") for i in range(5)]
+    poisoned = ticket("please BOOM now")
+    with Server("--max-batch-requests", "8", env={"CLEFCORE_TEST_FAIL_MARKER": "BOOM",
+                                                   "CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+        s.wait_ready()
+        s.decide(SUPPORT_TICKET)
+        replies = concurrently(s.decide, good[:3] + [poisoned] + good[3:])
+        failed = replies[3]
+        assert failed.status == 500 and failed.json()["error"]["type"] == "device_error", failed
+        for body, reply in zip(good, replies[:3] + replies[4:]):
+            assert reply.status == 200, reply
+            assert same_answers(reply.json(), engine.decide(body))
+        cf = s.post("/client/v4/accounts/a/ai/run/@cf/cloudflare/clef", dict(poisoned, model="clef"))
+        assert cf.status == 500 and cf.json()["errors"][0]["code"] == 5012
+        assert s.decide(SUPPORT_TICKET).status == 200
+        assert s.get("/health").status == 200
+        assert s.metric("clef_request_failures_total", 'type="device_error"') == 2
+        assert s.proc.poll() is None
+
+
+def test_client_disconnect_drops_the_queued_request():
+    with Server("--max-batch-requests", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "1.0"}) as s:
+        s.wait_ready()
+        first = threading.Thread(target=s.decide, args=(ticket("occupies the device"),))
+        first.start()
+        time.sleep(0.2)
+        payload = json.dumps(ticket("I will hang up")).encode()
+        raw = socket.create_connection(("127.0.0.1", s.port))
+        raw.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        time.sleep(0.3)
+        raw.close()
+        first.join()
+        deadline = time.monotonic() + 5
+        while s.metric("clef_requests_cancelled_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.metric("clef_requests_cancelled_total") == 1
+        assert any(e["status"] == 499 for e in s.events("request"))
+        time.sleep(1.2)
+        # The dropped request never reached the device: one batch for `first`, none for it.
+        assert s.metric("clef_batches_total") == 1
+        assert s.decide(SUPPORT_TICKET).status == 200
+
+
+def test_sigterm_drains_accepted_requests_then_exits():
+    with Server("--max-batch-requests", "1", "--shutdown-timeout", "20",
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.5"}) as s:
+        s.wait_ready()
+        with ThreadPoolExecutor(4) as pool:
+            accepted = [pool.submit(s.decide, ticket(f"in flight {i}")) for i in range(4)]
+            time.sleep(0.3)
+            started = time.monotonic()
+            s.proc.send_signal(15)
+            time.sleep(0.2)
+            health = s.get("/health")
+            assert health.status == 503 and health.json()["status"] == "draining"
+            late = s.decide(SUPPORT_TICKET)
+            assert late.status == 503 and late.json()["error"]["type"] == "unavailable_error"
+            assert [f.result().status for f in accepted] == [200] * 4
+        assert s.proc.wait(30) == 0
+        assert time.monotonic() - started < 20
+        assert s.events("drained") and s.events("exit")[0]["code"] == 0
+
+
+def test_drain_timeout_bounds_the_exit():
+    with Server("--max-batch-requests", "1", "--shutdown-timeout", "1",
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.8"}) as s:
+        s.wait_ready()
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(s.decide, ticket(f"slow {i}")) for i in range(6)]
+            time.sleep(0.3)
+            started = time.monotonic()
+            s.proc.send_signal(15)
+            code = s.proc.wait(30)
+            elapsed = time.monotonic() - started
+            statuses = []
+            for f in futures:
+                try:
+                    statuses.append(f.result().status)
+                except OSError:
+                    statuses.append("dropped")
+        assert code == 0
+        assert elapsed < 1 + 1.5, elapsed  # the timeout plus the forward that was already running
+        assert "dropped" not in statuses, statuses  # requests left over are answered 503, not cut off
+        assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+        assert s.events("drain_timeout")
+
+
+def test_failed_load_exits_nonzero(tmp_path):
+    with Server("--model", str(tmp_path)) as s:
+        assert s.proc.wait(60) == 1
+        assert s.events("load_failed")
+
+
+def test_one_worker_per_device_shares_the_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with Server("--device", "cpu,cpu", "--port", str(port)) as s:
+        s.wait_ready()
+        # Both workers come up and log their own start; either may answer.
+        deadline = time.monotonic() + 60
+        while len(s.events("ready")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = {e["pid"] for e in s.events("listening")}
+        assert len(workers) == 2
+        assert all(r.status == 200 for r in concurrently(s.decide, [SUPPORT_TICKET] * 8))
+        assert s.terminate(60) == 0
+        assert len(s.events("exit")) == 2

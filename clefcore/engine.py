@@ -79,14 +79,14 @@ class Engine:
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
 
     # ------------------------------------------------------------------------------------------- host side
-    def encode(self, request: dict) -> EncodedRecord:
-        """Token ids and spans of an already validated request."""
-        return self.encoder.encode(request, self.max_length)
+    def encode(self, body) -> EncodedRecord:
+        """Token ids and spans of a request body (validated first)."""
+        return self.prepare(body).record
 
     def prepare(self, body, on_overflow: str = "truncate") -> Prepared:
         """Validate and encode. ``on_overflow="reject"`` refuses a request whose state would be cut."""
         request = validate_request(body, self.validation)
-        record = self.encode(request)
+        record = self.encoder.encode(request, self.max_length)
         if on_overflow == "reject" and record.state_truncated:
             need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
                 + record.state_tokens_before_truncation

@@ -1,0 +1,615 @@
+"""``CudaOps``: the op interface of ``clefcore.backends.cpu`` on an NVIDIA GPU (CuPy + RawKernels).
+
+Same names, shapes and semantics as the fp32 numpy reference. Activations are fp32 device arrays; matrix
+weights are fp16 (exact conversions of the bf16 checkpoint values, counted when they do not fit); vectors
+(norm weights, biases, conv taps, A_log, dt_bias, scalars) stay fp32; the GDN state and every softmax
+statistic are fp32. GEMMs take fp16 operands with fp32 accumulation, either through the WMMA kernel of
+``cuda/gemm.cu`` or through cuBLAS (``cublasGemmEx``, fp16 in, fp32 out, fp32 compute) as CuPy exposes it,
+chosen per (N, K, M-bucket) by a short timed trial the first time a shape is seen (logged).
+The vocabulary tables stay in host memory by default (``tables="host"``): only the rows a request needs
+are gathered there and copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ... import errors
+from ..cpu import ATTN_QUERY_BLOCK, GDN_CHUNK  # noqa: F401  (same constants as the reference)
+from ..cpu import rope_tables as _rope_tables_host
+from .compile import load_module
+
+log = logging.getLogger("clefcore.cuda")
+
+_ELEM_THREADS = 256
+
+
+class HostTable:
+    """A vocabulary table left in host memory: bf16 bits (uint16) or fp32, gathered row by row."""
+
+    def __init__(self, ref):
+        self.raw = ref.raw
+        self.dtype = ref.dtype
+        self.shape = tuple(ref.shape)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.raw[ids])
+
+
+class DeviceTable:
+    """A vocabulary table copied to the device as bf16 bits (2 bytes a value)."""
+
+    def __init__(self, bits, shape):
+        self.bits = bits
+        self.shape = tuple(shape)
+
+
+class CudaOps:
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
+                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None):
+        import cupy
+        self.cp = cupy
+        self.xp = cupy
+        self.device_id = int(device_id)
+        self.device = cupy.cuda.Device(self.device_id)
+        self.device.use()
+        self.max_tokens = int(max_tokens)
+        if gemm not in ("auto", "wmma", "cublas"):
+            raise ValueError("gemm must be auto, wmma or cublas")
+        self.gemm_mode = gemm
+        self.tables = tables
+        self.ptx70 = bool(ptx70)
+        self.token_block = int(token_block)
+        self.gdn_block_chunks = int(gdn_block_chunks)
+        self.pool = pool
+        self.gemm_choice: dict[tuple, str] = {}
+        self.fp16_overflow = 0       # weight values saturated to +-65504
+        self.fp16_underflow = 0      # nonzero weight values that became 0 in fp16
+        self._counts = cupy.zeros(2, dtype=cupy.uint64)
+        props = cupy.cuda.runtime.getDeviceProperties(self.device_id)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.cc = (props["major"], props["minor"])
+        self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
+        self._fn = {}
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    # ------------------------------------------------------------------------------------------ plumbing
+    def kernel(self, module: str, name: str, smem: int = 0):
+        key = (module, name)
+        fn = self._fn.get(key)
+        if fn is None:
+            fn = load_module(module, self.ptx70).get_function(name)
+            self._fn[key] = fn
+        if smem > 49152 and getattr(fn, "_clef_smem", 0) < smem:
+            if smem > self.max_smem_optin:
+                raise errors.DeviceError(f"{name} needs {smem} bytes of shared memory; the device allows "
+                                         f"{self.max_smem_optin}")
+            fn.max_dynamic_shared_size_bytes = smem
+            fn._clef_smem = smem
+        return fn
+
+    def _grid1(self, n):
+        return (int(min(max(1, -(-n // _ELEM_THREADS)), 65535 * 8)),)
+
+    def _f32(self, x):
+        cp = self.cp
+        x = cp.asarray(x)
+        if x.dtype != cp.float32:
+            x = x.astype(cp.float32)
+        return x
+
+    def _c(self, x):
+        """fp32, C-contiguous, 16-byte aligned."""
+        x = self._f32(x)
+        if not x.flags.c_contiguous or x.data.ptr % 16:
+            x = self.cp.ascontiguousarray(x)
+            if x.data.ptr % 16:
+                x = x.copy()
+        return x
+
+    def _rows(self, x):
+        """View x [..., D] as R rows of D with one uniform row stride (elements); copies if it cannot."""
+        x = self._f32(x)
+        D = x.shape[-1]
+        R = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim > 1 else 1
+        it = x.itemsize
+        if x.ndim >= 1 and (x.strides[-1] == it or D == 1):
+            # every leading axis must collapse onto one stride
+            stride = None
+            ok = True
+            expect = None
+            for n, s in reversed(list(zip(x.shape[:-1], x.strides[:-1]))):
+                if n == 1:
+                    continue
+                if expect is None:
+                    stride = s
+                    expect = s * n
+                elif s != expect:
+                    ok = False
+                    break
+                else:
+                    expect = s * n
+            if ok:
+                rs = (stride if stride is not None else D * it) // it
+                if (stride is None or stride % it == 0) and rs >= D:
+                    return x, R, D, rs
+        x = self.cp.ascontiguousarray(x)
+        return x, R, D, D
+
+    def empty(self, shape, dtype=np.float32):
+        return self.cp.empty(shape, dtype=dtype)
+
+    # ------------------------------------------------------------------------------ interface basics
+    def asarray(self, x):
+        return self.cp.asarray(x)
+
+    def to_host(self, x) -> np.ndarray:
+        return self.cp.asnumpy(x) if isinstance(x, self.cp.ndarray) else np.asarray(x)
+
+    def weight(self, w: np.ndarray):
+        """Matrices (both dims >= 16) -> fp16 on the device, converted there and counted; the rest fp32."""
+        cp = self.cp
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim == 2 and min(w.shape) >= 16:
+            src = cp.asarray(w)
+            out = cp.empty(w.shape, dtype=cp.float16)
+            self._counts.fill(0)
+            self.kernel("gemm.cu", "f32_to_half_count")(self._grid1(src.size), (_ELEM_THREADS,),
+                                                        (src, out, np.int64(src.size), self._counts))
+            over, under = (int(v) for v in self._counts.get())
+            if over or under:
+                log.warning("fp16 weight conversion: %d values saturated to +-65504, %d flushed to zero "
+                            "(tensor %s)", over, under, w.shape)
+            self.fp16_overflow += over
+            self.fp16_underflow += under
+            return out
+        return cp.asarray(w)
+
+    def table(self, ref):
+        if self.tables == "device":
+            cp = self.cp
+            if ref.dtype == "BF16":
+                return DeviceTable(cp.asarray(np.ascontiguousarray(ref.raw)), ref.shape)
+            from ...checkpoint import bf16_bits, to_float32
+            return DeviceTable(cp.asarray(bf16_bits(to_float32(ref))), ref.shape)
+        return HostTable(ref)
+
+    def _widen_rows(self, table, ids):
+        cp = self.cp
+        ids_h = np.asarray(self.to_host(ids), dtype=np.int64).reshape(-1)
+        D = table.shape[1]
+        out = cp.empty((ids_h.size, D), dtype=cp.float32)
+        if ids_h.size == 0:
+            return out
+        if isinstance(table, DeviceTable):
+            dids = cp.asarray(ids_h)
+            self.kernel("embed.cu", "gather_bf16_rows")(self._grid1(out.size), (_ELEM_THREADS,),
+                                                        (table.bits, dids, out, np.int32(ids_h.size), np.int32(D)))
+            return out
+        rows = table.rows(ids_h)
+        if table.dtype == "BF16":
+            dev = cp.asarray(rows)
+            self.kernel("embed.cu", "widen_bf16")(self._grid1(out.size), (_ELEM_THREADS,),
+                                                  (dev, out, np.int64(out.size)))
+            return out
+        return cp.asarray(rows.astype(np.float32))
+
+    def gather_rows(self, table, ids):
+        if isinstance(table, (HostTable, DeviceTable)):
+            return self._widen_rows(table, ids)
+        return self._f32(table)[self.cp.asarray(ids)]
+
+    def embed(self, table, ids):
+        return self.gather_rows(table, ids)
+
+    def sigmoid(self, x):
+        return _sigmoid_k()(self._f32(x))
+
+    def silu(self, x):
+        return _silu_k()(self._f32(x))
+
+    # -------------------------------------------------------------------------------------- norms
+    def _row_launch(self, R):
+        return (max(1, -(-R // 8)),), (256,)
+
+    def rmsnorm(self, x, w, eps):
+        x, R, D, rs = self._rows(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, b = self._row_launch(R)
+        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, np.int64(rs), self._c(w), y, np.int32(R), np.int32(D),
+                                                       np.float32(eps)))
+        return y
+
+    def add_rmsnorm(self, x, delta, w, eps):
+        x, d = self._c(x), self._c(delta)
+        D = x.shape[-1]
+        R = x.size // D
+        s = self.cp.empty(x.shape, dtype=self.cp.float32)
+        y = self.cp.empty(x.shape, dtype=self.cp.float32)
+        g, b = self._row_launch(R)
+        self.kernel("norms.cu", "add_rmsnorm_rows")(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D),
+                                                           np.float32(eps)))
+        return s, y
+
+    def gated_rmsnorm(self, x, z, w, eps):
+        x, R, D, xs = self._rows(x)
+        z, Rz, Dz, zs = self._rows(z)
+        y = self.cp.empty((R, D), dtype=self.cp.float32)
+        g, b = self._row_launch(R)
+        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), self._c(w), y,
+                                                             np.int32(R), np.int32(D), np.float32(eps)))
+        return y.reshape(x.shape)
+
+    def layernorm(self, x, w, b, eps=1e-5):
+        x, R, D, xs = self._rows(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, bl = self._row_launch(R)
+        self.kernel("norms.cu", "layernorm_rows")(g, bl, (x, np.int64(xs), self._c(w), self._c(b), y,
+                                                          np.int32(R), np.int32(D), np.float32(eps)))
+        return y
+
+    def l2norm(self, x, eps, scale=1.0):
+        x, R, D, xs = self._rows(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, b = self._row_launch(R)
+        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, np.int64(xs), y, np.int32(R), np.int32(D),
+                                                      np.float32(eps), np.float32(scale)))
+        return y
+
+    # --------------------------------------------------------------------------------------- GEMM
+    def _half(self, x):
+        x = self._c(x)
+        y = self.cp.empty(x.shape, dtype=self.cp.float16)
+        self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, y, np.int64(x.size)))
+        return y
+
+    def _cublas(self, a16, w16, out):
+        """out[M, N] fp32 = a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute)."""
+        from cupy_backends.cuda.libs import cublas
+        M, K = a16.shape
+        N = w16.shape[0]
+        handle = self.device.cublas_handle
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, M, K,
+                      self._one.ctypes.data, w16.data.ptr, 2, K, a16.data.ptr, 2, K,
+                      self._zero.ctypes.data, out.data.ptr, 0, N, 68, -1)
+        return out
+
+    def _wmma(self, a, w16, out, bias=None, res=None):
+        M, K = a.shape
+        N = w16.shape[0]
+        name = "gemm_f16a" if a.dtype == self.cp.float16 else "gemm_f32a"
+        grid = (-(-N // 128), -(-M // 128))
+        self.kernel("gemm.cu", name)(grid, (256,), (a, w16, bias, res, out, np.int32(M), np.int32(N),
+                                                   np.int32(K)))
+        return out
+
+    def _choose(self, M, N, K, run_wmma, run_cublas):
+        if self.gemm_mode != "auto":
+            return self.gemm_mode
+        bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
+        key = (N, K, bucket)
+        got = self.gemm_choice.get(key)
+        if got is None:
+            cp = self.cp
+            times = {}
+            for name, fn in (("wmma", run_wmma), ("cublas", run_cublas)):
+                fn()
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                for _ in range(3):
+                    fn()
+                e1.record()
+                e1.synchronize()
+                times[name] = cp.cuda.get_elapsed_time(e0, e1) / 3
+            got = min(times, key=times.get)
+            self.gemm_choice[key] = got
+            log.info("gemm autotune M~%d N=%d K=%d: wmma %.3f ms, cublas %.3f ms -> %s", bucket, N, K,
+                     times["wmma"], times["cublas"], got)
+        return got
+
+    def linear(self, x, w, b=None):
+        cp = self.cp
+        if w.dtype != cp.float16:                     # small fp32 matrices (e.g. a [1, F] scorer row)
+            y = self._f32(x) @ w.T
+            return y if b is None else y + b
+        lead = x.shape[:-1]
+        x = self._c(x).reshape(-1, x.shape[-1])
+        M, K = x.shape
+        N = w.shape[0]
+        out = cp.empty((M, N), dtype=cp.float32)
+        if M == 0:
+            return out.reshape(lead + (N,))
+        bias = self._c(b) if b is not None else None
+        a16 = None
+
+        def run_w():
+            self._wmma(x, w, out, bias)
+
+        def run_c():
+            nonlocal a16
+            if a16 is None:
+                a16 = self._half(x)
+            self._cublas(a16, w, out)
+            if bias is not None:
+                out.__iadd__(bias)
+
+        if self._choose(M, N, K, run_w, lambda: (self._cublas(self._half(x), w, out))) == "wmma":
+            run_w()
+        else:
+            run_c()
+        return out.reshape(lead + (N,))
+
+    def mlp(self, x, w_gate, w_up, w_down):
+        """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small."""
+        cp = self.cp
+        x = self._c(x)
+        T, H = x.shape
+        I = w_gate.shape[0]
+        out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
+        for t0 in range(0, T, self.token_block):
+            xb = x[t0:t0 + self.token_block]
+            M = xb.shape[0]
+            hb = cp.empty((M, I), dtype=cp.float16)
+            ob = out[t0:t0 + M]
+
+            def run_w():
+                grid = (-(-I // 64), -(-M // 128))
+                self.kernel("gemm.cu", "gemm_swiglu_f32a")(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M),
+                                                                          np.int32(I), np.int32(H)))
+
+            def run_c():
+                a16 = self._half(xb)
+                gb = cp.empty((M, I), dtype=cp.float32)
+                ub = cp.empty((M, I), dtype=cp.float32)
+                self._cublas(a16, w_gate, gb)
+                self._cublas(a16, w_up, ub)
+                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                      (gb, ub, hb, np.int64(gb.size)))
+
+            if self._choose(M, 2 * I, H, run_w, run_c) == "wmma":
+                run_w()
+            else:
+                run_c()
+
+            def down_w():
+                self._wmma(hb, w_down, ob)
+
+            def down_c():
+                self._cublas(hb, w_down, ob)
+
+            if self._choose(M, w_down.shape[0], I, down_w, down_c) == "wmma":
+                down_w()
+            else:
+                down_c()
+        return out
+
+    # ------------------------------------------------------------------------------- attention path
+    def sigmoid_gate(self, o, gate):
+        return _sigmoid_gate_k()(self._f32(o), self._f32(gate))
+
+    def rope_tables(self, positions, rotary_dim, theta):
+        c, s = _rope_tables_host(np.asarray(self.to_host(positions)), rotary_dim, theta)
+        return self.cp.asarray(c), self.cp.asarray(s)
+
+    def rotary(self, x, cos, sin):
+        T, H, D = x.shape
+        xr, R, _, rs = self._rows(x)
+        half = cos.shape[1]
+        y = self.cp.empty((T, H, D), dtype=self.cp.float32)
+        self.kernel("rotary.cu", "rotary_rows")(self._grid1(y.size), (_ELEM_THREADS,),
+                                                (xr, np.int64(rs), self._c(cos), self._c(sin), y, np.int32(T),
+                                                 np.int32(H), np.int32(D), np.int32(half)))
+        return y
+
+    def attention(self, q, k, v, cu_seqlens, scale):
+        cp = self.cp
+        T, hq, D = q.shape
+        hkv = k.shape[1]
+        if D not in (16, 32, 64, 128, 256) or v.shape[2] != D:
+            raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        tiles = []
+        for s0, s1 in zip(cu[:-1], cu[1:]):
+            for q0 in range(int(s0), int(s1), 64):
+                tiles.append((int(s0), int(s1), q0, min(q0 + 64, int(s1))))
+        out = cp.empty((T, hq, D), dtype=cp.float32)
+        if not tiles:
+            return out
+        tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first
+        tl = cp.asarray(np.array(tiles, dtype=np.int32))
+        q16, k16, v16 = self._half(q), self._half(k), self._half(v)
+        smem = _attn_smem(D)
+        fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
+        fn((len(tiles), hq), (128,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv), np.float32(scale)),
+           shared_mem=smem)
+        return out
+
+    # ------------------------------------------------------------------------------------ GDN path
+    def conv1d_silu(self, x, w, cu_seqlens):
+        cp = self.cp
+        x, R, C, xs = self._rows(x)
+        T = R
+        K = w.shape[1]
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        starts = np.repeat(cu[:-1], np.diff(cu)).astype(np.int32)
+        y = cp.empty((T, C), dtype=cp.float32)
+        self.kernel("conv1d.cu", "conv1d_silu_k")(self._grid1(y.size), (_ELEM_THREADS,),
+                                                  (x, np.int64(xs), self._c(w), cp.asarray(starts), y,
+                                                   np.int32(T), np.int32(C), np.int32(K)))
+        return y
+
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        g, beta = _gdn_gates_k()(self._f32(a), self._f32(b), self._f32(a_log), self._f32(dt_bias))
+        return g, beta
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens):
+        cp = self.cp
+        T, hk, dk = k.shape
+        hv, dv = v.shape[1], v.shape[2]
+        C = GDN_CHUNK
+        q, k = self._c(q), self._c(k)
+        g, beta = self._c(g), self._c(beta)
+        # v may be a column slice of the conv output: [T, hv, dv] with a token stride
+        v = self._f32(v)
+        if not (v.strides[2] == 4 and v.strides[1] == dv * 4 and v.data.ptr % 4 == 0):
+            v = cp.ascontiguousarray(v)
+        vs = v.strides[0] // 4
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        chunks, seq_of = [], []
+        for b_, (s0, s1) in enumerate(zip(cu[:-1], cu[1:])):
+            for c0 in range(int(s0), int(s1), C):
+                chunks.append((c0, min(C, int(s1) - c0), 0, 0))
+                seq_of.append(b_)
+        out = cp.empty((T, hv, dv), dtype=cp.float32)
+        if not chunks:
+            return out
+        nb = len(cu) - 1
+        BV = 32 if dv % 32 == 0 else (16 if dv % 16 == 0 else dv)
+        state = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
+        chunks_np = np.array(chunks, dtype=np.int32)
+        seq_of = np.array(seq_of)
+        nblk = self.gdn_block_chunks
+        prep_smem = (C * (dv + dk + 1) + C * (C + 1) + 2 * C) * 4
+        scan_smem = (dk * BV + C * (dk + 1) + C * BV + C * (C + 1) + C) * 4
+        prep = self.kernel("gated_delta.cu", "gdn_prep", prep_smem)
+        scan = self.kernel("gated_delta.cu", "gdn_scan", scan_smem)
+        ncap = min(nblk, len(chunks))
+        Ut = cp.empty((ncap, hv, C, dv), dtype=cp.float32)
+        Wt = cp.empty((ncap, hv, C, dk), dtype=cp.float32)
+        QKD = cp.empty((ncap, hv, C, C), dtype=cp.float32)
+        gam = cp.empty((ncap, hv, C), dtype=cp.float32)
+        for c0 in range(0, len(chunks), nblk):
+            c1 = min(c0 + nblk, len(chunks))
+            ch = cp.asarray(chunks_np[c0:c1])
+            prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, np.int32(hk), np.int32(hv),
+                                         np.int32(dk), np.int32(dv), Ut, Wt, QKD, gam), shared_mem=prep_smem)
+            seqs = []
+            for b_ in np.unique(seq_of[c0:c1]):
+                idx = np.nonzero(seq_of[c0:c1] == b_)[0]
+                first_global = c0 + idx[0]
+                zero = 1 if first_global == 0 or seq_of[first_global - 1] != b_ else 0
+                seqs.append((int(idx[0]), int(idx[-1]) + 1, zero, int(b_)))
+            sq = cp.asarray(np.array(seqs, dtype=np.int32))
+            scan((hv, dv // BV, len(seqs)), (256,), (q, k, ch, sq, np.int32(hk), np.int32(hv), np.int32(dk),
+                                                     np.int32(dv), np.int32(BV), Ut, Wt, QKD, gam, state, out),
+                 shared_mem=scan_smem)
+        return out
+
+    # ---------------------------------------------------------------------------------------- head
+    def gelu(self, x):
+        return _gelu_k()(self._f32(x))
+
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads):
+        cp = self.cp
+        W = xq.shape[-1]
+        d = W // heads
+        q = self.linear(xq, in_w[:W], in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
+        k = self.linear(xkv, in_w[W:2 * W], in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
+        v = self.linear(xkv, in_w[2 * W:], in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
+        sc = cp.matmul(q, k) * np.float32(1.0 / math.sqrt(d))       # [heads, n, m] fp32 (small: head only)
+        sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
+        o = cp.matmul(sc / sc.sum(axis=-1, keepdims=True), v)
+        return self.linear(o.transpose(1, 0, 2).reshape(-1, W), out_w, out_b)
+
+    def span_means(self, x, starts, ends):
+        cp = self.cp
+        x = self._f32(x)
+        c = cp.zeros((x.shape[0] + 1, x.shape[1]), dtype=cp.float64)
+        cp.cumsum(x, axis=0, dtype=cp.float64, out=c[1:])
+        s = np.asarray(self.to_host(starts), dtype=np.int64)
+        e = np.asarray(self.to_host(ends), dtype=np.int64)
+        n = cp.asarray((e - s).astype(np.float64))[:, None]
+        return ((c[cp.asarray(e)] - c[cp.asarray(s)]) / n).astype(cp.float32)
+
+    def normalize(self, x, eps):
+        cp = self.cp
+        x = self._f32(x)
+        return x / cp.maximum(cp.sqrt(cp.sum(x * x, axis=-1, keepdims=True)), np.float32(eps))
+
+    def segment_softmax_sum(self, scores, values, owner, n_groups):
+        cp = self.cp
+        scores = self._f32(scores)
+        values = self._f32(values)
+        own = cp.asarray(owner)
+        m = cp.full(n_groups, -np.inf, dtype=cp.float32)
+        import cupyx
+        cupyx.scatter_max(m, own, scores)
+        e = cp.exp(scores - m[own])
+        den = cp.zeros(n_groups, dtype=cp.float32)
+        cupyx.scatter_add(den, own, e)
+        out = cp.zeros((n_groups, values.shape[1]), dtype=cp.float32)
+        cupyx.scatter_add(out, own, (e / den[own])[:, None] * values)
+        return out
+
+    # ------------------------------------------------------------------------------------- guards
+    def check_finite(self, x, what: str = "output"):
+        """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
+        x = self._c(x)
+        flags = self.cp.zeros(2, dtype=self.cp.uint64)
+        self.kernel("embed.cu", "finite_check")(self._grid1(x.size), (_ELEM_THREADS,),
+                                                (x, np.int64(x.size), flags))
+        bad, nz = (int(v) for v in flags.get())
+        if bad:
+            raise errors.DeviceError(f"{what}: {bad} of {x.size} values are NaN or Inf on {self.device_name}")
+        if x.size and nz == 0:
+            raise errors.DeviceError(f"{what}: all {x.size} values are zero on {self.device_name}")
+
+    def begin_forward(self):
+        if self.pool is not None:
+            self.pool.reset()
+
+    def end_forward(self):
+        pass
+
+    def synchronize(self):
+        self.cp.cuda.Device(self.device_id).synchronize()
+
+
+# ------------------------------------------------------------------------------------ CuPy elementwise
+
+def _attn_smem(D):
+    bc = 32 if D == 256 else 64
+    ldq, lds, ldp = D + 8, bc + 4, bc + 8
+    return 64 * ldq * 2 + 2 * bc * ldq * 2 + 4 * 16 * lds * 4 + 4 * 16 * ldp * 2 + 256 * 4 + 4 * 16 * 4
+
+
+_K = {}
+
+
+def _ek(name, *args):
+    if name not in _K:
+        import cupy
+        _K[name] = cupy.ElementwiseKernel(*args, name=name)
+    return _K[name]
+
+
+def _sigmoid_k():
+    return _ek("clef_sigmoid", "float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))")
+
+
+def _silu_k():
+    return _ek("clef_silu", "float32 x", "float32 y", "y = x / (1.0f + expf(-x))")
+
+
+def _sigmoid_gate_k():
+    # numpy twin: clefcore/backends/cpu.py::sigmoid_gate
+    return _ek("clef_sigmoid_gate", "float32 o, float32 g", "float32 y", "y = o / (1.0f + expf(-g))")
+
+
+def _gelu_k():
+    # numpy twin: clefcore/backends/cpu.py::gelu (exact erf GELU; evaluated in double like the reference)
+    return _ek("clef_gelu", "float32 x", "float32 y",
+               "double xd = (double)x; y = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)))")
+
+
+def _gdn_gates_k():
+    # numpy twin: clefcore/backends/cpu.py::gdn_gates
+    return _ek("clef_gdn_gates", "float32 a, float32 b, float32 a_log, float32 dt_bias", "float32 g, float32 beta",
+               "float z = a + dt_bias; float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));"
+               "g = -expf(a_log) * sp; beta = 1.0f / (1.0f + expf(-b));")

@@ -1,0 +1,223 @@
+// Tensor-core GEMM: C[M, N] (fp32) = A[M, K] @ W[N, K]^T with fp16 operands and fp32 accumulation.
+//
+// numpy twins: clefcore/backends/cpu.py::linear (plain, + bias, + residual) and
+//              clefcore/backends/cpu.py::mlp (SWIGLU epilogue: silu(A Wg^T) * (A Wu^T), written as fp16
+//              because it is only ever the A operand of the down projection).
+//
+// sm_70 design (docs/sm70-design.md): block tile 128 x 128 x 32, 256 threads = 8 warps in a 2 x 4 grid,
+// each warp 64 x 32 (4 x 2 wmma m16n16k16 accumulators, 64 fp32 registers). The next k-tile is loaded into
+// registers while the tensor cores work on the current one (one shared buffer, 20 KB, rows padded by
+// 8 halves so wmma row loads hit distinct banks). A may be fp32 (converted to fp16 while it is staged) or
+// fp16. The epilogue goes through a 1 KB per-warp shared tile so edges of any M, N are written exactly.
+#include "mma_sm70.cuh"
+
+#define GM 128
+#define GN 128
+#define GK 32
+#define GLD (GK + 8)
+
+template <bool AH>
+__device__ __forceinline__ void load_tile(const void* __restrict__ Av, const half_t* __restrict__ Wg,
+                                          const half_t* __restrict__ Wu, int M, int N, int K, int m0, int n0,
+                                          int k0, bool swiglu, bool vec, unsigned (&ra)[8], unsigned (&rb)[8]) {
+    const int t = threadIdx.x;
+    // A: 128 rows x 32 k = 4096 values, 16 per thread: row = t / 2, k-part = (t % 2) * 16
+    {
+        const int r = t >> 1, kk = (t & 1) * 16, gr = m0 + r, gk = k0 + kk;
+        if (AH) {
+            const half_t* A = (const half_t*)Av;
+            if (vec && gr < M && gk + 16 <= K) {
+                const uint4* p = (const uint4*)(A + (size_t)gr * K + gk);
+                uint4 a = p[0], b = p[1];
+                ra[0] = a.x; ra[1] = a.y; ra[2] = a.z; ra[3] = a.w; ra[4] = b.x; ra[5] = b.y; ra[6] = b.z; ra[7] = b.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    half_t lo = 0, hi = 0;
+                    if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
+                    if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
+                    ra[i] = (unsigned)lo | ((unsigned)hi << 16);
+                }
+            }
+        } else {
+            const float* A = (const float*)Av;
+            if (vec && gr < M && gk + 16 <= K) {
+                const float4* p = (const float4*)(A + (size_t)gr * K + gk);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float4 v = p[i];
+                    ra[2 * i] = pack2h(v.x, v.y);
+                    ra[2 * i + 1] = pack2h(v.z, v.w);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float lo = 0.f, hi = 0.f;
+                    if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
+                    if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
+                    ra[i] = pack2h(lo, hi);
+                }
+            }
+        }
+    }
+    // W: 128 rows x 32 k, same split
+    {
+        const int r = t >> 1, kk = (t & 1) * 16, gk = k0 + kk;
+        const half_t* W;
+        int gn;
+        if (swiglu) { W = r < 64 ? Wg : Wu; gn = n0 + (r & 63); }
+        else { W = Wg; gn = n0 + r; }
+        if (vec && gn < N && gk + 16 <= K) {
+            const uint4* p = (const uint4*)(W + (size_t)gn * K + gk);
+            uint4 a = p[0], b = p[1];
+            rb[0] = a.x; rb[1] = a.y; rb[2] = a.z; rb[3] = a.w; rb[4] = b.x; rb[5] = b.y; rb[6] = b.z; rb[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                half_t lo = 0, hi = 0;
+                if (gn < N && gk + 2 * i < K) lo = W[(size_t)gn * K + gk + 2 * i];
+                if (gn < N && gk + 2 * i + 1 < K) hi = W[(size_t)gn * K + gk + 2 * i + 1];
+                rb[i] = (unsigned)lo | ((unsigned)hi << 16);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
+
+// N here is the number of OUTPUT columns; in SWIGLU mode Wg and Wu both have N rows.
+template <bool AH, bool SWIGLU>
+__device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half_t* __restrict__ Wg,
+                                          const half_t* __restrict__ Wu, const float* __restrict__ bias,
+                                          const float* __restrict__ res, void* __restrict__ C, int M, int N, int K) {
+    __shared__ __align__(32) half_t sA[GM * GLD];
+    __shared__ __align__(32) half_t sB[GN * GLD];
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    const int wm = warp >> 2, wn = warp & 3;
+    const int m0 = blockIdx.y * GM;
+    const int n0 = blockIdx.x * (SWIGLU ? GN / 2 : GN);
+    const bool vec = (K % 16) == 0;
+    FragC acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { frag_zero(acc[i][0]); frag_zero(acc[i][1]); }
+    unsigned ra[8], rb[8];
+    load_tile<AH>(A, Wg, Wu, M, N, K, m0, n0, 0, SWIGLU, vec, ra, rb);
+    for (int k0 = 0; k0 < K; k0 += GK) {
+        {
+            const int r = t >> 1, kk = (t & 1) * 16;
+            uint4* pa = (uint4*)(sA + r * GLD + kk);
+            pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
+            pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+            uint4* pb = (uint4*)(sB + r * GLD + kk);
+            pb[0] = make_uint4(rb[0], rb[1], rb[2], rb[3]);
+            pb[1] = make_uint4(rb[4], rb[5], rb[6], rb[7]);
+        }
+        __syncthreads();
+        if (k0 + GK < K) load_tile<AH>(A, Wg, Wu, M, N, K, m0, n0, k0 + GK, SWIGLU, vec, ra, rb);
+#pragma unroll
+        for (int ks = 0; ks < GK; ks += 16) {
+            FragA fa[4];
+            FragB fb[2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) load_a_row(fa[i], sA + (wm * 64 + i * 16) * GLD + ks, GLD);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int brow = SWIGLU ? (j * 64 + wn * 16) : (wn * 32 + j * 16);
+                load_b_col(fb[j], sB + brow * GLD + ks, GLD);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                mma_row_col(acc[i][0], fa[i], fb[0]);
+                mma_row_col(acc[i][1], fa[i], fb[1]);
+            }
+        }
+        __syncthreads();
+    }
+    // epilogue through a per-warp 16 x 16 fp32 tile (reuses sA)
+    float* stage = (float*)sA + warp * 256;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < (SWIGLU ? 1 : 2); ++j) {
+            if (SWIGLU) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][0].x[e] = silu_f(acc[i][0].x[e]) * acc[i][1].x[e];
+            }
+            store_c_row(stage, acc[i][j], 16);
+            __syncwarp();
+            const int r = lane >> 1, c0 = (lane & 1) * 8;
+            const int gr = m0 + wm * 64 + i * 16 + r;
+            const int gc0 = n0 + (SWIGLU ? wn * 16 : wn * 32 + j * 16) + c0;
+            if (gr < M) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    const int gc = gc0 + c;
+                    if (gc < N) {
+                        float v = stage[r * 16 + c0 + c];
+                        if (SWIGLU) {
+                            ((half_t*)C)[(size_t)gr * N + gc] = f2h(v);
+                        } else {
+                            if (bias) v += bias[gc];
+                            if (res) v += res[(size_t)gr * N + gc];
+                            ((float*)C)[(size_t)gr * N + gc] = v;
+                        }
+                    }
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemm_f32a(const float* A, const half_t* W, const float* bias,
+                                                           const float* res, float* C, int M, int N, int K) {
+    gemm_body<false, false>(A, W, W, bias, res, C, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_f16a(const half_t* A, const half_t* W, const float* bias,
+                                                           const float* res, float* C, int M, int N, int K) {
+    gemm_body<true, false>(A, W, W, bias, res, C, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a(const float* A, const half_t* Wg,
+                                                                  const half_t* Wu, half_t* H, int M, int N, int K) {
+    gemm_body<false, true>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+}
+
+// fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path).
+extern "C" __global__ void to_half(const float* __restrict__ x, half_t* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = f2h(x[i]);
+}
+extern "C" __global__ void swiglu_half(const float* __restrict__ g, const float* __restrict__ u,
+                                       half_t* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = f2h(silu_f(g[i]) * u[i]);
+}
+// bf16 bits -> fp16 weights, counting values whose magnitude does not fit fp16 (|x| > 65504: saturated)
+// and nonzero values that flush to zero (|x| < 2^-24).
+extern "C" __global__ void bf16_to_half(const unsigned short* __restrict__ x, half_t* __restrict__ y, long long n,
+                                        unsigned long long* __restrict__ counts) {
+    unsigned long long over = 0, under = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = bf2f(x[i]);
+        float a = fabsf(v);
+        if (a > 65504.f && a == a) { over++; v = copysignf(65504.f, v); }
+        else if (a != 0.f && a < 5.9604645e-8f) under++;
+        y[i] = f2h(v);
+    }
+    if (over) atomicAdd(counts, over);
+    if (under) atomicAdd(counts + 1, under);
+}
+// fp32 -> fp16 weights with the same counting (weights handed over as fp32 arrays).
+extern "C" __global__ void f32_to_half_count(const float* __restrict__ x, half_t* __restrict__ y, long long n,
+                                             unsigned long long* __restrict__ counts) {
+    unsigned long long over = 0, under = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = x[i];
+        float a = fabsf(v);
+        if (a > 65504.f && a == a) { over++; v = copysignf(65504.f, v); }
+        else if (a != 0.f && a < 5.9604645e-8f) under++;
+        y[i] = f2h(v);
+    }
+    if (over) atomicAdd(counts, over);
+    if (under) atomicAdd(counts + 1, under);
+}

@@ -1,0 +1,90 @@
+// Minimal fp16 tensor-core fragments for sm_70+ written directly in PTX (wmma.* m16n16k16).
+//
+// No numpy twin: this is the building block of gemm.cu and attention.cu. NVRTC from pip ships neither
+// <mma.h> nor <cuda_fp16.h>, so everything here is inline PTX that every architecture from sm_70 on accepts.
+// Fragment layouts are opaque (as in nvcuda::wmma) but identical for two fragments of the same kind, which
+// the kernels use: element t of two accumulators refers to the same (row, col).
+#pragma once
+
+typedef unsigned short half_t;   // IEEE fp16 bits
+#define CLEF_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ half_t f2h(float f) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float h2f(half_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned pack2h(float a, float b) {   // a in the low half
+    return (unsigned)f2h(a) | ((unsigned)f2h(b) << 16);
+}
+// bf16 bits -> fp32 (exact)
+__device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+
+struct FragA { unsigned x[8]; };
+struct FragB { unsigned x[8]; };
+struct FragC { float x[8]; };
+
+__device__ __forceinline__ void frag_zero(FragC& c) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c.x[i] = 0.f;
+}
+
+#define CLEF_LOAD8(kind, layout, f, p, ld)                                                        \
+    asm volatile("wmma.load." kind ".sync.aligned." layout ".m16n16k16.f16 "                      \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                           \
+                 : "=r"(f.x[0]), "=r"(f.x[1]), "=r"(f.x[2]), "=r"(f.x[3]), "=r"(f.x[4]),          \
+                   "=r"(f.x[5]), "=r"(f.x[6]), "=r"(f.x[7])                                       \
+                 : "l"(p), "r"(ld))
+
+// A (16x16, row-major, ld in elements)
+__device__ __forceinline__ void load_a_row(FragA& f, const half_t* p, unsigned ld) { CLEF_LOAD8("a", "row", f, p, ld); }
+// B (16x16) stored column-major: B(k, n) at p[n * ld + k]
+__device__ __forceinline__ void load_b_col(FragB& f, const half_t* p, unsigned ld) { CLEF_LOAD8("b", "col", f, p, ld); }
+// B (16x16) stored row-major: B(k, n) at p[k * ld + n]
+__device__ __forceinline__ void load_b_row(FragB& f, const half_t* p, unsigned ld) { CLEF_LOAD8("b", "row", f, p, ld); }
+#undef CLEF_LOAD8
+
+#define CLEF_MMA(layout, d, a, b)                                                                 \
+    asm volatile("wmma.mma.sync.aligned." layout ".m16n16k16.f32.f32 "                            \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11,%12,%13,%14,%15}, "                   \
+                 "{%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"                  \
+                 : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3]), "+f"(d.x[4]),          \
+                   "+f"(d.x[5]), "+f"(d.x[6]), "+f"(d.x[7])                                       \
+                 : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(a.x[4]), "r"(a.x[5]),   \
+                   "r"(a.x[6]), "r"(a.x[7]), "r"(b.x[0]), "r"(b.x[1]), "r"(b.x[2]), "r"(b.x[3]),   \
+                   "r"(b.x[4]), "r"(b.x[5]), "r"(b.x[6]), "r"(b.x[7]))
+
+// d += a (row) * b (col)
+__device__ __forceinline__ void mma_row_col(FragC& d, const FragA& a, const FragB& b) { CLEF_MMA("row.col", d, a, b); }
+// d += a (row) * b (row)
+__device__ __forceinline__ void mma_row_row(FragC& d, const FragA& a, const FragB& b) { CLEF_MMA("row.row", d, a, b); }
+#undef CLEF_MMA
+
+// fp32 accumulator <-> memory, row-major, ld in elements (multiple of 4)
+__device__ __forceinline__ void store_c_row(float* p, const FragC& c, unsigned ld) {
+    asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+                 :: "l"(p), "f"(c.x[0]), "f"(c.x[1]), "f"(c.x[2]), "f"(c.x[3]), "f"(c.x[4]),
+                    "f"(c.x[5]), "f"(c.x[6]), "f"(c.x[7]), "r"(ld) : "memory");
+}
+__device__ __forceinline__ void load_c_row(FragC& c, const float* p, unsigned ld) {
+    asm volatile("wmma.load.c.sync.aligned.row.m16n16k16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
+                 : "=f"(c.x[0]), "=f"(c.x[1]), "=f"(c.x[2]), "=f"(c.x[3]), "=f"(c.x[4]),
+                   "=f"(c.x[5]), "=f"(c.x[6]), "=f"(c.x[7])
+                 : "l"(p), "r"(ld));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}

@@ -1,0 +1,100 @@
+"""The whole model (backbone + joint head) on the GPU against the golden fixtures in tests/golden/:
+per-question probabilities within 2e-3 of the reference, hidden states close, packed == one by one. Runs for
+the native build and for the compute_70 PTX of the pip NVRTC 12 (the Volta code path, JIT-compiled)."""
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
+
+from clefcore import model  # noqa: E402
+from clefcore.checkpoint import Checkpoint  # noqa: E402
+
+GOLD = Path(__file__).parent / "golden"
+RECORDS = [json.loads(line) for line in (GOLD / "expected.jsonl").read_text().splitlines() if line.strip()]
+RECORDS = [r for r in RECORDS if "input_ids" in r]
+
+
+def _modes():
+    from clefcore.backends.cuda import compile as C
+    return ["native"] + (["ptx70"] if C.ptx70_available() else [])
+
+
+@pytest.fixture(scope="module", params=_modes())
+def loaded(request):
+    from clefcore.backends.cuda import CudaOps
+    ops = CudaOps(0, ptx70=request.param == "ptx70")
+    ck = Checkpoint(GOLD / "model")
+    return ops, model.load_params(ck, ops)
+
+
+def _questions(rec):
+    return [types.SimpleNamespace(question_span=tuple(q["question_span"]),
+                                  option_spans=[tuple(s) for s in q["option_spans"]], type_index=q["type_index"])
+            for q in rec["questions"]]
+
+
+def _softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def test_golden_probabilities(loaded):
+    ops, params = loaded
+    worst = 0.0
+    for rec in RECORDS:
+        ids = np.array(rec["input_ids"], np.int64)
+        L = len(ids)
+        hs, _ = model.backbone(ops, params, ids, np.array([0, L]), np.arange(L))
+        ops.check_finite(hs, "final hidden states")
+        logits = model.head(ops, params, hs, ids, _questions(rec))
+        for q, z in zip(rec["questions"], logits):
+            p = _softmax(z)
+            err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
+            worst = max(worst, err)
+            assert err <= 2e-3, f"{rec['name']} / {q['id']}: probability error {err:.2e}"
+    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}): {worst:.3e}")
+
+
+def test_golden_hidden_states(loaded):
+    from safetensors.numpy import load_file
+    ops, params = loaded
+    for f in sorted((GOLD / "states").glob("*.safetensors")):
+        st = load_file(str(f))
+        ids = st["input_ids"].astype(np.int64)
+        L = len(ids)
+        hs, kept = model.backbone(ops, params, ids, np.array([0, L]), np.arange(L), keep_layers=True)
+        ref = st["last_hidden_state"]
+        e = float(np.max(np.abs(ops.to_host(hs) - ref)) / np.max(np.abs(ref)))
+        per_layer = [float(np.max(np.abs(ops.to_host(x) - st["layer_outputs"][i])) /
+                           np.max(np.abs(st["layer_outputs"][i]))) for i, x in enumerate(kept[:-1])]
+        print(f"STATES {f.name}: last {e:.2e}, layers max {max(per_layer):.2e}")
+        assert e < 2e-2 and max(per_layer) < 2e-2
+
+
+def test_packed_equals_one_by_one(loaded):
+    ops, params = loaded
+    recs = RECORDS[:5]
+    ids = np.concatenate([np.array(r["input_ids"], np.int64) for r in recs])
+    lens = [len(r["input_ids"]) for r in recs]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    pos = np.concatenate([np.arange(n) for n in lens])
+    hs, _ = model.backbone(ops, params, ids, cu, pos)
+    hs = ops.to_host(hs)
+    for i, r in enumerate(recs):
+        one = np.array(r["input_ids"], np.int64)
+        h1, _ = model.backbone(ops, params, one, np.array([0, len(one)]), np.arange(len(one)))
+        d = float(np.max(np.abs(hs[cu[i]:cu[i + 1]] - ops.to_host(h1))))
+        d = d / float(np.max(np.abs(hs[cu[i]:cu[i + 1]])))
+        print(f"PACKED {r['name']}: rel diff {d:.2e}")
+        assert d < 5e-3, f"packed differs from one-by-one for {r['name']}: {d}"

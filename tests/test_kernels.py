@@ -1,0 +1,251 @@
+"""Every CudaOps op against the fp32 numpy reference (clefcore/backends/cpu.py) on fresh random inputs:
+sizes 1, 63, 65, non-multiples of 16, packed batches. Runs for the native NVRTC build and for the compute_70
+PTX built by the pip NVRTC 12 and JIT-compiled by the driver (the Volta code path itself).
+
+Tolerances (max |gpu - ref| / max |ref|): ops whose GEMM-like products take fp16 operands with fp32
+accumulation see each operand rounded to 11 significant bits (relative 2^-11 = 4.9e-4 per operand); over
+sums of K terms with random signs the relative error of the result stays well under 3e-3, so 4e-3 is used
+for linear/mlp/attention (where weights here are already fp16-exact, as bf16 checkpoint values are).
+Pure fp32 kernels (norms, rotary, conv, gates, the delta rule) differ only by summation order: 1e-5..2e-4.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+from clefcore.backends import cpu
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
+
+RNG = np.random.default_rng()
+
+
+def _have_nvrtc12():
+    from clefcore.backends.cuda import compile as C
+    return C.ptx70_available()
+
+
+MODES = ["native"] + (["ptx70"] if _have_nvrtc12() else [])
+
+
+@pytest.fixture(scope="module", params=MODES)
+def ops(request):
+    from clefcore.backends.cuda import CudaOps
+    return CudaOps(0, ptx70=request.param == "ptx70", gemm="wmma")
+
+
+@pytest.fixture(scope="module")
+def ops_cublas():
+    from clefcore.backends.cuda import CudaOps
+    return CudaOps(0, gemm="cublas")
+
+
+def r(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def h16(a):
+    return a.astype(np.float16).astype(np.float32)
+
+
+def rel(got, ref):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.all(np.isfinite(got)), "non-finite output"
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30)) if ref.size else 0.0
+
+
+def check(name, got, ref, tol, ops=None):
+    e = rel(ops.to_host(got) if ops else got, ref)
+    print(f"ERR {name} {e:.3e}")
+    assert e <= tol, f"{name}: max rel error {e:.3e} > {tol}"
+
+
+SIZES = [1, 63, 65, 130]
+
+
+@pytest.mark.parametrize("R", SIZES)
+@pytest.mark.parametrize("D", [1, 63, 65, 256, 4096])
+def test_norms(ops, R, D):
+    x, d, w, z, b = r(R, D), r(R, D), r(D, scale=0.1), r(R, D), r(D)
+    check(f"rmsnorm R{R} D{D}", ops.rmsnorm(ops.asarray(x), ops.asarray(w), 1e-6), cpu.rmsnorm(x, w, 1e-6), 2e-5, ops)
+    s, y = ops.add_rmsnorm(ops.asarray(x), ops.asarray(d), ops.asarray(w), 1e-6)
+    s0, y0 = cpu.add_rmsnorm(x, d, w, 1e-6)
+    check("add_rmsnorm.sum", s, s0, 1e-6, ops)
+    check("add_rmsnorm.norm", y, y0, 2e-5, ops)
+    check("gated_rmsnorm", ops.gated_rmsnorm(ops.asarray(x), ops.asarray(z), ops.asarray(w), 1e-6),
+          cpu.gated_rmsnorm(x, z, w, 1e-6), 2e-5, ops)
+    check("layernorm", ops.layernorm(ops.asarray(x), ops.asarray(w), ops.asarray(b)), cpu.layernorm(x, w, b), 2e-5, ops)
+    check("l2norm", ops.l2norm(ops.asarray(x), 1e-6, 0.25), cpu.l2norm(x, 1e-6, 0.25), 2e-5, ops)
+
+
+def test_norms_strided_view(ops):
+    T, H, D = 65, 3, 32
+    qg = r(T, H, 2, D)
+    w = r(D, scale=0.1)
+    got = ops.rmsnorm(ops.asarray(qg)[:, :, 0], ops.asarray(w), 1e-6)
+    check("rmsnorm strided", got, cpu.rmsnorm(qg[:, :, 0], w, 1e-6), 2e-5, ops)
+    got = ops.l2norm(ops.asarray(qg)[:, :, 1], 1e-6)
+    check("l2norm strided", got, cpu.l2norm(qg[:, :, 1], 1e-6), 2e-5, ops)
+
+
+@pytest.mark.parametrize("M", [1, 63, 65, 300])
+@pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000)])
+@pytest.mark.parametrize("path", ["wmma", "cublas"])
+def test_linear(ops, ops_cublas, M, N, K, path):
+    o = ops if path == "wmma" else ops_cublas
+    x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
+    W = o.weight(w)
+    check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), 4e-3, o)
+    check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), 4e-3, o)
+
+
+@pytest.mark.parametrize("M", [1, 65, 300])
+@pytest.mark.parametrize("path", ["wmma", "cublas"])
+def test_mlp(ops, ops_cublas, M, path):
+    o = ops if path == "wmma" else ops_cublas
+    o.token_block = 128                       # exercise the token blocking
+    H, I = 96, 200
+    x = r(M, H)
+    wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
+    got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
+    # the hidden product is stored in fp16 before the down projection: 4e-3 as for a GEMM
+    check(f"mlp {path} M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)
+
+
+def test_weight_overflow_counted(ops):
+    w = r(32, 32)
+    w[0, 0] = 1e6
+    before = ops.fp16_overflow
+    W = ops.weight(w)
+    assert ops.fp16_overflow == before + 1
+    assert float(W[0, 0]) == 65504.0
+
+
+def test_rotary_and_gate(ops):
+    T, H, D, rd = 70, 4, 64, 16
+    pos = np.arange(T) + 5
+    c, s = cpu.rope_tables(pos, rd, 1e7)
+    gc, gs = ops.rope_tables(pos, rd, 1e7)
+    check("rope cos", gc, c, 1e-6, ops)
+    x = r(T, H, 2, D)
+    got = ops.rotary(ops.asarray(x)[:, :, 0], gc, gs)
+    check("rotary", got, cpu.rotary(x[:, :, 0], c, s), 1e-6, ops)
+    o, g = r(T, H, D), r(T, H, 2, D)
+    check("sigmoid_gate", ops.sigmoid_gate(ops.asarray(o), ops.asarray(g)[:, :, 1]),
+          cpu.sigmoid_gate(o, g[:, :, 1]), 1e-6, ops)
+
+
+CU = [[0, 1], [0, 63], [0, 65], [0, 1, 64, 129, 259], [0, 300], [0, 65, 130, 131]]
+
+
+@pytest.mark.parametrize("cu", CU)
+@pytest.mark.parametrize("D,hq,hkv", [(16, 2, 1), (32, 4, 2), (64, 4, 4), (128, 4, 1), (256, 4, 2)])
+def test_attention(ops, cu, D, hq, hkv):
+    T = cu[-1]
+    q, k, v = r(T, hq, D), r(T, hkv, D), r(T, hkv, D)
+    scale = D ** -0.5
+    cu = np.array(cu)
+    got = ops.attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), cu, scale)
+    check(f"attention D{D} cu{list(cu)}", got, cpu.attention(q, k, v, cu, scale), 4e-3, ops)
+
+
+def test_attention_long(ops):
+    cu = np.array([0, 2100, 2400])
+    q, k, v = r(2400, 4, 256), r(2400, 2, 256), r(2400, 2, 256)
+    got = ops.attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), cu, 1 / 16)
+    check("attention long", got, cpu.attention(q, k, v, cu, 1 / 16), 4e-3, ops)
+
+
+@pytest.mark.parametrize("cu", CU)
+def test_conv1d(ops, cu):
+    T, C = cu[-1], 72
+    x, w = r(T, 3 * C), r(C, 4)
+    xs = x[:, C:2 * C]
+    got = ops.conv1d_silu(ops.asarray(x)[:, C:2 * C], ops.asarray(w), np.array(cu))
+    check(f"conv1d cu{cu}", got, cpu.conv1d_silu(np.ascontiguousarray(xs), w, np.array(cu)), 1e-5, ops)
+
+
+def _gdn_inputs(T, hk, hv, dk, dv):
+    q = cpu.l2norm(r(T, hk, dk), 1e-6, dk ** -0.5)
+    k = cpu.l2norm(r(T, hk, dk), 1e-6)
+    v = r(T, hv, dv)
+    g, beta = cpu.gdn_gates(r(T, hv), r(T, hv), r(hv, scale=0.5), r(hv))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("cu", CU)
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 32, 64)])
+def test_gated_delta_rule(ops, cu, hk, hv, dk, dv):
+    q, k, v, g, beta = _gdn_inputs(cu[-1], hk, hv, dk, dv)
+    ga, gb = ops.gdn_gates(*(ops.asarray(a) for a in (r(3, hv), r(3, hv), r(hv), r(hv))))
+    assert ga.shape == (3, hv)
+    ref = cpu.gated_delta_rule(q, k, v, g, beta, np.array(cu))
+    for blk in (128, 1):                      # 1: every chunk its own block (state carried between launches)
+        ops.gdn_block_chunks = blk
+        got = ops.gated_delta_rule(*(ops.asarray(a) for a in (q, k, v, g, beta)), np.array(cu))
+        check(f"gdn cu{cu} dk{dk} dv{dv} blk{blk}", got, ref, 2e-4, ops)
+    ops.gdn_block_chunks = 128
+
+
+def test_gdn_gates(ops):
+    a, b, al, dt = r(65, 8, scale=10), r(65, 8), r(8), r(8)
+    g, beta = ops.gdn_gates(*(ops.asarray(x) for x in (a, b, al, dt)))
+    g0, b0 = cpu.gdn_gates(a, b, al, dt)
+    check("gdn_gates g", g, g0, 1e-5, ops)
+    check("gdn_gates beta", beta, b0, 1e-6, ops)
+
+
+def _ref(raw, dtype="BF16"):
+    return types.SimpleNamespace(raw=raw, dtype=dtype, shape=raw.shape)
+
+
+def test_tables(ops):
+    from clefcore.backends.cuda import CudaOps
+    from clefcore.checkpoint import bf16_bits, to_float32
+    vals = r(300, 72)
+    ref = _ref(bf16_bits(vals))
+    full = to_float32(ref)
+    ids = RNG.integers(0, 300, 65)
+    for mode in ("host", "device"):
+        o = CudaOps(0, tables=mode, ptx70=ops.ptx70)
+        t = o.table(ref)
+        check(f"embed {mode}", o.embed(t, ids), cpu.embed(full, ids), 0.0, o)
+        check(f"gather_rows {mode}", o.gather_rows(t, ids[:7]), cpu.gather_rows(full, ids[:7]), 0.0, o)
+
+
+def test_head_ops(ops):
+    x = r(65, 32)
+    check("gelu", ops.gelu(ops.asarray(x * 3)), cpu.gelu(x * 3), 1e-6, ops)
+    check("sigmoid", ops.sigmoid(ops.asarray(x)), cpu.sigmoid(x), 1e-6, ops)
+    check("silu", ops.silu(ops.asarray(x)), cpu.silu(x), 1e-6, ops)
+    check("normalize", ops.normalize(ops.asarray(x), 1e-8), cpu.normalize(x, 1e-8), 1e-6, ops)
+    st, en = np.array([0, 5, 60]), np.array([1, 30, 65])
+    check("span_means", ops.span_means(ops.asarray(x), st, en), cpu.span_means(x, st, en), 1e-6, ops)
+    W, heads = 32, 4
+    xq, xkv = r(7, W), r(65, W)
+    in_w, in_b, out_w, out_b = h16(r(3 * W, W, scale=0.2)), r(3 * W), h16(r(W, W, scale=0.2)), r(W)
+    got = ops.mha(ops.asarray(xq), ops.asarray(xkv), ops.weight(in_w), ops.asarray(in_b), ops.weight(out_w),
+                  ops.asarray(out_b), heads)
+    check("mha", got, cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads), 4e-3, ops)
+    sc, vals, own = r(9), r(9, W), np.array([0, 0, 1, 1, 1, 2, 2, 2, 2])
+    check("segment_softmax_sum", ops.segment_softmax_sum(ops.asarray(sc), ops.asarray(vals), own, 3),
+          cpu.segment_softmax_sum(sc, vals, own, 3), 1e-6, ops)
+
+
+def test_check_finite(ops):
+    from clefcore.errors import DeviceError
+    ops.check_finite(ops.asarray(r(10, 10)), "ok")
+    bad = r(10, 10)
+    bad[3, 3] = np.nan
+    with pytest.raises(DeviceError):
+        ops.check_finite(ops.asarray(bad), "nan")
+    with pytest.raises(DeviceError):
+        ops.check_finite(ops.asarray(np.zeros((4, 4), np.float32)), "zeros")

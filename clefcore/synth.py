@@ -80,6 +80,11 @@ def build_tokenizer(learned: int, special_base: int) -> dict:
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
     spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     spec["post_processor"] = None
+    # tokenizers only honours added-token ids that follow the model vocabulary, so pad it with entries no merge
+    # can produce up to the first special id (the release's vocabulary is dense up to <|endoftext|> too)
+    vocab = spec["model"]["vocab"]
+    for i in range(len(vocab), special_base):
+        vocab[f"<|unused_{i}|>"] = i
     spec["added_tokens"] = [{"id": special_base + i, "content": s, "single_word": False, "lstrip": False,
                              "rstrip": False, "normalized": False, "special": s not in NOT_SPECIAL}
                             for i, s in enumerate(SPECIAL_TOKENS)]

@@ -333,7 +333,11 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         request["log"].update(queue_ms=round(outcome.queue_wait_s * 1000, 2),
                               prefill_ms=round(outcome.prefill_s * 1000, 2),
                               batch_requests=outcome.batch_requests, batch_tokens=outcome.batch_tokens)
-        return outcome.response
+        response = outcome.response
+        # The engine echoes the request's `model`; strict clients (instructor-php) refuse an empty one.
+        if not str(response.get("model", "")).strip():
+            response["model"] = state.engine.model_name
+        return response
     finally:
         lifecycle.in_flight -= 1
 

@@ -1,4 +1,4 @@
-"""The OpenAPI 3.0 description served at ``/openapi.json``.
+"""The OpenAPI 3.1 description served at ``/openapi.json``.
 
 Built from the running configuration, so the limits it states are the ones this server enforces
 (Cloudflare's with ``--validation cloudflare``, the reference's looser ones otherwise). The request schema
@@ -10,46 +10,48 @@ from __future__ import annotations
 
 import argparse
 
-_DESCRIPTION = {"oneOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}]}
+# Descriptions (choice options, score levels, noul criteria values) may be any JSON value: they are
+# rendered into the prompt as they are. The schema states exactly what the validator accepts, so that
+# schema-driven fuzzers find every disagreement in either direction.
+_ANY: dict = {}
+_STATE = {"type": ["string", "object", "array"]}
 
 
 def _question_schema(cloudflare: bool) -> dict:
-    instructions = ({"oneOf": [{"type": "string", "minLength": 1}, {"type": "object", "minProperties": 1},
-                               {"type": "array", "minItems": 1}]}
-                    if cloudflare else {"nullable": True})
-    limits = {"choice": (2, 255), "score": (2, 10)} if cloudflare else {"choice": (1, None), "score": (1, None)}
+    if cloudflare:
+        instructions = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "object", "minProperties": 1},
+                                  {"type": "array", "minItems": 1}]}
+        choice = {"type": "object", "minProperties": 2, "maxProperties": 255,
+                  "propertyNames": {"minLength": 1}, "additionalProperties": _ANY}
+        score = {"type": "array", "minItems": 2, "maxItems": 10, "items": _ANY}
+        noul = {"type": ["object", "null"], "additionalProperties": False,
+                "properties": {"true": _ANY, "false": _ANY}}
+    else:  # the reference's rules: instructions optional (the id stands in), one option or level is enough
+        instructions = _ANY
+        choice = {"type": "object", "minProperties": 1, "additionalProperties": _ANY}
+        score = {"type": "array", "minItems": 1, "items": _ANY}
+        noul = _ANY
 
     def question(kind: str, criteria: dict, required_criteria: bool) -> dict:
         required = ["type"] + (["instructions"] if cloudflare else []) + (["criteria"] if required_criteria else [])
         return {"type": "object", "required": required, "additionalProperties": not cloudflare,
-                "properties": {"type": {"type": "string", "enum": [kind]}, "instructions": instructions,
-                               "criteria": criteria}}
+                "properties": {"type": {"const": kind}, "instructions": instructions, "criteria": criteria}}
 
-    choice_min, choice_max = limits["choice"]
-    score_min, score_max = limits["score"]
-    choice_criteria = {"type": "object", "minProperties": choice_min,
-                       "additionalProperties": {"nullable": True, **_DESCRIPTION}}
-    score_criteria = {"type": "array", "minItems": score_min, "items": _DESCRIPTION}
-    if choice_max:
-        choice_criteria["maxProperties"] = choice_max
-    if score_max:
-        score_criteria["maxItems"] = score_max
-    noul_criteria = {"type": "object", "nullable": True, "additionalProperties": False,
-                     "properties": {"true": {"nullable": True, **_DESCRIPTION},
-                                    "false": {"nullable": True, **_DESCRIPTION}}}
-    return {"oneOf": [question("noul", noul_criteria, False), question("choice", choice_criteria, True),
-                      question("score", score_criteria, True)],
-            "discriminator": {"propertyName": "type"}}
+    return {"oneOf": [question("noul", noul, False), question("choice", choice, True),
+                      question("score", score, True)]}
 
 
 def _request_schema(cloudflare: bool) -> dict:
-    questions = {"type": "object", "minProperties": 1, "additionalProperties": {"$ref": "#/components/schemas/Question"}}
+    questions = {"type": "object", "minProperties": 1,
+                 "additionalProperties": {"$ref": "#/components/schemas/Question"}}
     if cloudflare:
-        questions["maxProperties"] = 64
-    return {"type": "object", "required": ["model", "state", "questions"],
+        questions.update(maxProperties=64, propertyNames={"pattern": "^[A-Za-z0-9_.-]{1,100}$"})
+    return {"type": "object", "required": ["model", "questions"],
+            # `document` is the TypeSafe draft's name for `state`: exactly one of the two.
+            "oneOf": [{"required": ["state"]}, {"required": ["document"]}],
             "additionalProperties": not cloudflare,
             "properties": {"model": {"type": "string", "example": "clef-flash"},
-                           "state": _DESCRIPTION,
+                           "state": _STATE if cloudflare else _ANY, "document": _STATE if cloudflare else _ANY,
                            "questions": questions}}
 
 
@@ -115,9 +117,11 @@ def build_spec(config: argparse.Namespace) -> dict:
     cloudflare = config.validation == "cloudflare"
     security = [{"bearer": []}, {"apiKey": []}] if config.api_key else []
     decision_body = {"required": True, "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}
+    cloudflare_body = {"required": True,
+                       "content": _json_content({"$ref": "#/components/schemas/CloudflareRequest"})}
     plain_503 = {"description": "not ready", "content": _json_content({"type": "object"})}
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "clefcore", "version": "0.1.0",
                  "description": "System One decisions (Cloudflare Clef-flash) served by clefcore."},
         "paths": {
@@ -131,10 +135,10 @@ def build_spec(config: argparse.Namespace) -> dict:
                 "operationId": "cloudflareRun", "security": security,
                 "parameters": [
                     {"name": "account", "in": "path", "required": True,
-                     "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"}},
+                     "schema": {"type": "string", "minLength": 1}},
                     {"name": "model", "in": "path", "required": True,
                      "schema": {"type": "string", "enum": ["clef", "clef-flash"]}}],
-                "requestBody": decision_body,
+                "requestBody": cloudflare_body,
                 "responses": _decision_responses({"$ref": "#/components/schemas/CloudflareEnvelope"},
                                                  {"$ref": "#/components/schemas/CloudflareEnvelope"}, True)}},
             "/v1/models": {"get": {
@@ -158,7 +162,7 @@ def build_spec(config: argparse.Namespace) -> dict:
                                  "responses": {"200": {"description": "Prometheus text format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "operationId": "openapi", "security": [],
-                                      "responses": {"200": {"description": "OpenAPI 3.0",
+                                      "responses": {"200": {"description": "OpenAPI 3.1",
                                                             "content": _json_content({"type": "object"})}}}},
             "/": {"get": {"summary": "Playground page", "operationId": "playground", "security": [],
                           "responses": {"200": {"description": "HTML",
@@ -166,6 +170,12 @@ def build_spec(config: argparse.Namespace) -> dict:
         },
         "components": {
             "schemas": {"SystemOneRequest": _request_schema(cloudflare), "Question": _question_schema(cloudflare),
+                        # Workers AI: the body's model must name the model in the path (checked by the
+                        # server; the schema can only say it is one of the two).
+                        "CloudflareRequest": {"allOf": [
+                            {"$ref": "#/components/schemas/SystemOneRequest"},
+                            {"properties": {"model": {"type": "string",
+                                                      "pattern": r"^\s*(clef|clef-flash)\s*$"}}}]},
                         "SystemOneResponse": _RESPONSE, "Error": _ERROR, "CloudflareEnvelope": _CF_ENVELOPE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}},

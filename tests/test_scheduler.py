@@ -1,0 +1,90 @@
+"""The Cython scheduler core (clefcore.scheduler): capacity, FIFO packing under a token budget and a
+request count, cancelled and expired entries."""
+
+from __future__ import annotations
+
+import pytest
+
+from clefcore.scheduler import Entry, Scheduler
+
+FAR = 1e18
+
+
+def entries(tokens, deadline=FAR):
+    return [Entry(i, t, deadline, 0.0) for i, t in enumerate(tokens)]
+
+
+def ids(batch):
+    return [e.payload for e in batch.entries]
+
+
+def test_capacity_counts_live_entries():
+    s = Scheduler(2)
+    a, b, c = entries([10, 10, 10])
+    assert s.push(a) and s.push(b)
+    assert s.full() and not s.push(c) and len(s) == 2
+    s.cancel(a)  # a cancelled entry gives its slot back at once
+    assert not s.full() and s.push(c) and len(s) == 2 and s.live_tokens == 20
+
+
+def test_fifo_packing_respects_budget_and_count():
+    s = Scheduler(100)
+    for e in entries([300, 300, 300, 100, 100]):
+        s.push(e)
+    first = s.take(700, 10, 0.0)
+    assert ids(first) == [0, 1] and first.tokens == 600
+    # A small request never overtakes the larger one ahead of it.
+    second = s.take(350, 10, 0.0)
+    assert ids(second) == [2]
+    third = s.take(10_000, 1, 0.0)
+    assert ids(third) == [3]
+    assert ids(s.take(10_000, 10, 0.0)) == [4] and len(s) == 0
+
+
+def test_head_always_goes_even_over_budget():
+    s = Scheduler(10)
+    for e in entries([5000, 10]):
+        s.push(e)
+    assert ids(s.take(1000, 8, 0.0)) == [0]
+    assert ids(s.take(1000, 8, 0.0)) == [1]
+
+
+def test_cancelled_and_expired_entries_are_dropped_and_reported():
+    s = Scheduler(10)
+    a, b, c, d = entries([10, 10, 10, 10])
+    b.deadline = 5.0
+    for e in (a, b, c, d):
+        s.push(e)
+    s.cancel(c)
+    s.cancel(c)  # idempotent
+    batch = s.take(1000, 10, now=6.0)
+    assert ids(batch) == [0, 3]
+    assert [e.payload for e in batch.expired] == [1]
+    assert [e.payload for e in batch.cancelled] == [2]
+    assert len(s) == 0 and s.live_tokens == 0
+    assert not any(e.queued for e in (a, b, c, d))
+
+
+def test_cancel_after_take_changes_nothing():
+    s = Scheduler(4)
+    (a,) = entries([7])
+    s.push(a)
+    s.take(100, 4, 0.0)
+    s.cancel(a)
+    assert len(s) == 0 and s.live_tokens == 0
+
+
+def test_drain_and_reuse_rules():
+    s = Scheduler(4)
+    a, b = entries([1, 2])
+    s.push(a)
+    s.push(b)
+    s.cancel(a)
+    assert [e.payload for e in s.drain()] == [1]
+    assert len(s) == 0
+    with pytest.raises(ValueError):
+        s.push(a)  # cancelled entries are never queued again
+    with pytest.raises(ValueError):
+        Scheduler(0)
+    with pytest.raises(ValueError):
+        Entry(None, -1, FAR, 0.0)

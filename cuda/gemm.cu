@@ -16,10 +16,11 @@
 #define GK 32
 #define GLD (GK + 8)
 
-template <bool AH>
+template <bool AH, bool SPLIT>
 __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const half_t* __restrict__ Wg,
                                           const half_t* __restrict__ Wu, int M, int N, int K, int m0, int n0,
-                                          int k0, bool swiglu, bool vec, unsigned (&ra)[8], unsigned (&rb)[8]) {
+                                          int k0, bool swiglu, bool vec, unsigned (&ra)[8], unsigned (&rl)[8],
+                                          unsigned (&rb)[8]) {
     const int t = threadIdx.x;
     // A: 128 rows x 32 k = 4096 values, 16 per thread: row = t / 2, k-part = (t % 2) * 16
     {
@@ -48,6 +49,11 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
                     float4 v = p[i];
                     ra[2 * i] = pack2h(v.x, v.y);
                     ra[2 * i + 1] = pack2h(v.z, v.w);
+                    if (SPLIT) {
+                        rl[2 * i] = pack2h(v.x - h2f((half_t)(ra[2 * i] & 0xffff)), v.y - h2f((half_t)(ra[2 * i] >> 16)));
+                        rl[2 * i + 1] = pack2h(v.z - h2f((half_t)(ra[2 * i + 1] & 0xffff)),
+                                               v.w - h2f((half_t)(ra[2 * i + 1] >> 16)));
+                    }
                 }
             } else {
 #pragma unroll
@@ -56,6 +62,7 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
                     if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
                     if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
                     ra[i] = pack2h(lo, hi);
+                    if (SPLIT) rl[i] = pack2h(lo - h2f((half_t)(ra[i] & 0xffff)), hi - h2f((half_t)(ra[i] >> 16)));
                 }
             }
         }
@@ -86,12 +93,13 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
 
 // N here is the number of OUTPUT columns; in SWIGLU mode Wg and Wu both have N rows.
-template <bool AH, bool SWIGLU>
+template <bool AH, bool SWIGLU, bool SPLIT>
 __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half_t* __restrict__ Wg,
                                           const half_t* __restrict__ Wu, const float* __restrict__ bias,
                                           const float* __restrict__ res, void* __restrict__ C, int M, int N, int K) {
     __shared__ __align__(32) half_t sA[GM * GLD];
     __shared__ __align__(32) half_t sB[GN * GLD];
+    __shared__ __align__(32) half_t sL[SPLIT ? GM * GLD : 16];   // low halves of A (SPLIT: A = hi + lo)
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     const int wm = warp >> 2, wn = warp & 3;
     const int m0 = blockIdx.y * GM;
@@ -100,20 +108,25 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
     FragC acc[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) { frag_zero(acc[i][0]); frag_zero(acc[i][1]); }
-    unsigned ra[8], rb[8];
-    load_tile<AH>(A, Wg, Wu, M, N, K, m0, n0, 0, SWIGLU, vec, ra, rb);
+    unsigned ra[8], rl[8], rb[8];
+    load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, 0, SWIGLU, vec, ra, rl, rb);
     for (int k0 = 0; k0 < K; k0 += GK) {
         {
             const int r = t >> 1, kk = (t & 1) * 16;
             uint4* pa = (uint4*)(sA + r * GLD + kk);
             pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
             pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+            if (SPLIT) {
+                uint4* pl = (uint4*)(sL + r * GLD + kk);
+                pl[0] = make_uint4(rl[0], rl[1], rl[2], rl[3]);
+                pl[1] = make_uint4(rl[4], rl[5], rl[6], rl[7]);
+            }
             uint4* pb = (uint4*)(sB + r * GLD + kk);
             pb[0] = make_uint4(rb[0], rb[1], rb[2], rb[3]);
             pb[1] = make_uint4(rb[4], rb[5], rb[6], rb[7]);
         }
         __syncthreads();
-        if (k0 + GK < K) load_tile<AH>(A, Wg, Wu, M, N, K, m0, n0, k0 + GK, SWIGLU, vec, ra, rb);
+        if (k0 + GK < K) load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, k0 + GK, SWIGLU, vec, ra, rl, rb);
 #pragma unroll
         for (int ks = 0; ks < GK; ks += 16) {
             FragA fa[4];
@@ -129,6 +142,14 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
             for (int i = 0; i < 4; ++i) {
                 mma_row_col(acc[i][0], fa[i], fb[0]);
                 mma_row_col(acc[i][1], fa[i], fb[1]);
+            }
+            if (SPLIT) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    load_a_row(fa[i], sL + (wm * 64 + i * 16) * GLD + ks, GLD);
+                    mma_row_col(acc[i][0], fa[i], fb[0]);
+                    mma_row_col(acc[i][1], fa[i], fb[1]);
+                }
             }
         }
         __syncthreads();
@@ -155,7 +176,8 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
                     if (gc < N) {
                         float v = stage[r * 16 + c0 + c];
                         if (SWIGLU) {
-                            ((half_t*)C)[(size_t)gr * N + gc] = f2h(v);
+                            if (SPLIT) ((float*)C)[(size_t)gr * N + gc] = v;
+                            else ((half_t*)C)[(size_t)gr * N + gc] = f2h(v);
                         } else {
                             if (bias) v += bias[gc];
                             if (res) v += res[(size_t)gr * N + gc];
@@ -171,15 +193,39 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
 
 extern "C" __global__ void __launch_bounds__(256) gemm_f32a(const float* A, const half_t* W, const float* bias,
                                                            const float* res, float* C, int M, int N, int K) {
-    gemm_body<false, false>(A, W, W, bias, res, C, M, N, K);
+    gemm_body<false, false, false>(A, W, W, bias, res, C, M, N, K);
 }
 extern "C" __global__ void __launch_bounds__(256) gemm_f16a(const half_t* A, const half_t* W, const float* bias,
                                                            const float* res, float* C, int M, int N, int K) {
-    gemm_body<true, false>(A, W, W, bias, res, C, M, N, K);
+    gemm_body<true, false, false>(A, W, W, bias, res, C, M, N, K);
 }
 extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a(const float* A, const half_t* Wg,
                                                                   const half_t* Wu, half_t* H, int M, int N, int K) {
-    gemm_body<false, true>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+    gemm_body<false, true, false>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+}
+// precision="split": A = hi + lo (two fp16 halves, ~22 significant bits), two tensor-core passes; with
+// fp16-exact weights (every bf16 checkpoint value in fp16 range) the product is fp32-grade.
+extern "C" __global__ void __launch_bounds__(256) gemm_f32a_split(const float* A, const half_t* W, const float* bias,
+                                                                 const float* res, float* C, int M, int N, int K) {
+    gemm_body<false, false, true>(A, W, W, bias, res, C, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a_split(const float* A, const half_t* Wg,
+                                                                        const half_t* Wu, float* H, int M, int N,
+                                                                        int K) {
+    gemm_body<false, true, true>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+}
+extern "C" __global__ void to_half_split(const float* __restrict__ x, half_t* __restrict__ hi,
+                                         half_t* __restrict__ lo, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const half_t h = f2h(x[i]);
+        hi[i] = h;
+        lo[i] = f2h(x[i] - h2f(h));
+    }
+}
+extern "C" __global__ void swiglu_f32(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+                                      long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = silu_f(g[i]) * u[i];
 }
 
 // fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path).

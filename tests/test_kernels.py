@@ -46,6 +46,12 @@ def ops_cublas():
     return CudaOps(0, gemm="cublas")
 
 
+@pytest.fixture(scope="module")
+def ops_fast():
+    from clefcore.backends.cuda import CudaOps
+    return {"wmma16": CudaOps(0, gemm="wmma", precision="fp16"), "cublas16": CudaOps(0, gemm="cublas", precision="fp16")}
+
+
 def r(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
@@ -98,9 +104,9 @@ def test_norms_strided_view(ops):
 
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000)])
-@pytest.mark.parametrize("path", ["wmma", "cublas"])
-def test_linear(ops, ops_cublas, M, N, K, path):
-    o = ops if path == "wmma" else ops_cublas
+@pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
+def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
+    o = ops if path == "wmma" else ops_cublas if path == "cublas" else ops_fast[path]
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     W = o.weight(w)
     check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), 4e-3, o)
@@ -108,9 +114,9 @@ def test_linear(ops, ops_cublas, M, N, K, path):
 
 
 @pytest.mark.parametrize("M", [1, 65, 300])
-@pytest.mark.parametrize("path", ["wmma", "cublas"])
-def test_mlp(ops, ops_cublas, M, path):
-    o = ops if path == "wmma" else ops_cublas
+@pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
+def test_mlp(ops, ops_cublas, ops_fast, M, path):
+    o = ops if path == "wmma" else ops_cublas if path == "cublas" else ops_fast[path]
     o.token_block = 128                       # exercise the token blocking
     H, I = 96, 200
     x = r(M, H)

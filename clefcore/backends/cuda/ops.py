@@ -25,6 +25,7 @@ from .compile import load_module
 log = logging.getLogger("clefcore.cuda")
 
 _ELEM_THREADS = 256
+_NULL = np.uint64(0)     # a NULL device pointer passed by value
 
 
 class HostTable:
@@ -51,7 +52,8 @@ class CudaOps:
     name = "cuda"
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
-                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None):
+                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None,
+                 precision: str = "split"):
         import cupy
         self.cp = cupy
         self.xp = cupy
@@ -62,6 +64,11 @@ class CudaOps:
         if gemm not in ("auto", "wmma", "cublas"):
             raise ValueError("gemm must be auto, wmma or cublas")
         self.gemm_mode = gemm
+        if precision not in ("split", "fp16"):
+            raise ValueError("precision must be split or fp16")
+        # split: fp32 activations enter the tensor cores as hi + lo fp16 halves (two passes): with the
+        # fp16-exact weights the products are fp32-grade. fp16: one rounding of the activation (2x faster).
+        self.precision = precision
         self.tables = tables
         self.ptx70 = bool(ptx70)
         self.token_block = int(token_block)
@@ -76,6 +83,7 @@ class CudaOps:
         self.cc = (props["major"], props["minor"])
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
         self._fn = {}
+        self._smem_set = {}
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -86,12 +94,12 @@ class CudaOps:
         if fn is None:
             fn = load_module(module, self.ptx70).get_function(name)
             self._fn[key] = fn
-        if smem > 49152 and getattr(fn, "_clef_smem", 0) < smem:
+        if smem > 49152 and self._smem_set.get(key, 0) < smem:
             if smem > self.max_smem_optin:
                 raise errors.DeviceError(f"{name} needs {smem} bytes of shared memory; the device allows "
                                          f"{self.max_smem_optin}")
             fn.max_dynamic_shared_size_bytes = smem
-            fn._clef_smem = smem
+            self._smem_set[key] = smem
         return fn
 
     def _grid1(self, n):
@@ -269,31 +277,64 @@ class CudaOps:
         self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, y, np.int64(x.size)))
         return y
 
-    def _cublas(self, a16, w16, out):
-        """out[M, N] fp32 = a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute)."""
+    def _cublas(self, a16, w16, out, accumulate=False):
+        """out[M, N] fp32 (+)= a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute)."""
         from cupy_backends.cuda.libs import cublas
         M, K = a16.shape
         N = w16.shape[0]
         handle = self.device.cublas_handle
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, M, K,
                       self._one.ctypes.data, w16.data.ptr, 2, K, a16.data.ptr, 2, K,
-                      self._zero.ctypes.data, out.data.ptr, 0, N, 68, -1)
+                      (self._one if accumulate else self._zero).ctypes.data, out.data.ptr, 0, N, 68, -1)
+        return out
+
+    def _split(self, x):
+        x = self._c(x)
+        hi = self.cp.empty(x.shape, dtype=self.cp.float16)
+        lo = self.cp.empty(x.shape, dtype=self.cp.float16)
+        self.kernel("gemm.cu", "to_half_split")(self._grid1(x.size), (_ELEM_THREADS,), (x, hi, lo, np.int64(x.size)))
+        return hi, lo
+
+    def _gemm(self, x, w, out, bias=None):
+        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune."""
+        M, K = x.shape
+        N = w.shape[0]
+        split = self.precision == "split" and x.dtype == self.cp.float32
+
+        def run_w():
+            self._wmma(x, w, out, bias)
+
+        def run_c():
+            if x.dtype == self.cp.float16:
+                self._cublas(x, w, out)
+            elif split:
+                hi, lo = self._split(x)
+                self._cublas(hi, w, out)
+                self._cublas(lo, w, out, accumulate=True)
+            else:
+                self._cublas(self._half(x), w, out)
+            if bias is not None:
+                out.__iadd__(bias)
+
+        (run_w if self._choose(M, N, K, run_w, run_c, str(x.dtype)) == "wmma" else run_c)()
         return out
 
     def _wmma(self, a, w16, out, bias=None, res=None):
         M, K = a.shape
         N = w16.shape[0]
-        name = "gemm_f16a" if a.dtype == self.cp.float16 else "gemm_f32a"
+        name = ("gemm_f16a" if a.dtype == self.cp.float16 else
+                "gemm_f32a_split" if self.precision == "split" else "gemm_f32a")
         grid = (-(-N // 128), -(-M // 128))
-        self.kernel("gemm.cu", name)(grid, (256,), (a, w16, bias, res, out, np.int32(M), np.int32(N),
+        self.kernel("gemm.cu", name)(grid, (256,), (a, w16, _NULL if bias is None else bias,
+                                                   _NULL if res is None else res, out, np.int32(M), np.int32(N),
                                                    np.int32(K)))
         return out
 
-    def _choose(self, M, N, K, run_wmma, run_cublas):
+    def _choose(self, M, N, K, run_wmma, run_cublas, tag=""):
         if self.gemm_mode != "auto":
             return self.gemm_mode
         bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
-        key = (N, K, bucket)
+        key = (N, K, bucket, tag, self.precision)
         got = self.gemm_choice.get(key)
         if got is None:
             cp = self.cp
@@ -325,24 +366,7 @@ class CudaOps:
         out = cp.empty((M, N), dtype=cp.float32)
         if M == 0:
             return out.reshape(lead + (N,))
-        bias = self._c(b) if b is not None else None
-        a16 = None
-
-        def run_w():
-            self._wmma(x, w, out, bias)
-
-        def run_c():
-            nonlocal a16
-            if a16 is None:
-                a16 = self._half(x)
-            self._cublas(a16, w, out)
-            if bias is not None:
-                out.__iadd__(bias)
-
-        if self._choose(M, N, K, run_w, lambda: (self._cublas(self._half(x), w, out))) == "wmma":
-            run_w()
-        else:
-            run_c()
+        self._gemm(x, w, out, self._c(b) if b is not None else None)
         return out.reshape(lead + (N,))
 
     def mlp(self, x, w_gate, w_up, w_down):
@@ -352,41 +376,38 @@ class CudaOps:
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
+        split = self.precision == "split"
         for t0 in range(0, T, self.token_block):
             xb = x[t0:t0 + self.token_block]
             M = xb.shape[0]
-            hb = cp.empty((M, I), dtype=cp.float16)
+            hb = cp.empty((M, I), dtype=cp.float32 if split else cp.float16)
             ob = out[t0:t0 + M]
 
             def run_w():
                 grid = (-(-I // 64), -(-M // 128))
-                self.kernel("gemm.cu", "gemm_swiglu_f32a")(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M),
-                                                                          np.int32(I), np.int32(H)))
+                name = "gemm_swiglu_f32a_split" if split else "gemm_swiglu_f32a"
+                self.kernel("gemm.cu", name)(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M), np.int32(I),
+                                                            np.int32(H)))
 
             def run_c():
-                a16 = self._half(xb)
                 gb = cp.empty((M, I), dtype=cp.float32)
                 ub = cp.empty((M, I), dtype=cp.float32)
-                self._cublas(a16, w_gate, gb)
-                self._cublas(a16, w_up, ub)
-                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                      (gb, ub, hb, np.int64(gb.size)))
+                if split:
+                    hi, lo = self._split(xb)
+                    for w_, o_ in ((w_gate, gb), (w_up, ub)):
+                        self._cublas(hi, w_, o_)
+                        self._cublas(lo, w_, o_, accumulate=True)
+                    self.kernel("gemm.cu", "swiglu_f32")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                         (gb, ub, hb, np.int64(gb.size)))
+                else:
+                    a16 = self._half(xb)
+                    self._cublas(a16, w_gate, gb)
+                    self._cublas(a16, w_up, ub)
+                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                          (gb, ub, hb, np.int64(gb.size)))
 
-            if self._choose(M, 2 * I, H, run_w, run_c) == "wmma":
-                run_w()
-            else:
-                run_c()
-
-            def down_w():
-                self._wmma(hb, w_down, ob)
-
-            def down_c():
-                self._cublas(hb, w_down, ob)
-
-            if self._choose(M, w_down.shape[0], I, down_w, down_c) == "wmma":
-                down_w()
-            else:
-                down_c()
+            (run_w if self._choose(M, 2 * I, H, run_w, run_c, "swiglu") == "wmma" else run_c)()
+            self._gemm(hb, w_down, ob)
         return out
 
     # ------------------------------------------------------------------------------- attention path

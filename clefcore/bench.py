@@ -1,0 +1,331 @@
+"""``clefcore bench``: kernel microbenchmarks against ceilings measured in the same run, and end-to-end
+decisions (backbone + head) at 346 / 2048 / 8192 / 24,576 tokens and 16 x 512 packed.
+
+Without ``--model`` the end-to-end part uses random clef-flash-shaped weights generated directly on the GPU
+(fp16 matrices, N(0, 0.02); vocabulary tables as random bf16 on the device), which is what the synthetic
+checkpoint would hold after loading; with ``--model DIR`` the checkpoint is loaded through ``load_params``
+(and the load time reported). When torch and transformers import, a transformers Qwen3.5 text model with the
+same shapes (bf16, sdpa) runs the same lengths in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import subprocess
+import time
+import types
+
+import numpy as np
+
+LENGTHS = (346, 2048, 8192, 24576)
+
+
+def add_arguments(parser):
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: random clef-flash weights)")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--packed", default="16x512")
+    parser.add_argument("--precision", default="split", choices=["split", "fp16"])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--json", default=None, help="write all numbers here")
+
+
+def _timeit(cp, fn, reps=5, warm=1):
+    for _ in range(warm):
+        fn()
+    cp.cuda.Device().synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1))
+    return statistics.median(ts)
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def kernels(cp, ops, out):
+    """Per-kernel times with achieved rates next to the ceilings measured here."""
+    from .backends import cpu  # noqa: F401
+    rows = []
+    n = 1 << 28                                               # 1 GiB fp32
+    a = cp.random.standard_normal(n, dtype=cp.float32)
+    b = cp.empty_like(a)
+    t = _timeit(cp, lambda: b.__setitem__(slice(None), a))
+    copy_gbs = 2 * a.nbytes / t / 1e6
+    rows.append(("d2d copy (ceiling)", t, f"{copy_gbs:.0f} GB/s"))
+    del a, b
+    for M, N, K in ((2048, 12288, 4096), (2048, 4096, 12288), (346, 12288, 4096), (8192, 8192, 4096)):
+        x = cp.random.standard_normal((M, K), dtype=cp.float32)
+        w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
+        o = cp.empty((M, N), cp.float32)
+        fl = 2.0 * M * N * K
+        x16 = x.astype(cp.float16)
+        tc = _timeit(cp, lambda: ops._cublas(x16, w, o))
+        rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
+        for prec in ("fp16", "split"):
+            ops.precision = prec
+            tw = _timeit(cp, lambda: ops._wmma(x, w, o))
+            rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
+        del x, w, o, x16
+    ops.precision = out.get("precision", "split")
+    for T in (2048, 8192):
+        for D, hq, hkv in ((256, 16, 4),):
+            q = cp.random.standard_normal((T, hq, D), dtype=cp.float32)
+            k = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
+            v = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
+            cu = np.array([0, T])
+            ta = _timeit(cp, lambda: ops.attention(q, k, v, cu, 1 / 16))
+            fl = 4.0 * hq * D * T * T / 2
+            rows.append((f"attention T={T} D={D} 16q/4kv (incl. fp16 casts)", ta, f"{fl / ta / 1e9:.0f} TFLOP/s"))
+        hk, hv, dk, dv = 16, 32, 128, 128
+        qq = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6, dk ** -0.5)
+        kk = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6)
+        vv = cp.random.standard_normal((T, hv, dv), dtype=cp.float32)
+        g, beta = ops.gdn_gates(cp.random.standard_normal((T, hv), dtype=cp.float32),
+                                cp.random.standard_normal((T, hv), dtype=cp.float32),
+                                cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
+        tg = _timeit(cp, lambda: ops.gated_delta_rule(qq, kk, vv, g, beta, np.array([0, T])))
+        fl = T * hv * 0.18e6 / 32 * 32
+        rows.append((f"gated delta rule T={T} 16k/32v heads d=128", tg, f"{fl / tg / 1e9:.1f} TFLOP/s (fp32 SIMT)"))
+        x = cp.random.standard_normal((T, 4096), dtype=cp.float32)
+        w = cp.zeros(4096, cp.float32)
+        tr = _timeit(cp, lambda: ops.add_rmsnorm(x, x, w, 1e-6))
+        rows.append((f"add_rmsnorm T={T} H=4096", tr, f"{4 * x.nbytes / tr / 1e6:.0f} GB/s"))
+        xc = cp.random.standard_normal((T, 8192), dtype=cp.float32)
+        wc = cp.random.standard_normal((8192, 4), dtype=cp.float32)
+        tcv = _timeit(cp, lambda: ops.conv1d_silu(xc, wc, np.array([0, T])))
+        rows.append((f"conv1d+silu T={T} C=8192", tcv, f"{2 * xc.nbytes / tcv / 1e6:.0f} GB/s"))
+    out["kernels"] = [dict(name=r[0], ms=r[1], rate=r[2]) for r in rows]
+    for r in rows:
+        print(f"  {r[0]:55s} {r[1]:9.3f} ms  {r[2]}")
+    return rows
+
+
+def random_params(cp, ops, text_cfg, head_cfg):
+    """clef-flash-shaped random weights made on the GPU (see module doc)."""
+    from .backends.cuda.ops import DeviceTable
+    from .checkpoint import expected_head_shapes, expected_text_shapes
+    from .model import Params
+    rs = cp.random.RandomState(0)
+
+    def mat(shape, std=0.02):
+        if len(shape) == 2 and min(shape) >= 16:
+            return (rs.standard_normal(shape, dtype=cp.float32) * std).astype(cp.float16)
+        return rs.standard_normal(shape, dtype=cp.float32) * np.float32(std)
+
+    layers = [dict() for _ in range(text_cfg.num_layers)]
+    p = Params(text_cfg, head_cfg, None, None, None, layers)
+    for name, shape in expected_text_shapes(text_cfg).items():
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            bits = (rs.standard_normal(shape, dtype=cp.float32) * 0.02).view(cp.uint32) >> 16
+            w = DeviceTable(bits.astype(cp.uint16), shape)
+        elif name.endswith("conv1d.weight"):
+            w = mat((shape[0], shape[2]), 0.3)
+        elif name.endswith("A_log"):
+            w = cp.log(rs.uniform(1, 16, shape).astype(cp.float32))
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight") or name.endswith("dt_bias"):
+            w = mat(shape, 0.1)
+        else:
+            w = mat(shape)
+        if name == "embed_tokens.weight":
+            p.embed = w
+        elif name == "lm_head.weight":
+            p.lm_head = w
+        elif name == "norm.weight":
+            p.norm = w
+        else:
+            _, i, rest = name.split(".", 2)
+            layers[int(i)][rest] = w
+    for name, shape in expected_head_shapes(head_cfg).items():
+        p.head[name] = mat(shape, 0.02) if shape else cp.asarray(np.float32(0.5))
+    return p
+
+
+def _questions(L):
+    q = lambda qs, opts, t: types.SimpleNamespace(question_span=qs, option_spans=opts, type_index=t)  # noqa: E731
+    b = max(0, L - 120)
+    return [q((b, b + 10), [(b + 10, b + 20), (b + 20, b + 30)], 0),
+            q((b + 30, b + 40), [(b + 40 + 8 * i, b + 48 + 8 * i) for i in range(5)], 1),
+            q((b + 80, b + 90), [(b + 90 + 6 * i, b + 96 + 6 * i) for i in range(4)], 2)]
+
+
+def end_to_end(cp, ops, params, lengths, packed, reps, out):
+    from . import model
+    V = params.text.vocab_size
+    rng = np.random.default_rng(0)
+    res = []
+    pool = cp.get_default_memory_pool()
+    base = pool.used_bytes()
+    cases = [(f"{L} tokens", [L]) for L in lengths]
+    if packed:
+        n, l_ = (int(v) for v in packed.split("x"))
+        cases.append((f"{n}x{l_} packed", [l_] * n))
+    for label, lens in cases:
+        T = sum(lens)
+        ids = rng.integers(0, V, T)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        pos = np.concatenate([np.arange(n_) for n_ in lens])
+
+        def run():
+            hs, _ = model.backbone(ops, params, ids, cu, pos)
+            outs = []
+            for i in range(len(lens)):
+                outs.append(model.head(ops, params, hs[cu[i]:cu[i + 1]], ids[cu[i]:cu[i + 1]], _questions(lens[i])))
+            ops.check_finite(hs, "hidden states")
+            return outs
+
+        run()                                   # warm-up: compiles, autotunes the GEMM shapes
+        cp.cuda.Device().synchronize()
+        ts = []
+        for _ in range(reps if T <= 8192 else max(1, reps - 1)):
+            t0 = time.perf_counter()
+            run()
+            cp.cuda.Device().synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(ts)
+        peak = pool.total_bytes() - base
+        res.append(dict(case=label, tokens=T, ms=ms, tok_s=T / ms * 1e3, extra_gb=peak / 2 ** 30))
+        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s   pool beyond weights "
+              f"{peak / 2 ** 30:.2f} GiB")
+        pool.free_all_blocks()
+    out["end_to_end"] = res
+    return res
+
+
+def transformers_side(text_cfg, lengths, packed, reps, out):
+    try:
+        import torch
+        import transformers
+    except Exception as e:  # noqa: BLE001
+        print(f"  transformers: not run ({e.__class__.__name__}: {e})")
+        out["transformers"] = f"not importable: {e}"
+        return
+    try:
+        cfg_cls = getattr(transformers, "Qwen3_5TextConfig")
+        mdl_cls = getattr(transformers, "Qwen3_5TextModel", None) or getattr(transformers, "Qwen3_5ForCausalLM")
+        c = text_cfg
+        cfg = cfg_cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
+                      linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab_size,
+                      layer_types=list(c.layer_types), attn_implementation="sdpa")
+        with torch.device("cuda"):
+            m = mdl_cls._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        try:
+            import fla  # noqa: F401
+            fla_v = "with flash-linear-attention"
+        except ImportError:
+            fla_v = "without flash-linear-attention (torch fallback)"
+        res = []
+        cases = [(f"{L} tokens", 1, L) for L in lengths]
+        if packed:
+            n, l_ = (int(v) for v in packed.split("x"))
+            cases.append((f"{n}x{l_} padded batch", n, l_))
+        for label, B, L in cases:
+            ids = torch.randint(0, c.vocab_size, (B, L), device="cuda")
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                m(input_ids=ids)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                if first > 60:
+                    res.append(dict(case=label, ms=first * 1e3, note="single run"))
+                    print(f"  transformers {label:16s} {first * 1e3:9.1f} ms (single run)")
+                    break
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    m(input_ids=ids)
+                    torch.cuda.synchronize()
+                    ts.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(ts)
+            res.append(dict(case=label, ms=ms, tok_s=B * L / ms * 1e3))
+            print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  ({fla_v})")
+        out["transformers"] = dict(version=transformers.__version__, variant=fla_v, results=res)
+        del m
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        print(f"  transformers: failed ({e.__class__.__name__}: {e})")
+        out["transformers"] = f"failed: {e}"
+
+
+def run(args) -> int:
+    import cupy as cp
+    from .backends.cuda import CudaOps
+    from .config import HeadConfig, TextConfig
+    dev = int(args.device.split(":")[1]) if ":" in args.device else 0
+    ops = CudaOps(dev, precision=args.precision, tables="device")
+    out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), commit=_commit(), host=platform.node(),
+               precision=args.precision)
+    print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}), commit {out['commit']}, "
+          f"precision {args.precision}")
+    if not args.no_kernels:
+        print("kernels:")
+        kernels(cp, ops, out)
+    t0 = time.perf_counter()
+    if args.model:
+        from .checkpoint import Checkpoint
+        from .model import load_params
+        ck = Checkpoint(args.model)
+        params = load_params(ck, ops)
+        text_cfg = ck.text
+    else:
+        from .synth import PRESETS
+        pr = PRESETS["clef-flash"]
+        t = dict(pr["text"])
+        text_cfg = TextConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                              num_layers=t["num_hidden_layers"],
+                              layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                                for i in range(t["num_hidden_layers"])),
+                              num_heads=t["num_attention_heads"], num_kv_heads=t["num_key_value_heads"],
+                              head_dim=t["head_dim"], rotary_dim=t["head_dim"] // 4, rope_theta=1e7,
+                              lin_k_heads=t["linear_num_key_heads"], lin_v_heads=t["linear_num_value_heads"],
+                              lin_k_dim=t["linear_key_head_dim"], lin_v_dim=t["linear_value_head_dim"],
+                              conv_kernel=4, rms_eps=1e-6, vocab_size=t["vocab_size"])
+        params = random_params(cp, ops, text_cfg, HeadConfig(**pr["head"]))
+    cp.cuda.Device().synchronize()
+    load_s = time.perf_counter() - t0
+    wbytes = cp.get_default_memory_pool().used_bytes()
+    out["load_s"] = load_s
+    out["weights_gib"] = wbytes / 2 ** 30
+    print(f"weights: {wbytes / 2 ** 30:.2f} GiB on the GPU, {'loaded' if args.model else 'generated'} in {load_s:.1f} s")
+    lengths = [int(v) for v in args.lengths.split(",") if v]
+    print("end to end (backbone + head, in-process):")
+    end_to_end(cp, ops, params, lengths, args.packed, args.reps, out)
+    log_choices = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v for k, v in ops.gemm_choice.items()}
+    out["gemm_choice"] = log_choices
+    print("gemm autotune choices:", json.dumps(log_choices))
+    del params
+    cp.get_default_memory_pool().free_all_blocks()
+    if not args.no_transformers:
+        print("transformers (same shapes, random bf16 weights):")
+        transformers_side(text_cfg, lengths, args.packed, args.reps, out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="clefcore bench")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

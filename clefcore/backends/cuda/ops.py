@@ -582,11 +582,15 @@ class CudaOps:
             raise errors.DeviceError(f"{what}: all {x.size} values are zero on {self.device_name}")
 
     def begin_forward(self):
+        """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena),
+        reset here, so a forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""
         if self.pool is not None:
             self.pool.reset()
+            self.pool.activate()
 
     def end_forward(self):
-        pass
+        if self.pool is not None:
+            self.pool.deactivate()
 
     def synchronize(self):
         self.cp.cuda.Device(self.device_id).synchronize()

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from clefcore.answers import CONFIDENCE_MODES
 from clefcore.errors import ClefError, RequestError
 from clefcore.jsonvalue import parse_body
 
@@ -61,6 +62,16 @@ class ServerState:
 
 # --- command line -------------------------------------------------------------------------------------
 
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--device", default="cpu",
@@ -71,18 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
     parser.add_argument("--validation", default="cloudflare", choices=("cloudflare", "reference"),
                         help="request rules: Cloudflare's limits, or the reference code's lenient ones")
-    parser.add_argument("--confidence", default="cloudflare", help="confidence formula (see `clefcore --help`)")
-    parser.add_argument("--context-length", type=int, default=24576, help="maximum prompt tokens")
+    parser.add_argument("--confidence", default="cloudflare", choices=CONFIDENCE_MODES,
+                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
+    parser.add_argument("--context-length", type=_positive(int), default=24576, help="maximum prompt tokens")
     parser.add_argument("--on-overflow", default="truncate", choices=("truncate", "reject"),
                         help="over-long state: cut its tail like the reference, or answer 400")
-    parser.add_argument("--max-body-bytes", type=int, default=13 * 1024 * 1024,
+    parser.add_argument("--max-body-bytes", type=_positive(int), default=13 * 1024 * 1024,
                         help="largest request body accepted (413 above)")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of one packed forward")
-    parser.add_argument("--max-batch-requests", type=int, default=32, help="requests in one packed forward")
-    parser.add_argument("--max-queue", type=int, default=256, help="queued requests before answering 429")
-    parser.add_argument("--request-timeout", type=float, default=30.0,
+    parser.add_argument("--max-batch-tokens", type=_positive(int), default=16384, help="token budget of one packed forward")
+    parser.add_argument("--max-batch-requests", type=_positive(int), default=32, help="requests in one packed forward")
+    parser.add_argument("--max-queue", type=_positive(int), default=256, help="queued requests before answering 429")
+    parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer (503 after)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+    parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish accepted requests after SIGTERM")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
                         help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY)")

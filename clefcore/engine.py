@@ -103,10 +103,14 @@ class Engine:
         ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
         positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
         ops = self.ops
-        hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers)
-        self._guard(hs, "final hidden states")
-        logits = [model.head(ops, self.params, hs[cu[i]:cu[i + 1]], r.input_ids, r.questions)
-                  for i, r in enumerate(records)]
+        ops.begin_forward()   # a GPU arena hands out this forward's buffers; their contents die at the next call
+        try:
+            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers)
+            self._guard(hs, "final hidden states")
+            logits = [model.head(ops, self.params, hs[cu[i]:cu[i + 1]], r.input_ids, r.questions)
+                      for i, r in enumerate(records)]
+        finally:
+            ops.end_forward()
         return logits, hs, layers
 
     def _guard(self, x, what: str) -> None:

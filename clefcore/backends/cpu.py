@@ -19,6 +19,14 @@ ATTN_QUERY_BLOCK = 256   # query rows per block: bounds the score matrix, never 
 GDN_CHUNK = 64
 
 
+def begin_forward():
+    """Per-forward hooks of the interface: the CUDA backend resets its arena here; numpy needs nothing."""
+
+
+def end_forward():
+    pass
+
+
 def asarray(x):
     return np.asarray(x)
 

@@ -73,7 +73,8 @@ def _positive(kind):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--model", required=True,
+                        help="model directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
     parser.add_argument("--workers", type=int, default=0,
@@ -89,9 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="over-long state: cut its tail like the reference, or answer 400")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=13 * 1024 * 1024,
                         help="largest request body accepted (413 above)")
-    parser.add_argument("--max-batch-tokens", type=_positive(int), default=16384, help="token budget of one packed forward")
-    parser.add_argument("--max-batch-requests", type=_positive(int), default=32, help="requests in one packed forward")
-    parser.add_argument("--max-queue", type=_positive(int), default=256, help="queued requests before answering 429")
+    parser.add_argument("--max-batch-tokens", type=_positive(int), default=16384,
+                        help="token budget of one packed forward")
+    parser.add_argument("--max-batch-requests", type=_positive(int), default=32,
+                        help="requests in one packed forward")
+    parser.add_argument("--max-queue", type=_positive(int), default=256,
+                        help="queued requests before answering 429")
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer (503 after)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,

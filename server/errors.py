@@ -65,9 +65,10 @@ class ApiError(Exception):
 
     def cloudflare_body(self, request_id: str) -> dict:
         if self.cf_nested:
+            field_errors = {self.field: [self.message]} if self.field else {}
             nested = {"error": {"type": "invalid_request", "message": "Request body failed validation",
                                 "details": {"formErrors": [] if self.field else [self.message],
-                                            "fieldErrors": {self.field: [self.message]} if self.field else {}}}}
+                                            "fieldErrors": field_errors}}}
             message = f"AiError: AiError: {json.dumps(nested, ensure_ascii=False)} ({request_id})"
         else:
             message = f"AiError: {self.message} ({request_id})"

@@ -33,7 +33,8 @@ def _question_schema(cloudflare: bool) -> dict:
         noul = _ANY
 
     def question(kind: str, criteria: dict, required_criteria: bool) -> dict:
-        required = ["type"] + (["instructions"] if cloudflare else []) + (["criteria"] if required_criteria else [])
+        required = ["type"] + (["instructions"] if cloudflare else [])
+        required += ["criteria"] if required_criteria else []
         return {"type": "object", "required": required, "additionalProperties": not cloudflare,
                 "properties": {"type": {"const": kind}, "instructions": instructions, "criteria": criteria}}
 
@@ -51,7 +52,8 @@ def _request_schema(cloudflare: bool) -> dict:
             "oneOf": [{"required": ["state"]}, {"required": ["document"]}],
             "additionalProperties": not cloudflare,
             "properties": {"model": {"type": "string", "example": "clef-flash"},
-                           "state": _STATE if cloudflare else _ANY, "document": _STATE if cloudflare else _ANY,
+                           "state": _STATE if cloudflare else _ANY,
+                           "document": _STATE if cloudflare else _ANY,
                            "questions": questions}}
 
 
@@ -60,13 +62,15 @@ _PROBABILITIES = {"type": "object", "additionalProperties": _PROBABILITY}
 _ANSWER = {"oneOf": [
     {"type": "object", "required": ["type", "noul"], "additionalProperties": False,
      "properties": {"type": {"type": "string", "enum": ["noul"]}, "noul": _PROBABILITY}},
-    {"type": "object", "required": ["type", "choice", "probabilities", "confidence"], "additionalProperties": False,
+    {"type": "object", "required": ["type", "choice", "probabilities", "confidence"],
+     "additionalProperties": False,
      "properties": {"type": {"type": "string", "enum": ["choice"]}, "choice": {"type": "string"},
                     "probabilities": _PROBABILITIES, "confidence": _PROBABILITY}},
     {"type": "object", "required": ["type", "score", "legend", "probabilities", "confidence"],
      "additionalProperties": False,
      "properties": {"type": {"type": "string", "enum": ["score"]}, "score": {"type": "number", "minimum": 0},
-                    "legend": {"type": "object"}, "probabilities": _PROBABILITIES, "confidence": _PROBABILITY}},
+                    "legend": {"type": "object"}, "probabilities": _PROBABILITIES,
+                    "confidence": _PROBABILITY}},
 ]}
 _RESPONSE = {"type": "object", "required": ["model", "answers", "usage"],
              "properties": {"model": {"type": "string", "minLength": 1},
@@ -85,7 +89,8 @@ _CF_ENVELOPE = {"type": "object", "required": ["result", "success", "errors", "m
                 "properties": {"result": {"type": "object"}, "success": {"type": "boolean"},
                                "errors": {"type": "array", "items": {
                                    "type": "object", "required": ["message", "code"],
-                                   "properties": {"message": {"type": "string"}, "code": {"type": "integer"}}}},
+                                   "properties": {"message": {"type": "string"},
+                                                  "code": {"type": "integer"}}}},
                                "messages": {"type": "array"}}}
 
 _ERROR_STATUSES = {
@@ -116,7 +121,8 @@ def _decision_responses(ok: dict, error: dict, cloudflare: bool) -> dict:
 def build_spec(config: argparse.Namespace) -> dict:
     cloudflare = config.validation == "cloudflare"
     security = [{"bearer": []}, {"apiKey": []}] if config.api_key else []
-    decision_body = {"required": True, "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}
+    decision_body = {"required": True,
+                     "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}
     cloudflare_body = {"required": True,
                        "content": _json_content({"$ref": "#/components/schemas/CloudflareRequest"})}
     plain_503 = {"description": "not ready", "content": _json_content({"type": "object"})}
@@ -149,18 +155,21 @@ def build_spec(config: argparse.Namespace) -> dict:
                         "type": "object", "required": ["name", "description", "release_date"]}}}})},
                     "401": {"description": "missing or wrong API key",
                             "content": _json_content({"$ref": "#/components/schemas/Error"})},
-                    "503": {"description": "loading", "content": _json_content({"$ref": "#/components/schemas/Error"})}}}},
+                    "503": {"description": "loading",
+                            "content": _json_content({"$ref": "#/components/schemas/Error"})}}}},
             "/health": {"get": {"summary": "Readiness: 200 once loaded, warmed and self-checked",
                                 "operationId": "health", "security": [],
                                 "responses": {"200": {"description": "ready",
                                                       "content": _json_content({"type": "object"})},
                                               "503": plain_503}}},
-            "/live": {"get": {"summary": "Liveness: the event loop answers", "operationId": "live", "security": [],
+            "/live": {"get": {"summary": "Liveness: the event loop answers", "operationId": "live",
+                              "security": [],
                               "responses": {"200": {"description": "alive",
                                                     "content": _json_content({"type": "object"})}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics", "security": [],
                                  "responses": {"200": {"description": "Prometheus text format",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                                                       "content": {"text/plain": {
+                                                           "schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "operationId": "openapi", "security": [],
                                       "responses": {"200": {"description": "OpenAPI 3.1",
                                                             "content": _json_content({"type": "object"})}}}},
@@ -169,7 +178,8 @@ def build_spec(config: argparse.Namespace) -> dict:
                                                 "content": {"text/html": {"schema": {"type": "string"}}}}}}},
         },
         "components": {
-            "schemas": {"SystemOneRequest": _request_schema(cloudflare), "Question": _question_schema(cloudflare),
+            "schemas": {"SystemOneRequest": _request_schema(cloudflare),
+                        "Question": _question_schema(cloudflare),
                         # Workers AI: the body's model must name the model in the path (checked by the
                         # server; the schema can only say it is one of the two).
                         "CloudflareRequest": {"allOf": [

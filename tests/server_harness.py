@@ -56,7 +56,8 @@ class Server:
         # Outside the source tree, so `-m clefcore.cli` imports the installed package (with its compiled
         # scheduler), never the bare in-tree folder.
         self._cwd = tempfile.mkdtemp(prefix="clef-serve-")
-        cmd = [sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), "--port", "0", *self.args]
+        cmd = [sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), "--port", "0",
+               *self.args]
         self.proc = subprocess.Popen(cmd, cwd=self._cwd, env=self.env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -92,6 +93,10 @@ class Server:
         """SIGTERM and wait; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Wait for the process to end and for its last log lines to be read."""
         try:
             return self.proc.wait(timeout)
         finally:
@@ -117,6 +122,14 @@ class Server:
 
     def events(self, name: str) -> list[dict]:
         return [e for e in map(_json_or_none, list(self.lines)) if e and e.get("event") == name]
+
+    def wait_for_events(self, name: str, predicate, timeout: float = 5.0) -> list[dict]:
+        """The server writes a log line before its response, but our reader thread may see it a moment
+        after the response arrives: poll."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self.events(name)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.events(name)
 
     # --- HTTP ------------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: bytes | str | dict | None = None,

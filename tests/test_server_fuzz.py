@@ -66,8 +66,8 @@ def valid_requests(draw):
     """Requests both rule sets accept, so a good share of the fuzz goes through the model."""
     def question():
         kind = draw(st.sampled_from(["noul", "choice", "score"]))
-        q = {"type": kind, "instructions": draw(st.one_of(good_text, st.dictionaries(good_ids, good_text,
-                                                                                       min_size=1, max_size=3)))}
+        structured = st.dictionaries(good_ids, good_text, min_size=1, max_size=3)
+        q = {"type": kind, "instructions": draw(st.one_of(good_text, structured))}
         if kind == "noul" and draw(st.booleans()):
             q["criteria"] = {"true": draw(good_text), "false": draw(st.one_of(good_text, st.none()))}
         if kind == "choice":

@@ -25,7 +25,8 @@ def body(client: int, n: int) -> dict:
 
 async def client_loop(base: str, client: int, stop_at: float, record: list) -> None:
     connector = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(base, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as http:
         n = 0
         while time.monotonic() < stop_at:
             sent = time.monotonic()
@@ -113,7 +114,8 @@ def test_sigterm_during_load_answers_every_accepted_request():
         after = [r for r in record if r[0] >= signalled]
         print(f"\nsigterm under load: {len(answered_before)} requests sent before the signal, "
               f"statuses {sorted(set(r[2] for r in answered_before), key=str)}; {len(after)} after, statuses "
-              f"{sorted(set(r[2] for r in after), key=str)}; exit {s.proc.returncode} after {exit_after:.2f} s")
+              f"{sorted(set(r[2] for r in after), key=str)}; "
+              f"exit {s.proc.returncode} after {exit_after:.2f} s")
         assert len(answered_before) >= CLIENTS
         assert all(r[2] == 200 for r in answered_before), [r for r in answered_before if r[2] != 200][:5]
         assert all(r[2] in (200, 503) or isinstance(r[2], str) for r in after)

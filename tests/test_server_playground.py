@@ -46,7 +46,8 @@ def test_playground_shows_bars_in_headless_chromium(tmp_path):
                 ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
             questions = browser.find_elements(By.CSS_SELECTOR, "#answers .question")
             assert [q.get_attribute("data-id") for q in questions] == ["urgent", "team", "severity"]
-            bars = {q.get_attribute("data-id"): len(q.find_elements(By.CSS_SELECTOR, ".bar")) for q in questions}
+            bars = {q.get_attribute("data-id"): len(q.find_elements(By.CSS_SELECTOR, ".bar"))
+                    for q in questions}
             assert bars == {"urgent": 2, "team": 3, "severity": 4}
             widths = [b.size["width"] for b in browser.find_elements(By.CSS_SELECTOR, ".bar .fill")]
             assert any(w > 0 for w in widths)

@@ -47,7 +47,8 @@ def test_concurrent_requests_are_batched_and_answer_like_single_requests(engine)
         single = s.metric("clef_batch_size_requests_bucket", 'le="1.0"')
         assert s.metric("clef_batch_size_requests_count") - single >= 1, "no batch held several requests"
         assert s.metric("clef_batch_size_tokens_sum") > 0
-        lines = [e for e in s.events("request") if e["path"] == "/v1/systemone"]
+        lines = [e for e in s.wait_for_events("request", lambda ev: len(ev) >= len(bodies) + 2)
+                 if e["path"] == "/v1/systemone"]
         assert max(e["batch_requests"] for e in lines) > 1
 
 
@@ -137,7 +138,8 @@ def test_client_disconnect_drops_the_queued_request():
         while s.metric("clef_requests_cancelled_total") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert s.metric("clef_requests_cancelled_total") == 1
-        assert any(e["status"] == 499 for e in s.events("request"))
+        assert any(e["status"] == 499 for e in s.wait_for_events(
+            "request", lambda events: any(e["status"] == 499 for e in events)))
         time.sleep(1.2)
         # The dropped request never reached the device: one batch for `first`, none for it.
         assert s.metric("clef_batches_total") == 1
@@ -159,7 +161,7 @@ def test_sigterm_drains_accepted_requests_then_exits():
             late = s.decide(SUPPORT_TICKET)
             assert late.status == 503 and late.json()["error"]["type"] == "unavailable_error"
             assert [f.result().status for f in accepted] == [200] * 4
-        assert s.proc.wait(30) == 0
+        assert s.wait_exit(30) == 0
         assert time.monotonic() - started < 20
         assert s.events("drained") and s.events("exit")[0]["code"] == 0
 
@@ -173,7 +175,7 @@ def test_drain_timeout_bounds_the_exit():
             time.sleep(0.3)
             started = time.monotonic()
             s.proc.send_signal(15)
-            code = s.proc.wait(30)
+            code = s.wait_exit(30)
             elapsed = time.monotonic() - started
             statuses = []
             for f in futures:
@@ -190,7 +192,7 @@ def test_drain_timeout_bounds_the_exit():
 
 def test_failed_load_exits_nonzero(tmp_path):
     with Server("--model", str(tmp_path)) as s:
-        assert s.proc.wait(60) == 1
+        assert s.wait_exit(60) == 1
         assert s.events("load_failed")
 
 

@@ -141,15 +141,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
             w = mat(shape, 0.1)
         else:
             w = mat(shape)
-        if name == "embed_tokens.weight":
-            p.embed = w
-        elif name == "lm_head.weight":
-            p.lm_head = w
-        elif name == "norm.weight":
-            p.norm = w
-        else:
-            _, i, rest = name.split(".", 2)
-            layers[int(i)][rest] = w
+        p.place(name, w)
     for name, shape in expected_head_shapes(head_cfg).items():
         p.head[name] = mat(shape, 0.02) if shape else cp.asarray(np.float32(0.5))
     return p

@@ -30,6 +30,18 @@ class Params:
     layers: list[dict] = field(default_factory=list)
     head: dict = field(default_factory=dict)
 
+    def place(self, name: str, w) -> None:
+        """Store a backbone tensor under its checkpoint name (without the language-model prefix)."""
+        if name == "embed_tokens.weight":
+            self.embed = w
+        elif name == "lm_head.weight":
+            self.lm_head = w
+        elif name == "norm.weight":
+            self.norm = w
+        else:
+            _, i, rest = name.split(".", 2)
+            self.layers[int(i)][rest] = w
+
 
 def load_params(ck: Checkpoint, ops, progress=None) -> Params:
     """Convert every tensor once, in checkpoint order, into the backend's storage (``ops.weight``)."""
@@ -52,15 +64,7 @@ def load_params(ck: Checkpoint, ops, progress=None) -> Params:
             if name.endswith("conv1d.weight"):
                 w = w[:, 0, :]
             w = ops.weight(w)
-        if name == "embed_tokens.weight":
-            p.embed = w
-        elif name == "lm_head.weight":
-            p.lm_head = w
-        elif name == "norm.weight":
-            p.norm = w
-        else:
-            _, i, rest = name.split(".", 2)
-            layers[int(i)][rest] = w
+        p.place(name, w)
         tick(name)
     for name in ck.head_tensors:
         p.head[name] = ops.weight(ck.head_f32(name))

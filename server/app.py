@@ -28,7 +28,8 @@ from clefcore.jsonvalue import parse_body
 
 from . import errors
 from .batcher import Batcher, DeadlineExceeded, QueueFull
-from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle, in_daemon_thread
+from .device_thread import DeviceThread
+from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -53,6 +54,7 @@ class ServerState:
         self.lifecycle = Lifecycle()
         self.metrics = Metrics()
         self.hooks = TestHooks.from_environment()
+        self.device = DeviceThread()
         self.engine: Any = None
         self.batcher: Batcher | None = None
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest.
@@ -158,6 +160,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await state.batcher.stop()
     state.metrics.ready.set(0)
     await runner.cleanup()
+    state.device.stop()
     state.cpu.shutdown(wait=False, cancel_futures=True)
     log("exit", code=code)
     return code
@@ -171,18 +174,18 @@ async def _load(state: ServerState) -> None:
     if state.hooks.load_delay_s:
         await asyncio.sleep(state.hooks.load_delay_s)
     try:
-        engine = await in_daemon_thread(lambda: clefcore.load(
+        engine = await state.device.run(lambda: clefcore.load(
             cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
             validation=cfg.validation))
         state.lifecycle.set(LOADING, "warming up and running the self-check")
-        await in_daemon_thread(engine.self_check)
+        await state.device.run(engine.self_check)
     except Exception as error:  # noqa: BLE001 - any load failure ends the process with a clear line
         state.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
         log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
         return
     state.engine = engine
     state.metrics.watch_device_memory(engine.memory_in_use)
-    state.batcher = Batcher(engine, state.metrics, max_queue=cfg.max_queue,
+    state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                             hooks=state.hooks)
     state.batcher.start()

@@ -2,7 +2,7 @@
 device.
 
 Requests are queued in the Cython scheduler (``clefcore.scheduler``); a single dispatcher task takes the
-next packed batch whenever the device is free and runs ``engine.infer`` on a dedicated thread, so the
+next packed batch whenever the device is free and runs ``engine.infer`` on the device thread, so the
 event loop never waits on the model. Batching is continuous: whatever queued up while one forward ran is
 packed into the next one, so under load batches grow by themselves and an idle server adds no delay.
 
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from clefcore.errors import DeviceError
 from clefcore.scheduler import Entry, Scheduler
 
+from .device_thread import DeviceThread
 from .metrics import Metrics
 from .testhooks import TestHooks
 
@@ -44,14 +44,14 @@ class Outcome:
 
 
 class Batcher:
-    def __init__(self, engine: Any, metrics: Metrics, *, max_queue: int, max_batch_tokens: int,
-                 max_batch_requests: int, hooks: TestHooks):
+    def __init__(self, engine: Any, device: DeviceThread, metrics: Metrics, *, max_queue: int,
+                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks):
         self._engine = engine
         self._metrics = metrics
         self._scheduler = Scheduler(max_queue)
         self._max_tokens = max_batch_tokens
         self._max_requests = max_batch_requests
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-device")
+        self._device = device
         self._wake = asyncio.Event()
         self._running: list = []  # entries of the batch on the device now
         self._task: asyncio.Task | None = None
@@ -84,7 +84,6 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._device.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, prepared: Any, deadline: float) -> Outcome:
         """Queue one prepared request and wait for its answer. Raises QueueFull at once when there is no
@@ -113,7 +112,6 @@ class Batcher:
             self._metrics.queue_depth.set(len(self._scheduler))
 
     async def _dispatch(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if len(self._scheduler) == 0:
                 self._wake.clear()
@@ -132,7 +130,7 @@ class Batcher:
             self._running = batch.entries
             self._metrics.running.set(len(prepared))
             try:
-                results, prefill_s = await loop.run_in_executor(self._device, self._run_on_device, prepared)
+                results, prefill_s = await self._device.run(self._run_on_device, prepared)
             finally:
                 self._running = []
                 self._metrics.running.set(0)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 
@@ -44,30 +43,3 @@ class Lifecycle:
                 return True
             await asyncio.sleep(0.02)
         return self.in_flight == 0 and is_idle()
-
-
-def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run a blocking call (model load, self-check) off the event loop on a daemon thread, so a SIGTERM
-    during a long load can still end the process without waiting for the load to finish."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=target, name="clef-load", daemon=True).start()
-    return future
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

@@ -26,14 +26,19 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
     if args.port == 0:
         raise SystemExit("several workers share one port: give --port explicitly")
     spawn = multiprocessing.get_context("spawn")  # no CUDA state may be inherited through fork
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     workers = []
-    for device in devices:
-        # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
-        child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
-        child.device, child.workers, child.reuse_port = device, 0, True
-        process = spawn.Process(target=_worker, args=(child,), name=f"clef-worker-{device}")
-        process.start()
-        workers.append(process)
+    try:
+        for device in devices:
+            # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
+            child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+            child.workers, child.reuse_port = 0, True
+            child.device = _isolate(device, inherited)
+            process = spawn.Process(target=_worker, args=(child,), name=f"clef-worker-{device}")
+            process.start()  # the child copies os.environ now
+            workers.append(process)
+    finally:
+        _restore("CUDA_VISIBLE_DEVICES", inherited)
     log("supervisor", pid=os.getpid(), workers=[(p.name, p.pid) for p in workers])
 
     stopping = False
@@ -60,6 +65,26 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
                 log("worker_exited", level="error", worker=process.name, exitcode=process.exitcode)
                 stop_all()
     return code
+
+
+def _isolate(device: str, inherited: str | None) -> str:
+    """Make GPU N the only one the next worker sees, so that every CUDA call in it, on any thread, lands
+    on its own GPU (CuPy's current device defaults to 0 in each new thread)."""
+    if not device.startswith("cuda"):
+        return device
+    index = int(device.partition(":")[2] or 0)
+    visible = inherited.split(",") if inherited else [str(i) for i in range(index + 1)]
+    if index >= len(visible):
+        raise SystemExit(f"{device}: CUDA_VISIBLE_DEVICES={inherited} shows only {len(visible)} GPU(s)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    return "cuda:0"
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -42,7 +42,6 @@ CLOUDFLARE_MODELS = ("clef", "clef-flash")
 # A client-supplied x-request-id is echoed only when it is short and harmless in a log line or header.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
-CONFIG = web.AppKey("config", argparse.Namespace)
 STATE = web.AppKey("state", "ServerState")
 
 
@@ -196,7 +195,6 @@ async def _load(state: ServerState) -> None:
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_middleware])
-    app[CONFIG] = state.config
     app[STATE] = state
     app.router.add_post("/v1/systemone", _systemone)
     app.router.add_post("/client/v4/accounts/{account}/ai/run/@cf/cloudflare/{model}", _cloudflare)

@@ -86,7 +86,7 @@ def test_load_32_clients_20_seconds():
               f"{len(latencies) / max(batches, 1):.2f} requests per batch; "
               f"RSS {early / 2**20:.1f} MiB (5-10 s) -> {late / 2**20:.1f} MiB (17-22 s)")
         assert not errors, errors[:10]
-        assert len(latencies) >= 200
+        assert len(latencies) >= 100
         assert late - early < max(16 * 2**20, 0.10 * early), (early, late)
         assert batches < len(latencies), "concurrent load was never batched"
         assert s.proc.poll() is None

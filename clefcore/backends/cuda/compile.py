@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.resources
 import os
 import re
 import tempfile
@@ -29,14 +28,12 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
 def kernel_dir() -> Path:
-    """The installed ``clefcore/cuda`` package data, else the repository's ``cuda/`` folder."""
-    try:
-        p = importlib.resources.files("clefcore.cuda")
-        p = Path(str(p))
-        if p.is_dir() and any(p.glob("*.cu")):
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
+    """The installed ``clefcore/cuda`` package data (meson installs ``cuda/`` there), else the repository's
+    ``cuda/`` folder when running in-tree. Located by path: ``clefcore.cuda`` has no ``__init__`` and a
+    top-level ``cuda`` package from NVIDIA's wheels may shadow a namespace lookup."""
+    installed = Path(__file__).resolve().parents[2] / "cuda"
+    if any(installed.glob("*.cu")):
+        return installed
     return Path(__file__).resolve().parents[3] / "cuda"
 
 

@@ -17,6 +17,9 @@ name = "cpu"
 
 ATTN_QUERY_BLOCK = 256   # query rows per block: bounds the score matrix, never L x L
 GDN_CHUNK = 64
+# model.backbone's token block (layer-outer, block-inner; see its doc): 0 = the whole stream at once on the CPU.
+# The GPU backend's knob is CudaOps(token_block=...). Results do not depend on it beyond fp rounding.
+token_block = 0
 
 
 def begin_forward():
@@ -109,33 +112,52 @@ def rotary(x, cos, sin):
     return out
 
 
-def attention(q, k, v, cu_seqlens, scale):
-    """Causal GQA softmax attention inside each packed sequence. q [T,Hq,D], k/v [T,Hkv,D] -> [T,Hq,D]."""
-    T, hq, d = q.shape
+def kv_cache(T, heads, D):
+    """The K (or V) rows of a whole packed stream for blocked attention: fp32 here (fp16 on the GPU)."""
+    return np.empty((T, heads, D), np.float32)
+
+
+def kv_write(cache, t0, x):
+    """Store rows x [n, heads, D] at cache[t0:t0 + n]."""
+    cache[t0:t0 + x.shape[0]] = x
+
+
+def attention(q, k, v, cu_seqlens, scale, q_offset=0):
+    """Causal GQA softmax attention inside each packed sequence. q [n,Hq,D], k/v [>= q_offset+n,Hkv,D] ->
+    [n,Hq,D]. q holds the query rows [q_offset, q_offset + n) of the packed stream that cu_seqlens describes;
+    k/v hold (at least) its rows [0, q_offset + n): query t sees the keys [start of its sequence, t]."""
+    n, hq, d = q.shape
+    t0, t1 = int(q_offset), int(q_offset) + n
     group = hq // k.shape[1]
-    out = np.empty((T, hq, v.shape[2]), dtype=np.float32)
+    out = np.empty((n, hq, v.shape[2]), dtype=np.float32)
     for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        kk = np.repeat(k[s0:s1], group, axis=1).transpose(1, 2, 0)   # [Hq, D, L]
-        vv = np.repeat(v[s0:s1], group, axis=1).transpose(1, 0, 2)   # [Hq, L, Dv]
-        for b0 in range(s0, s1, ATTN_QUERY_BLOCK):
-            b1 = min(b0 + ATTN_QUERY_BLOCK, s1)
-            qq = q[b0:b1].transpose(1, 0, 2)                           # [Hq, n, D]
+        a, e = max(int(s0), t0), min(int(s1), t1)
+        if a >= e:
+            continue
+        kk = np.repeat(k[s0:e], group, axis=1).transpose(1, 2, 0)    # [Hq, D, L]
+        vv = np.repeat(v[s0:e], group, axis=1).transpose(1, 0, 2)    # [Hq, L, Dv]
+        for b0 in range(a, e, ATTN_QUERY_BLOCK):
+            b1 = min(b0 + ATTN_QUERY_BLOCK, e)
+            qq = q[b0 - t0:b1 - t0].transpose(1, 0, 2)                 # [Hq, m, D]
             keys = b1 - s0                                              # later keys are all masked
             sc = (qq @ kk[:, :, :keys]) * np.float32(scale)
             rows = np.arange(b0 - s0, b1 - s0)[:, None]
             sc = np.where(np.arange(keys)[None, :] <= rows, sc, -np.inf)
             sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
             p = sc / sc.sum(axis=-1, keepdims=True)
-            out[b0:b1] = (p @ vv[:, :keys]).transpose(1, 0, 2)
+            out[b0 - t0:b1 - t0] = (p @ vv[:, :keys]).transpose(1, 0, 2)
     return out
 
 
-def conv1d_silu(x, w, cu_seqlens):
-    """Causal depthwise conv (cross-correlation, tap K-1 = current token) + SiLU. x [T,C], w [C,K]."""
+def conv1d_silu(x, w, cu_seqlens, prev=None):
+    """Causal depthwise conv (cross-correlation, tap K-1 = current token) + SiLU. x [T,C], w [C,K].
+    ``prev`` [K-1, C] (optional): the pre-conv rows just before x[0] in x[0]'s sequence (a block of a longer
+    stream); they feed the first sequence of cu_seqlens only. Without it every sequence starts from zeros."""
     K = w.shape[1]
     out = np.empty_like(x, dtype=np.float32)
-    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        xs = np.concatenate([np.zeros((K - 1, x.shape[1]), np.float32), x[s0:s1]])
+    for i, (s0, s1) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        head = prev if (i == 0 and prev is not None) else np.zeros((K - 1, x.shape[1]), np.float32)
+        xs = np.concatenate([head, x[s0:s1]])
         acc = np.zeros((s1 - s0, x.shape[1]), np.float32)
         for j in range(K):
             acc += xs[j:j + s1 - s0] * w[:, j]
@@ -155,21 +177,30 @@ def gdn_gates(a, b, a_log, dt_bias):
     return -np.exp(a_log) * softplus, sigmoid(b)
 
 
-def gated_delta_rule(q, k, v, g, beta, cu_seqlens):
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None):
     """Chunked (WY/UT) gated delta rule with an fp32 state, per packed sequence.
 
     q, k [T, Hk, dk] (already L2-normalised; q also scaled), v [T, Hv, dv], g, beta [T, Hv].
     Value head j reads key head j // (Hv/Hk). Returns o [T, Hv, dv].
+    state: None (every sequence starts from S = 0) or an fp32 array [B, Hv, dk, dv], B = len(cu_seqlens) - 1:
+    sequence b starts from state[b], and state[b] is overwritten in place with the state after its last token
+    (o_t = q_t S; an empty sequence leaves its state as it was). Splitting a sequence anywhere and carrying
+    the state gives the same outputs as one call.
     """
     T, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     r = hv // hk
     C = GDN_CHUNK
+    if state is not None and (state.shape != (len(cu_seqlens) - 1, hv, dk, dv) or state.dtype != np.float32):
+        raise ValueError(f"state must be float32 [{len(cu_seqlens) - 1}, {hv}, {dk}, {dv}], "
+                         f"got {state.dtype} {state.shape}")
     out = np.empty((T, hv, dv), np.float32)
     tri_incl = np.tril(np.ones((C, C), bool))
     tri_strict = np.tril(np.ones((C, C), bool), -1)
-    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    for b, (s0, s1) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
         L = s1 - s0
+        if L == 0:
+            continue
         n = -(-L // C)
         pad = n * C - L
 
@@ -193,13 +224,15 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens):
         QK = (Q @ K.transpose(0, 1, 3, 2)) * D
         Qg = Q * np.exp(G)[..., None]
         Kd = K * np.exp(G[..., -1:] - G)[..., None]
-        S = np.zeros((hv, dk, dv), np.float32)
+        S = np.zeros((hv, dk, dv), np.float32) if state is None else state[b].astype(np.float32)
         O = np.empty((hv, n, C, dv), np.float32)
         for c in range(n):        # the only sequential part: one step per 64-token chunk
             U = Unew[:, c] - W[:, c] @ S
             O[:, c] = Qg[:, c] @ S + QK[:, c] @ U
             S = np.exp(G[:, c, -1])[:, None, None] * S + Kd[:, c].transpose(0, 2, 1) @ U
         out[s0:s1] = O.transpose(1, 2, 0, 3).reshape(n * C, hv, dv)[:L]
+        if state is not None:
+            state[b] = S
     return out
 
 

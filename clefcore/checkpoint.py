@@ -74,11 +74,13 @@ class SafetensorsFile:
         return TensorRef(self.path, name, tag, shape, raw)
 
 
-def to_float32(ref: TensorRef) -> np.ndarray:
-    """Exact widening to a fresh fp32 array (bf16 is the top half of an fp32 bit pattern)."""
+def to_float32(ref: TensorRef, rows=None) -> np.ndarray:
+    """Exact widening to a fresh fp32 array (bf16 is the top half of an fp32 bit pattern), of the whole tensor
+    or of the given rows only."""
+    raw = ref.raw if rows is None else ref.raw[np.asarray(rows)]
     if ref.dtype == "BF16":
-        return (ref.raw.astype(np.uint32) << 16).view(np.float32)
-    return np.array(ref.raw, dtype=np.float32)  # a copy: never a view into the read-only map
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return np.array(raw, dtype=np.float32)  # a copy: never a view into the read-only map
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import TEXT_PREFIX, bf16_bits, expected_head_shapes, expected_text_shapes, write_safetensors
+from .checkpoint import (
+    TEXT_PREFIX,
+    bf16_bits,
+    expected_head_shapes,
+    expected_text_shapes,
+    write_safetensors,
+)
 from .config import HeadConfig, TextConfig
 from .tokenize import SPLIT_REGEX
 

@@ -129,3 +129,17 @@ def test_synthetic_tiny_checkpoint_loads_and_answers(tmp_path):
     assert len(files) >= 3
     for f in files:
         assert f.read_bytes() == (again / f.name).read_bytes()
+
+
+def test_streamed_reference_params_match_loaded():
+    """`clefcore verify` streams the fp32 reference weights from disk layer by layer (so it fits hosts with
+    less RAM than the fp32 model); the numbers must be the loaded model's exactly."""
+    from clefcore import model, verify
+    from clefcore.backends import cpu
+    ck = Checkpoint(GOLDEN_MODEL)
+    loaded, streamed = model.load_params(ck, cpu), verify.streamed_reference_params(ck)
+    ids = np.arange(130) * 7 % ck.text.vocab_size
+    h1, k1 = model.backbone(cpu, loaded, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
+    h2, k2 = model.backbone(cpu, streamed, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
+    assert np.array_equal(h1, h2) and all(np.array_equal(a, b) for a, b in zip(k1, k2))
+    assert np.array_equal(streamed.lm_head[ids[:5]], loaded.lm_head[ids[:5]])

@@ -74,59 +74,181 @@ def load_params(ck: Checkpoint, ops, progress=None) -> Params:
 
 # ------------------------------------------------------------------------------------------------- backbone
 
-def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False):
+@dataclass(frozen=True)
+class _Block:
+    """Tokens [t0, t1) of the packed stream. ``cu`` = block-local bounds of the (pieces of) sequences in it;
+    ``cont_in``: its first piece continues a sequence from the previous block; ``cont_out``: its last piece
+    continues into the next block."""
+
+    t0: int
+    t1: int
+    cu: np.ndarray
+    cont_in: bool
+    cont_out: bool
+
+
+def block_plan(cu_seqlens, T: int, block: int) -> list[_Block]:
+    """Cut the packed stream [0, T) into blocks of ``block`` tokens (the last may be shorter)."""
+    bounds = np.unique(np.asarray(cu_seqlens, dtype=np.int64))      # drops empty sequences' duplicates
+    plan = []
+    for t0 in range(0, T, block):
+        t1 = min(t0 + block, T)
+        inner = bounds[(bounds > t0) & (bounds < t1)]
+        cu = np.concatenate([[0], inner - t0, [t1 - t0]]).astype(np.int64)
+        plan.append(_Block(t0, t1, cu, t0 not in bounds, t1 not in bounds))
+    return plan
+
+
+def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False, block: int | None = None):
     """ids [T] (packed sequences), cu_seqlens [B+1], positions [T] -> (final-norm states [T, H], per-layer
-    residual streams or None)."""
+    residual streams or None).
+
+    Layer-outer, block-inner: the fp32 residual stream x [T, H] stays whole; each layer runs its input norm,
+    mixer, MLP and residual adds over token blocks of ``block`` tokens (default ``ops.token_block``; 0 or None
+    = the whole stream), so every other activation is [block, *]. What crosses a block boundary is carried:
+    the conv's last K-1 pre-conv rows and the delta rule's state of the sequence cut by the boundary, and for
+    attention the K/V cache of the whole stream (``ops.kv_cache``; rows [0, t1) are valid when block
+    [t0, t1) runs). Results equal the unblocked computation up to fp rounding for any block size.
+    """
     c = p.text
+    T = int(len(ids))
+    if block is None:
+        block = getattr(ops, "token_block", 0)
+    block = int(block) if block and int(block) > 0 else max(T, 1)
+    plan = block_plan(cu_seqlens, T, block)
     x = ops.embed(p.embed, ids)
     cos, sin = ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
-    h = ops.rmsnorm(x, p.layers[0]["input_layernorm.weight"], c.rms_eps)
+    cache = None
     kept = [] if keep_layers else None
-    for i, (kind, L) in enumerate(zip(c.layer_types, p.layers)):
-        if kind == "full_attention":
-            mixed = full_attention(ops, c, L, h, cu_seqlens, cos, sin)
-        else:
-            mixed = gated_deltanet(ops, c, L, h, cu_seqlens)
-        x, h = ops.add_rmsnorm(x, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
-        # the residual add after the MLP is fused with the next layer's input norm (or the final norm)
-        nxt = p.layers[i + 1]["input_layernorm.weight"] if i + 1 < c.num_layers else p.norm
-        x, h = ops.add_rmsnorm(x, ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"],
-                                          L["mlp.down_proj.weight"]), nxt, c.rms_eps)
+    for kind, L in zip(c.layer_types, p.layers):
+        if kind == "full_attention" and cache is None:        # one K/V cache, reused by every attention layer
+            cache = (ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
+        carry = _Carry()
+        for b in plan:
+            xb = x[b.t0:b.t1]
+            h = ops.rmsnorm(xb, L["input_layernorm.weight"], c.rms_eps)
+            if kind == "full_attention":
+                mixed = full_attention(ops, c, L, h, cu_seqlens, cos[b.t0:b.t1], sin[b.t0:b.t1], b.t0, cache)
+            else:
+                mixed = gated_deltanet(ops, c, L, h, b, carry)
+            del h
+            s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
+            del mixed
+            m = ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"], L["mlp.down_proj.weight"])
+            del h
+            ops.xp.add(s, m, out=xb)                           # x[t0:t1] = (x + mixer) + mlp, in place
+            del s, m
         if kept is not None:
-            kept.append(x)
-    return h, kept
+            kept.append(x.copy())
+    del cache
+    for b in plan:                                             # final norm, in place: x becomes the output
+        x[b.t0:b.t1] = ops.rmsnorm(x[b.t0:b.t1], p.norm, c.rms_eps)
+    return x, kept
 
 
-def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin):
-    T, D = h.shape[0], c.head_dim
+class _Carry:
+    """What a GDN layer carries from one block to the next (only for the sequence cut by the boundary)."""
+
+    def __init__(self):
+        self.conv = None     # [K-1, conv_dim]: pre-conv rows before the next block's first row
+        self.state = None    # [1, Hv, dk, dv]: delta-rule state after the previous block's last row
+
+
+def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin, t0: int = 0, cache=None):
+    """Gated attention for the rows [t0, t0 + n) of the packed stream (h [n, H], cos/sin of those rows).
+    With ``cache`` = (K, V) of the whole stream, this block's keys/values are written at rows t0.. and its
+    queries attend to the keys of their sequence up to themselves; without it, h is the whole stream."""
+    n, D = h.shape[0], c.head_dim
     # q_proj rows are per head [query_h ; gate_h], not [all queries ; all gates]
-    qg = ops.linear(h, L["self_attn.q_proj.weight"]).reshape(T, c.num_heads, 2, D)
+    qg = ops.linear(h, L["self_attn.q_proj.weight"]).reshape(n, c.num_heads, 2, D)
     q, gate = qg[:, :, 0], qg[:, :, 1]
-    k = ops.linear(h, L["self_attn.k_proj.weight"]).reshape(T, c.num_kv_heads, D)
-    v = ops.linear(h, L["self_attn.v_proj.weight"]).reshape(T, c.num_kv_heads, D)
+    k = ops.linear(h, L["self_attn.k_proj.weight"]).reshape(n, c.num_kv_heads, D)
+    v = ops.linear(h, L["self_attn.v_proj.weight"]).reshape(n, c.num_kv_heads, D)
     q = ops.rotary(ops.rmsnorm(q, L["self_attn.q_norm.weight"], c.rms_eps), cos, sin)
     k = ops.rotary(ops.rmsnorm(k, L["self_attn.k_norm.weight"], c.rms_eps), cos, sin)
-    o = ops.attention(q, k, v, cu_seqlens, 1.0 / math.sqrt(D))
+    if cache is not None:
+        ops.kv_write(cache[0], t0, k)
+        ops.kv_write(cache[1], t0, v)
+        k, v = cache
+    o = ops.attention(q, k, v, cu_seqlens, 1.0 / math.sqrt(D), q_offset=t0)
+    del q, k, v
     o = ops.sigmoid_gate(o, gate)
-    return ops.linear(o.reshape(T, c.num_heads * D), L["self_attn.o_proj.weight"])
+    del qg, gate
+    return ops.linear(o.reshape(n, c.num_heads * D), L["self_attn.o_proj.weight"])
 
 
-def gated_deltanet(ops, c: TextConfig, L: dict, h, cu_seqlens):
-    T = h.shape[0]
+def gated_deltanet(ops, c: TextConfig, L: dict, h, b: _Block, carry: _Carry | None = None):
+    """Gated DeltaNet over one block (h [n, H]); ``b`` says where its sequences start and end, ``carry`` holds
+    what the previous block of the same sequence left (and receives what the next block needs)."""
+    n = h.shape[0]
     hk, dk, hv, dv = c.lin_k_heads, c.lin_k_dim, c.lin_v_heads, c.lin_v_dim
     kd = hk * dk
-    mixed = ops.conv1d_silu(ops.linear(h, L["linear_attn.in_proj_qkv.weight"]),
-                            L["linear_attn.conv1d.weight"], cu_seqlens)
-    q = ops.l2norm(mixed[:, :kd].reshape(T, hk, dk), 1e-6, 1.0 / math.sqrt(dk))
-    k = ops.l2norm(mixed[:, kd:2 * kd].reshape(T, hk, dk), 1e-6)
-    v = mixed[:, 2 * kd:].reshape(T, hv, dv)
+    carry = carry if carry is not None else _Carry()
+    pre = ops.linear(h, L["linear_attn.in_proj_qkv.weight"])
+    w_conv = L["linear_attn.conv1d.weight"]
+    prev = carry.conv if b.cont_in else None
+    mixed = ops.conv1d_silu(pre, w_conv, b.cu, prev=prev)
+    if b.cont_out:
+        carry.conv = _conv_tail(ops.xp, prev, pre, int(b.cu[-2]), w_conv.shape[1] - 1)
+    del pre
+    q = ops.l2norm(mixed[:, :kd].reshape(n, hk, dk), 1e-6, 1.0 / math.sqrt(dk))
+    k = ops.l2norm(mixed[:, kd:2 * kd].reshape(n, hk, dk), 1e-6)
+    v = mixed[:, 2 * kd:].reshape(n, hv, dv)
     g, beta = ops.gdn_gates(ops.linear(h, L["linear_attn.in_proj_a.weight"]),
                             ops.linear(h, L["linear_attn.in_proj_b.weight"]),
                             L["linear_attn.A_log"], L["linear_attn.dt_bias"])
-    o = ops.gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+    o = _delta_rule_block(ops, q, k, v, g, beta, b, carry)
+    del q, k, v, g, beta, mixed
     z = ops.linear(h, L["linear_attn.in_proj_z.weight"])
-    y = ops.gated_rmsnorm(o.reshape(T * hv, dv), z.reshape(T * hv, dv), L["linear_attn.norm.weight"], c.rms_eps)
-    return ops.linear(y.reshape(T, hv * dv), L["linear_attn.out_proj.weight"])
+    y = ops.gated_rmsnorm(o.reshape(n * hv, dv), z.reshape(n * hv, dv), L["linear_attn.norm.weight"], c.rms_eps)
+    del o, z
+    return ops.linear(y.reshape(n, hv * dv), L["linear_attn.out_proj.weight"])
+
+
+def _conv_tail(xp, prev, pre, last_start: int, K1: int):
+    """The K1 pre-conv rows that end at the block's last row, inside its last sequence (zeros before that
+    sequence's start). ``last_start`` = the last piece's first row; when that piece is the block's first and
+    continues a sequence (``prev`` given), rows before the block come from ``prev``."""
+    n = pre.shape[0]
+    from_prev = prev is not None and last_start == 0
+    lo = max(n - K1, 0 if from_prev else last_start)
+    tail = xp.zeros((K1, pre.shape[1]), dtype=np.float32)
+    if n > lo:
+        tail[K1 - (n - lo):] = pre[lo:]
+    if from_prev and n < K1:
+        tail[:K1 - n] = prev[n:]
+    return tail
+
+
+def _delta_rule_block(ops, q, k, v, g, beta, b: _Block, carry: _Carry):
+    """The delta rule over one block. Pieces of sequences that neither continue from the previous block nor
+    into the next one run together from a zero state (state=None); the piece cut at the block's start runs
+    from the carried state, the piece cut at its end leaves its state in ``carry``: at most three calls."""
+    cu = b.cu
+    nseg = len(cu) - 1
+    if not b.cont_in and not b.cont_out:
+        return ops.gated_delta_rule(q, k, v, g, beta, cu)
+    groups = []                                   # (first piece, end piece, carried state or None)
+    if b.cont_in:
+        groups.append((0, 1, True))
+    lo, hi = (1 if b.cont_in else 0), (nseg - 1 if b.cont_out else nseg)
+    if hi > lo:
+        groups.append((lo, hi, False))
+    if b.cont_out and not (b.cont_in and nseg == 1):
+        groups.append((nseg - 1, nseg, True))
+    parts = []
+    for i0, i1, stateful in groups:
+        a, e = int(cu[i0]), int(cu[i1])
+        state = None
+        if stateful:
+            if i0 == 0 and b.cont_in:
+                state = carry.state
+            else:                                 # a sequence that starts here and continues in the next block
+                state = ops.xp.zeros((1, v.shape[1], k.shape[2], v.shape[2]), dtype=np.float32)
+                carry.state = state
+        parts.append(ops.gated_delta_rule(q[a:e], k[a:e], v[a:e], g[a:e], beta[a:e], cu[i0:i1 + 1] - a,
+                                          state=state))
+    return parts[0] if len(parts) == 1 else ops.xp.concatenate(parts, axis=0)
 
 
 # ----------------------------------------------------------------------------------------------------- head
@@ -141,12 +263,26 @@ def head(ops, p: Params, hs, ids, questions) -> list:
     o_ends = np.array([e for q in questions for _, e in q.option_spans])
     types = np.array([q.type_index for q in questions])
 
-    X = ops.layernorm(hs, P["hidden_norm.weight"], P["hidden_norm.bias"])                  # 1
-    mem = ops.linear(X, P["memory_projection.weight"])                                        # 2
-    g = X[-1:]                                                                                # 3
-    qv = ops.span_means(X, [q.question_span[0] for q in questions],
-                        [q.question_span[1] for q in questions])                              # 4
-    ctx = ops.span_means(X, o_starts, o_ends)                                                 # 5
+    # 1: X = layernorm(hs) is never formed for all L rows: the memory is projected block by block (2), and
+    # the last row (3) and the span means (4, 5) read the normalised rows of their spans only
+    norm = lambda a: ops.layernorm(a, P["hidden_norm.weight"], P["hidden_norm.bias"])  # noqa: E731
+    L = hs.shape[0]
+    block = int(getattr(ops, "token_block", 0) or 0) or max(L, 1)
+    wm = P["memory_projection.weight"]
+    if L <= block:
+        mem = ops.linear(norm(hs), wm)                                                        # 2
+    else:
+        mem = xp.empty((L, wm.shape[0]), dtype=np.float32)
+        for t0 in range(0, L, block):
+            mem[t0:t0 + block] = ops.linear(norm(hs[t0:t0 + block]), wm)
+    g = norm(hs[L - 1:])                                                                      # 3
+    q_starts = np.array([q.question_span[0] for q in questions])
+    q_ends = np.array([q.question_span[1] for q in questions])
+    span_s, span_e = np.concatenate([q_starts, o_starts]), np.concatenate([q_ends, o_ends])
+    rows = np.concatenate([np.arange(s, e) for s, e in zip(span_s, span_e)] + [np.zeros(0, np.int64)])
+    span_offs = np.concatenate([[0], np.cumsum(span_e - span_s)])
+    means = ops.span_means(norm(ops.gather_rows(hs, rows)), span_offs[:-1], span_offs[1:])
+    qv, ctx = means[:nq], means[nq:]                                                          # 4, 5
     # 6: LM-head rows of the option tokens, gathered once, then averaged per span
     tok = np.concatenate([ids[s:e] for s, e in zip(o_starts, o_ends)])
     lens = o_ends - o_starts

@@ -13,6 +13,7 @@ from . import answers
 from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
 from .errors import ClefError, RequestError
 from .jsonvalue import parse_body
+from .progress import terminal_bar
 
 EXIT_REJECTED = 2
 
@@ -32,21 +33,7 @@ def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LE
 
 def _load(args, model: str):
     return load(model, device=args.device, max_length=args.max_length, confidence=args.confidence,
-                validation=args.validation, regex=args.regex, progress=_progress_bar())
-
-
-def _progress_bar():
-    if not sys.stderr.isatty():
-        return None
-
-    def show(done: int, total: int, what: str) -> None:
-        width = 30
-        fill = width * done // max(total, 1)
-        sys.stderr.write(f"\rloading [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-    return show
+                validation=args.validation, regex=args.regex, progress=terminal_bar())
 
 
 def cmd_decide(args) -> int:
@@ -84,7 +71,7 @@ def cmd_demo(args) -> int:
 
 def cmd_synth(args) -> int:
     from . import synth
-    out = synth.write(args.preset, args.seed, args.out, progress=_progress_bar())
+    out = synth.write(args.preset, args.seed, args.out, progress=terminal_bar("writing"))
     print(out)
     return 0
 

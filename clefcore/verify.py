@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .checkpoint import to_float32
+from .progress import terminal_bar
 
 REQUEST = {
     "model": "clef-flash",
@@ -92,7 +93,7 @@ def run(args) -> int:
     L = len(ids)
     cu, pos = np.array([0, L]), np.arange(L)
     gpu = CudaOps(dev)
-    p_gpu = model.load_params(ck, gpu)
+    p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_overflow:
         print(f"WARNING: {gpu.fp16_overflow} weight values exceeded the fp16 range and were saturated")
     p_cpu = streamed_reference_params(ck)

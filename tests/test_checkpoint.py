@@ -143,3 +143,22 @@ def test_streamed_reference_params_match_loaded():
     h2, k2 = model.backbone(cpu, streamed, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
     assert np.array_equal(h1, h2) and all(np.array_equal(a, b) for a, b in zip(k1, k2))
     assert np.array_equal(streamed.lm_head[ids[:5]], loaded.lm_head[ids[:5]])
+
+
+def test_load_progress_bar_on_a_terminal(monkeypatch):
+    import io
+
+    from clefcore import model, progress
+    from clefcore.backends import cpu
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert progress.terminal_bar() is None            # logs and pipes get no bar
+    out = Tty()
+    monkeypatch.setattr("sys.stderr", out)
+    ck = Checkpoint(GOLDEN_MODEL)
+    model.load_params(ck, cpu, progress=progress.terminal_bar("loading"))
+    n = len(ck.text_tensors) + len(ck.head_tensors)
+    assert out.getvalue().count("\r") == n and out.getvalue().endswith(f"] {n}/{n}\n")

@@ -30,6 +30,8 @@ def add_arguments(parser):
     parser.add_argument("--packed", default="16x512")
     parser.add_argument("--precision", default="split", choices=["split", "fp16"])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--token-block", type=int, default=4096,
+                        help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="write all numbers here")
@@ -155,13 +157,53 @@ def _questions(L):
             q((b + 80, b + 90), [(b + 90 + 6 * i, b + 96 + 6 * i) for i in range(4)], 2)]
 
 
+class PeakInUse:
+    """CuPy allocator wrapper that records the default pool's in-use bytes right after every allocation: in-use
+    memory only grows at an allocation, so the largest sample is the exact high-water of live arrays. Reading
+    ``used_bytes()`` walks the pool's chunk list, so use it for an untimed run only."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.pool = cp.get_default_memory_pool()
+        self.peak = 0
+        self._ctx = None
+
+    def malloc(self, nbytes):
+        mem = self.pool.malloc(nbytes)
+        used = self.pool.used_bytes()
+        if used > self.peak:
+            self.peak = used
+        return mem
+
+    def __enter__(self):
+        self.peak = self.pool.used_bytes()
+        self._ctx = self.cp.cuda.using_allocator(self.malloc)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def _device_used(cp):
+    free, total = cp.cuda.runtime.memGetInfo()
+    return total - free
+
+
 def end_to_end(cp, ops, params, lengths, packed, reps, out):
+    """Times per case and GPU memory beyond the weights, three ways (GiB):
+    peak_in_use: high-water of the CuPy default pool's in-use bytes during one untimed forward (after the
+        warm-up), minus the in-use bytes before it (the weights): what the forward needs at its worst moment;
+    pool_reserved: the pool's total_bytes() after that forward (the pool was emptied of cached blocks just
+        before it, and it never returns memory by itself, so this is its reservation high-water; fragmentation
+        makes it >= peak_in_use);
+    device: cudaMemGetInfo used-bytes growth over that forward (the pool plus anything else the driver or
+        cuBLAS took)."""
     from . import model
     V = params.text.vocab_size
     rng = np.random.default_rng(0)
     res = []
     pool = cp.get_default_memory_pool()
-    base = pool.used_bytes()
     cases = [(f"{L} tokens", [L]) for L in lengths]
     if packed:
         n, l_ = (int(v) for v in packed.split("x"))
@@ -182,6 +224,15 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
 
         run()                                   # warm-up: compiles, autotunes the GEMM shapes
         cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        base = pool.used_bytes()                # the weights (and whatever else outlives a forward)
+        dev0 = _device_used(cp)
+        with PeakInUse(cp) as pk:               # one untimed forward for the memory figures
+            run()
+            cp.cuda.Device().synchronize()
+        peak = pk.peak - base
+        reserved = pool.total_bytes() - base
+        dev = _device_used(cp) - dev0
         ts = []
         for _ in range(reps if T <= 8192 else max(1, reps - 1)):
             t0 = time.perf_counter()
@@ -189,10 +240,11 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
             cp.cuda.Device().synchronize()
             ts.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(ts)
-        peak = pool.total_bytes() - base
-        res.append(dict(case=label, tokens=T, ms=ms, tok_s=T / ms * 1e3, extra_gb=peak / 2 ** 30))
-        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s   pool beyond weights "
-              f"{peak / 2 ** 30:.2f} GiB")
+        res.append(dict(case=label, tokens=T, ms=ms, tok_s=T / ms * 1e3, token_block=getattr(ops, "token_block", 0),
+                        peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30,
+                        device_gib=dev / 2 ** 30))
+        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s   beyond weights: peak in use "
+              f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
         pool.free_all_blocks()
     out["end_to_end"] = res
     return res
@@ -260,11 +312,11 @@ def run(args) -> int:
     from .backends.cuda import CudaOps
     from .config import HeadConfig, TextConfig
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    ops = CudaOps(dev, precision=args.precision, tables="device")
+    ops = CudaOps(dev, precision=args.precision, tables="device", token_block=args.token_block)
     out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), commit=_commit(), host=platform.node(),
                precision=args.precision)
     print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}), commit {out['commit']}, "
-          f"precision {args.precision}")
+          f"precision {args.precision}, token block {args.token_block}")
     if not args.no_kernels:
         print("kernels:")
         kernels(cp, ops, out)

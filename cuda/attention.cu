@@ -9,7 +9,10 @@
 // running sum l and the rescaling stay fp32. The O accumulator lives in wmma fragments (D/16 of them per
 // warp); their opaque element -> row map is read once from a fragment loaded from a matrix of row numbers,
 // which is how each element finds its row's rescale factor alpha = exp(m_old - m_new).
-// Inputs are fp16 copies of q, k, v (one conversion pass each), tiles = (seq_start, seq_end, q0, q1).
+// Inputs are fp16 (q converted per call; k/v usually an fp16 K/V cache of the whole stream), tiles =
+// (seq_start, seq_end, q0, q1) in absolute token indices of the packed stream. Token-blocked prefill: q and out
+// hold only the rows [qbase, qbase + n) (one block of queries), k/v the rows [0, >= q1); seq_end is clipped by
+// the host to the block's end, so rows of the cache not yet written for this layer are never read.
 #include "mma_sm70.cuh"
 
 template <int D, int BC>
@@ -29,7 +32,8 @@ struct AttnSmem {
 template <int D, int BC>
 __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
                                           const half_t* __restrict__ v, float* __restrict__ out,
-                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale) {
+                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
+                                          int qbase) {
     typedef AttnSmem<D, BC> L;
     extern __shared__ __align__(128) unsigned char smem[];
     half_t* sQ = (half_t*)smem;
@@ -49,7 +53,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     for (int e = t; e < 64 * V8; e += 128) {
         const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
         uint4 val = make_uint4(0, 0, 0, 0);
-        if (qi < q1) val = *(const uint4*)(q + ((long long)qi * Hq + h) * D + c);
+        if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
         *(uint4*)(sQ + r * L::LDQ + c) = val;
     }
     for (int e = t; e < 256; e += 128) sIdx[e] = (float)(e >> 4);
@@ -152,7 +156,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         __syncwarp();
         const int r = lane >> 1, c0 = (lane & 1) * 8, row = q0 + warp * 16 + r;
         if (row < q1) {
-            float* dst = out + ((long long)row * Hq + h) * D + f * 16 + c0;
+            float* dst = out + ((long long)(row - qbase) * Hq + h) * D + f * 16 + c0;
 #pragma unroll
             for (int c = 0; c < 8; ++c) dst[c] = sSw[r * L::LDS + c0 + c];
         }
@@ -164,8 +168,8 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_d##D(const half_t* q, const half_t* k,        \
                                                                    const half_t* v, float* out,              \
                                                                    const int4* tiles, int Hq, int Hkv,       \
-                                                                   float scale) {                            \
-        attn_body<D, BC>(q, k, v, out, tiles, Hq, Hkv, scale);                                             \
+                                                                   float scale, int qbase) {                 \
+        attn_body<D, BC>(q, k, v, out, tiles, Hq, Hkv, scale, qbase);                                      \
     }                                                                                                      \
     extern "C" __global__ void attn_smem_d##D(int* n) { *n = AttnSmem<D, BC>::total; }
 CLEF_ATTN(16, 64)

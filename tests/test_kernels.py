@@ -255,3 +255,52 @@ def test_check_finite(ops):
         ops.check_finite(ops.asarray(bad), "nan")
     with pytest.raises(DeviceError):
         ops.check_finite(ops.asarray(np.zeros((4, 4), np.float32)), "zeros")
+
+
+# ------------------------------------------------------------------- token-blocked prefill (model.backbone)
+
+@pytest.mark.parametrize("cu", [[0, 300], [0, 1, 64, 129, 259], [0, 65, 130, 131]])
+@pytest.mark.parametrize("block", [1, 63, 64, 65, 100])
+@pytest.mark.parametrize("D,hq,hkv", [(64, 4, 2), (256, 4, 1)])
+def test_attention_query_offset_fp16_cache(ops, cu, block, D, hq, hkv):
+    """Queries [t0, t1) against an fp16 K/V cache whose rows past t1 hold garbage (NaN): never read."""
+    T = cu[-1]
+    q, k, v = r(T, hq, D), r(T, hkv, D), r(T, hkv, D)
+    scale = D ** -0.5
+    cu = np.array(cu)
+    ref = cpu.attention(q, k, v, cu, scale)
+    kc, vc = ops.kv_cache(T, hkv, D), ops.kv_cache(T, hkv, D)
+    kc.fill(np.nan)
+    vc.fill(np.nan)
+    got = []
+    for t0 in range(0, T, block):
+        t1 = min(t0 + block, T)
+        ops.kv_write(kc, t0, ops.asarray(k[t0:t1]))
+        ops.kv_write(vc, t0, ops.asarray(v[t0:t1]))
+        got.append(ops.to_host(ops.attention(ops.asarray(q[t0:t1]), kc, vc, cu, scale, q_offset=t0)))
+    check(f"attention offset D{D} cu{list(cu)} block{block}", np.concatenate(got), ref, 4e-3)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 5, 64])
+def test_conv1d_prev_rows(ops, block):
+    from clefcore import model
+    T, C = 130, 72
+    x, w = r(T, 3 * C), r(C, 4)
+    ref = cpu.conv1d_silu(np.ascontiguousarray(x[:, C:2 * C]), w, np.array([0, T]))
+    xd, wd = ops.asarray(x)[:, C:2 * C], ops.asarray(w)
+    prev, got = None, []
+    for t0 in range(0, T, block):
+        xb = xd[t0:t0 + block]
+        got.append(ops.to_host(ops.conv1d_silu(xb, wd, np.array([0, xb.shape[0]]), prev=prev)))
+        prev = model._conv_tail(ops.xp, prev, xb, 0, 3)
+    check(f"conv1d prev block{block}", np.concatenate(got), ref, 1e-5)
+
+
+def test_mlp_cublas_inplace_swiglu(ops_cublas):
+    """The cuBLAS split path writes silu(g) * u over g (no third [M, I] buffer)."""
+    o = ops_cublas
+    H, I = 96, 200
+    x = r(300, H)
+    wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
+    got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
+    check("mlp cublas split in-place swiglu", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)

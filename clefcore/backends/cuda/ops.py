@@ -71,6 +71,8 @@ class CudaOps:
         self.precision = precision
         self.tables = tables
         self.ptx70 = bool(ptx70)
+        # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
+        # activations beyond the residual stream and the K/V cache are [token_block, *]; 0 = whole stream
         self.token_block = int(token_block)
         self.gdn_block_chunks = int(gdn_block_chunks)
         self.pool = pool
@@ -370,24 +372,27 @@ class CudaOps:
         return out.reshape(lead + (N,))
 
     def mlp(self, x, w_gate, w_up, w_down):
-        """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small."""
+        """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small (model.backbone
+        already hands it blocks of ``token_block`` rows; direct callers get the same bound)."""
         cp = self.cp
         x = self._c(x)
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
         split = self.precision == "split"
-        for t0 in range(0, T, self.token_block):
-            xb = x[t0:t0 + self.token_block]
+        step = self.token_block if self.token_block > 0 else max(T, 1)
+        for t0 in range(0, T, step):
+            xb = x[t0:t0 + step]
             M = xb.shape[0]
-            hb = cp.empty((M, I), dtype=cp.float32 if split else cp.float16)
             ob = out[t0:t0 + M]
 
             def run_w():
+                hb = cp.empty((M, I), dtype=cp.float32 if split else cp.float16)
                 grid = (-(-I // 64), -(-M // 128))
                 name = "gemm_swiglu_f32a_split" if split else "gemm_swiglu_f32a"
                 self.kernel("gemm.cu", name)(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M), np.int32(I),
                                                             np.int32(H)))
+                return hb
 
             def run_c():
                 gb = cp.empty((M, I), dtype=cp.float32)
@@ -397,17 +402,21 @@ class CudaOps:
                     for w_, o_ in ((w_gate, gb), (w_up, ub)):
                         self._cublas(hi, w_, o_)
                         self._cublas(lo, w_, o_, accumulate=True)
-                    self.kernel("gemm.cu", "swiglu_f32")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                         (gb, ub, hb, np.int64(gb.size)))
-                else:
-                    a16 = self._half(xb)
-                    self._cublas(a16, w_gate, gb)
-                    self._cublas(a16, w_up, ub)
-                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                          (gb, ub, hb, np.int64(gb.size)))
+                    del hi, lo
+                    _swiglu_inplace_k()(ub, gb)           # gb = silu(gb) * ub: no third [M, I] buffer
+                    return gb
+                a16 = self._half(xb)
+                self._cublas(a16, w_gate, gb)
+                self._cublas(a16, w_up, ub)
+                del a16
+                hb = cp.empty((M, I), dtype=cp.float16)
+                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                      (gb, ub, hb, np.int64(gb.size)))
+                return hb
 
-            (run_w if self._choose(M, 2 * I, H, run_w, run_c, "swiglu") == "wmma" else run_c)()
+            hb = (run_w if self._choose(M, 2 * I, H, run_w, run_c, "swiglu") == "wmma" else run_c)()
             self._gemm(hb, w_down, ob)
+            del hb
         return out
 
     # ------------------------------------------------------------------------------- attention path
@@ -428,31 +437,55 @@ class CudaOps:
                                                  np.int32(H), np.int32(D), np.int32(half)))
         return y
 
-    def attention(self, q, k, v, cu_seqlens, scale):
+    def kv_cache(self, T, heads, D):
+        """K (or V) rows of a whole packed stream for token-blocked attention, fp16 (what the kernel reads)."""
+        return self.cp.empty((T, heads, D), dtype=self.cp.float16)
+
+    def kv_write(self, cache, t0, x):
+        """cache[t0:t0 + n] = x [n, heads, D] (fp32 -> fp16 in one pass)."""
+        x = self._c(x)
+        dst = cache[t0:t0 + x.shape[0]]
+        if cache.dtype == self.cp.float16:
+            self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, dst, np.int64(x.size)))
+        else:
+            dst[...] = x
+
+    def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
+        """q [n, Hq, D] = query rows [q_offset, q_offset + n) of the packed stream; k/v [>= q_offset + n, Hkv, D]
+        (fp16 cache or fp32) hold its rows from 0; cu_seqlens describes the whole stream (see cpu.attention)."""
         cp = self.cp
-        T, hq, D = q.shape
+        n, hq, D = q.shape
         hkv = k.shape[1]
         if D not in (16, 32, 64, 128, 256) or v.shape[2] != D:
             raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
+        t0 = int(q_offset)
+        t1 = t0 + n
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
         tiles = []
         for s0, s1 in zip(cu[:-1], cu[1:]):
-            for q0 in range(int(s0), int(s1), 64):
-                tiles.append((int(s0), int(s1), q0, min(q0 + 64, int(s1))))
-        out = cp.empty((T, hq, D), dtype=cp.float32)
+            a, e = max(int(s0), t0), min(int(s1), t1)
+            # keys end at the block's end: cache rows past it are not written yet for this layer
+            for q0 in range(a, e, 64):
+                tiles.append((int(s0), e, q0, min(q0 + 64, e)))
+        out = cp.empty((n, hq, D), dtype=cp.float32)
         if not tiles:
             return out
         tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first
         tl = cp.asarray(np.array(tiles, dtype=np.int32))
-        q16, k16, v16 = self._half(q), self._half(k), self._half(v)
+        q16 = self._half(q)
+        k16 = k if k.dtype == cp.float16 else self._half(k[:t1])
+        v16 = v if v.dtype == cp.float16 else self._half(v[:t1])
+        if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
+            k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
         smem = _attn_smem(D)
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
-        fn((len(tiles), hq), (128,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv), np.float32(scale)),
-           shared_mem=smem)
+        fn((len(tiles), hq), (128,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv), np.float32(scale),
+                                      np.int32(t0)), shared_mem=smem)
         return out
 
     # ------------------------------------------------------------------------------------ GDN path
-    def conv1d_silu(self, x, w, cu_seqlens):
+    def conv1d_silu(self, x, w, cu_seqlens, prev=None):
+        """See cpu.conv1d_silu: prev [K-1, C] = pre-conv rows before x[0], read by the first sequence only."""
         cp = self.cp
         x, R, C, xs = self._rows(x)
         T = R
@@ -460,8 +493,13 @@ class CudaOps:
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
         starts = np.repeat(cu[:-1], np.diff(cu)).astype(np.int32)
         y = cp.empty((T, C), dtype=cp.float32)
+        if prev is not None:
+            prev = self._c(prev)
+            if prev.shape != (K - 1, C):
+                raise ValueError(f"conv prev must be [{K - 1}, {C}], got {prev.shape}")
         self.kernel("conv1d.cu", "conv1d_silu_k")(self._grid1(y.size), (_ELEM_THREADS,),
-                                                  (x, np.int64(xs), self._c(w), cp.asarray(starts), y,
+                                                  (x, np.int64(xs), self._c(w), cp.asarray(starts),
+                                                   _NULL if prev is None else prev, y,
                                                    np.int32(T), np.int32(C), np.int32(K)))
         return y
 
@@ -625,6 +663,11 @@ def _silu_k():
 def _sigmoid_gate_k():
     # numpy twin: clefcore/backends/cpu.py::sigmoid_gate
     return _ek("clef_sigmoid_gate", "float32 o, float32 g", "float32 y", "y = o / (1.0f + expf(-g))")
+
+
+def _swiglu_inplace_k():
+    # same formula as gemm.cu::swiglu_f32 (silu_f uses __expf), written in place into g
+    return _ek("clef_swiglu_inplace", "float32 u", "float32 g", "g = g / (1.f + __expf(-g)) * u")
 
 
 def _gelu_k():

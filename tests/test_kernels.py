@@ -201,6 +201,59 @@ def test_gated_delta_rule(ops, cu, hk, hv, dk, dv):
     ops.gdn_block_chunks = 128
 
 
+def _state0(B, hv, dk, dv):
+    return r(B, hv, dk, dv, scale=0.5)
+
+
+@pytest.mark.parametrize("cu", CU + [[0, 130], [0, 17, 17, 147]])
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 32, 64)])
+def test_gated_delta_rule_state(ops, cu, hk, hv, dk, dv):
+    """Sequences start from given states; the final states are written back in place (an empty one keeps its)."""
+    q, k, v, g, beta = _gdn_inputs(cu[-1], hk, hv, dk, dv)
+    S0 = _state0(len(cu) - 1, hv, dk, dv)
+    S_ref = S0.copy()
+    ref = cpu.gated_delta_rule(q, k, v, g, beta, np.array(cu), S_ref)
+    for blk, bv in ((128, 16), (1, 16), (128, 32), (1, 32)):   # both scan widths (dv % 32 == 0 for 32)
+        if dv % bv:
+            continue
+        ops.gdn_block_chunks = blk
+        ops._gdn_bv = lambda *a, bv=bv: bv
+        try:
+            S = ops.asarray(S0)
+            got = ops.gated_delta_rule(*(ops.asarray(a) for a in (q, k, v, g, beta)), np.array(cu), S)
+        finally:
+            ops.gdn_block_chunks = 128
+            del ops._gdn_bv
+        check(f"gdn state cu{cu} dk{dk} dv{dv} blk{blk} bv{bv} out", got, ref, 2e-4, ops)
+        check(f"gdn state cu{cu} dk{dk} dv{dv} blk{blk} bv{bv} state", S, S_ref, 2e-4, ops)
+    # a strided view is updated in place too
+    big = ops.asarray(np.concatenate([S0, S0], axis=-1))
+    view = big[..., :dv]
+    ops.gated_delta_rule(*(ops.asarray(a) for a in (q, k, v, g, beta)), np.array(cu), view)
+    check(f"gdn state view cu{cu}", view, S_ref, 2e-4, ops)
+    check("gdn state view untouched half", big[..., dv:], S0, 0.0, ops)
+
+
+@pytest.mark.parametrize("split", [1, 37, 63, 64, 65, 129])
+def test_gated_delta_rule_split_carry(ops, split):
+    """Two calls with the state carried == one call (numpy reference), packed with a sequence cut in two."""
+    hk, hv, dk, dv = 1, 2, 128, 128
+    T = 200
+    q, k, v, g, beta = _gdn_inputs(T + 70, hk, hv, dk, dv)
+    S0 = _state0(2, hv, dk, dv)
+    S_ref = S0.copy()
+    ref = cpu.gated_delta_rule(q, k, v, g, beta, np.array([0, T, T + 70]), S_ref)
+    S = ops.asarray(S0)
+    dev = [ops.asarray(a) for a in (q, k, v, g, beta)]
+    first = ops.gated_delta_rule(*(a[:split] for a in dev), np.array([0, split]), S[:1])
+    # second call: the rest of sequence 0 packed with the whole of sequence 1
+    S1 = S[:2].copy()
+    second = ops.gated_delta_rule(*(a[split:] for a in dev), np.array([0, T - split, T + 70 - split]), S1)
+    got = np.concatenate([ops.to_host(first), ops.to_host(second)])
+    check(f"gdn split {split} out", got, ref, 2e-4)
+    check(f"gdn split {split} state", S1, S_ref, 2e-4, ops)
+
+
 def test_gdn_gates(ops):
     a, b, al, dt = r(65, 8, scale=10), r(65, 8), r(8), r(8)
     g, beta = ops.gdn_gates(*(ops.asarray(x) for x in (a, b, al, dt)))

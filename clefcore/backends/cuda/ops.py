@@ -507,11 +507,23 @@ class CudaOps:
         g, beta = _gdn_gates_k()(self._f32(a), self._f32(b), self._f32(a_log), self._f32(dt_bias))
         return g, beta
 
-    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens):
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
+        """cuda/gated_delta.cu: gdn_prep, gdn_scan, gdn_out per group of chunks. state: None or fp32
+        [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]
         C = GDN_CHUNK
+        if dk % 16 or dv % 16 or dk > 128 or dv > 128:
+            raise errors.DeviceError(f"gated delta rule with dk={dk}, dv={dv}: the kernels need multiples of 16 "
+                                     "up to 128")
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        nb = len(cu) - 1
+        st = None
+        if state is not None:
+            if tuple(state.shape) != (nb, hv, dk, dv) or state.dtype != cp.float32:
+                raise ValueError(f"state must be float32 [{nb}, {hv}, {dk}, {dv}], got {state.dtype} {state.shape}")
+            st = state if state.flags.c_contiguous and state.data.ptr % 256 == 0 else cp.ascontiguousarray(state)
         q, k = self._c(q), self._c(k)
         g, beta = self._c(g), self._c(beta)
         # v may be a column slice of the conv output: [T, hv, dv] with a token stride
@@ -519,7 +531,6 @@ class CudaOps:
         if not (v.strides[2] == 4 and v.strides[1] == dv * 4 and v.data.ptr % 4 == 0):
             v = cp.ascontiguousarray(v)
         vs = v.strides[0] // 4
-        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
         chunks, seq_of = [], []
         for b_, (s0, s1) in enumerate(zip(cu[:-1], cu[1:])):
             for c0 in range(int(s0), int(s1), C):
@@ -528,37 +539,53 @@ class CudaOps:
         out = cp.empty((T, hv, dv), dtype=cp.float32)
         if not chunks:
             return out
-        nb = len(cu) - 1
-        BV = 32 if dv % 32 == 0 else (16 if dv % 16 == 0 else dv)
-        state = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
+        if st is None:
+            st = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
         chunks_np = np.array(chunks, dtype=np.int32)
         seq_of = np.array(seq_of)
-        nblk = self.gdn_block_chunks
-        prep_smem = (C * (dv + dk + 1) + C * (C + 1) + 2 * C) * 4
-        scan_smem = (dk * BV + C * (dk + 1) + C * BV + C * (C + 1) + C) * 4
+        LK, LX = dk + 8, max(dk, dv) + 8
+        prep_smem = 4 * C * LK + max(4 * C * LX, 4 * C * (C + 4)) + 4 * C * (C + 8) + 8192 + 4 * C * 4
+        bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
+        scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
+        out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         prep = self.kernel("gated_delta.cu", "gdn_prep", prep_smem)
         scan = self.kernel("gated_delta.cu", "gdn_scan", scan_smem)
-        ncap = min(nblk, len(chunks))
-        Ut = cp.empty((ncap, hv, C, dv), dtype=cp.float32)
-        Wt = cp.empty((ncap, hv, C, dk), dtype=cp.float32)
-        QKD = cp.empty((ncap, hv, C, C), dtype=cp.float32)
-        gam = cp.empty((ncap, hv, C), dtype=cp.float32)
-        for c0 in range(0, len(chunks), nblk):
-            c1 = min(c0 + nblk, len(chunks))
+        outk = self.kernel("gated_delta.cu", "gdn_out", out_smem)
+        # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
+        # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
+        per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)
+        ncap = max(1, min(self.gdn_block_chunks, len(chunks), (256 << 20) // per))
+        Nw = cp.empty((ncap, hv, dk, dv), dtype=cp.float32)
+        Mw = cp.empty((ncap, hv, 2, dk, dk), dtype=cp.float16)
+        Qw = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)
+        Hw = cp.empty((ncap, hv, 2, dk, dv), dtype=cp.float16)
+        i32 = np.int32
+        for c0 in range(0, len(chunks), ncap):
+            c1 = min(c0 + ncap, len(chunks))
             ch = cp.asarray(chunks_np[c0:c1])
-            prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, np.int32(hk), np.int32(hv),
-                                         np.int32(dk), np.int32(dv), Ut, Wt, QKD, gam), shared_mem=prep_smem)
+            prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), out,
+                                         Nw, Mw, Qw), shared_mem=prep_smem)
             seqs = []
             for b_ in np.unique(seq_of[c0:c1]):
                 idx = np.nonzero(seq_of[c0:c1] == b_)[0]
                 first_global = c0 + idx[0]
-                zero = 1 if first_global == 0 or seq_of[first_global - 1] != b_ else 0
-                seqs.append((int(idx[0]), int(idx[-1]) + 1, zero, int(b_)))
+                zero = state is None and (first_global == 0 or seq_of[first_global - 1] != b_)
+                seqs.append((int(idx[0]), int(idx[-1]) + 1, int(zero), int(b_)))
             sq = cp.asarray(np.array(seqs, dtype=np.int32))
-            scan((hv, dv // BV, len(seqs)), (256,), (q, k, ch, sq, np.int32(hk), np.int32(hv), np.int32(dk),
-                                                     np.int32(dv), np.int32(BV), Ut, Wt, QKD, gam, state, out),
+            scan((hv, dv // bv, len(seqs)), (256,), (sq, i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw, st, Hw),
                  shared_mem=scan_smem)
+            outk((c1 - c0, hv, -(-dv // 64)), (256,), (ch, i32(hv), i32(dk), i32(dv), Qw, Hw, out),
+                 shared_mem=out_smem)
+        if state is not None and st is not state:
+            state[...] = st
         return out
+
+    def _gdn_bv(self, hv, dv, nseq):
+        """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):
+        32 (two tiles per warp share the M' fragments), or 16 when twice the blocks still fit on the SMs."""
+        rt = self.cp.cuda.runtime
+        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, self.device_id)
+        return 32 if dv % 32 == 0 and 2 * hv * (dv // 32) * nseq > sms else 16
 
     # ---------------------------------------------------------------------------------------- head
     def gelu(self, x):

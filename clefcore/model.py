@@ -120,7 +120,7 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     cos, sin = ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
     cache = None
     kept = [] if keep_layers else None
-    for kind, L in zip(c.layer_types, p.layers):
+    for i, (kind, L) in enumerate(zip(c.layer_types, p.layers)):
         if kind == "full_attention" and cache is None:        # one K/V cache, reused by every attention layer
             cache = (ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
         carry = _Carry()
@@ -131,10 +131,13 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
                 mixed = full_attention(ops, c, L, h, cu_seqlens, cos[b.t0:b.t1], sin[b.t0:b.t1], b.t0, cache)
             else:
                 mixed = gated_deltanet(ops, c, L, h, b, carry)
+            # a dead or overflowing kernel must fail the request, not answer it (flags read once, at the end)
+            ops.watch(mixed, f"layer {i} ({kind}) output, tokens {b.t0}-{b.t1}")
             del h
             s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
             del mixed
             m = ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"], L["mlp.down_proj.weight"])
+            ops.watch(m, f"layer {i} MLP output, tokens {b.t0}-{b.t1}")
             del h
             ops.xp.add(s, m, out=xb)                           # x[t0:t1] = (x + mixer) + mlp, in place
             del s, m
@@ -143,6 +146,7 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     del cache
     for b in plan:                                             # final norm, in place: x becomes the output
         x[b.t0:b.t1] = ops.rmsnorm(x[b.t0:b.t1], p.norm, c.rms_eps)
+    ops.check_watched()
     return x, kept
 
 

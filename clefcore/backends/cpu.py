@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checkpoint import to_float32
+from ..errors import DeviceError
 
 xp = np
 name = "cpu"
@@ -27,6 +28,24 @@ def begin_forward():
 
 
 def end_forward():
+    pass
+
+
+def check_finite(x, what: str = "output") -> None:
+    """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
+    x = np.asarray(x)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+        raise DeviceError(f"{what}: {bad} of {x.size} values are NaN or Inf")
+    if x.size and not np.any(x):
+        raise DeviceError(f"{what}: all {x.size} values are zero")
+
+
+# the per-layer guard of model.backbone: on the CPU there is nothing to defer
+watch = check_finite
+
+
+def check_watched() -> None:
     pass
 
 

@@ -86,6 +86,8 @@ class CudaOps:
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
         self._fn = {}
         self._smem_set = {}
+        self._uploads = {}
+        self._watched = []
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -151,6 +153,19 @@ class CudaOps:
                     return x, R, D, rs
         x = self.cp.ascontiguousarray(x)
         return x, R, D, D
+
+    def _upload(self, a: np.ndarray):
+        """A small host index table (tiles, chunks, row starts) on the device, memoised by content. Every layer
+        of a forward asks for the same tables, and an upload from pageable memory first waits for the GPU to
+        drain its queue: uploading once per forward instead of once per layer keeps the launches ahead."""
+        a = np.ascontiguousarray(a)
+        key = (a.dtype.str, a.shape, a.tobytes())
+        d = self._uploads.get(key)
+        if d is None:
+            if len(self._uploads) >= 256:
+                self._uploads.clear()
+            d = self._uploads[key] = self.cp.asarray(a)
+        return d
 
     def empty(self, shape, dtype=np.float32):
         return self.cp.empty(shape, dtype=dtype)
@@ -471,7 +486,7 @@ class CudaOps:
         if not tiles:
             return out
         tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first
-        tl = cp.asarray(np.array(tiles, dtype=np.int32))
+        tl = self._upload(np.array(tiles, dtype=np.int32))
         q16 = self._half(q)
         k16 = k if k.dtype == cp.float16 else self._half(k[:t1])
         v16 = v if v.dtype == cp.float16 else self._half(v[:t1])
@@ -498,7 +513,7 @@ class CudaOps:
             if prev.shape != (K - 1, C):
                 raise ValueError(f"conv prev must be [{K - 1}, {C}], got {prev.shape}")
         self.kernel("conv1d.cu", "conv1d_silu_k")(self._grid1(y.size), (_ELEM_THREADS,),
-                                                  (x, np.int64(xs), self._c(w), cp.asarray(starts),
+                                                  (x, np.int64(xs), self._c(w), self._upload(starts),
                                                    _NULL if prev is None else prev, y,
                                                    np.int32(T), np.int32(C), np.int32(K)))
         return y
@@ -562,7 +577,7 @@ class CudaOps:
         i32 = np.int32
         for c0 in range(0, len(chunks), ncap):
             c1 = min(c0 + ncap, len(chunks))
-            ch = cp.asarray(chunks_np[c0:c1])
+            ch = self._upload(chunks_np[c0:c1])
             prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), out,
                                          Nw, Mw, Qw), shared_mem=prep_smem)
             seqs = []
@@ -571,7 +586,7 @@ class CudaOps:
                 first_global = c0 + idx[0]
                 zero = state is None and (first_global == 0 or seq_of[first_global - 1] != b_)
                 seqs.append((int(idx[0]), int(idx[-1]) + 1, int(zero), int(b_)))
-            sq = cp.asarray(np.array(seqs, dtype=np.int32))
+            sq = self._upload(np.array(seqs, dtype=np.int32))
             scan((hv, dv // bv, len(seqs)), (256,), (sq, i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw, st, Hw),
                  shared_mem=scan_smem)
             outk((c1 - c0, hv, -(-dv // 64)), (256,), (ch, i32(hv), i32(dk), i32(dv), Qw, Hw, out),
@@ -634,28 +649,47 @@ class CudaOps:
         return out
 
     # ------------------------------------------------------------------------------------- guards
+    def _finite_flags(self, x, flags):
+        x = self._c(x)
+        self.kernel("embed.cu", "finite_check")(self._grid1(x.size), (_ELEM_THREADS,), (x, np.int64(x.size), flags))
+        return x.size
+
+    def _raise_if_bad(self, what, size, bad, nz):
+        if bad:
+            raise errors.DeviceError(f"{what}: {bad} of {size} values are NaN or Inf on {self.device_name}")
+        if size and nz == 0:
+            raise errors.DeviceError(f"{what}: all {size} values are zero on {self.device_name}")
+
     def check_finite(self, x, what: str = "output"):
         """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
-        x = self._c(x)
         flags = self.cp.zeros(2, dtype=self.cp.uint64)
-        self.kernel("embed.cu", "finite_check")(self._grid1(x.size), (_ELEM_THREADS,),
-                                                (x, np.int64(x.size), flags))
-        bad, nz = (int(v) for v in flags.get())
-        if bad:
-            raise errors.DeviceError(f"{what}: {bad} of {x.size} values are NaN or Inf on {self.device_name}")
-        if x.size and nz == 0:
-            raise errors.DeviceError(f"{what}: all {x.size} values are zero on {self.device_name}")
+        size = self._finite_flags(x, flags)
+        self._raise_if_bad(what, size, *(int(v) for v in flags.get()))
+
+    def watch(self, x, what: str):
+        """check_finite without waiting: the flags are read once, by check_watched() at the end of the forward."""
+        flags = self.cp.zeros(2, dtype=self.cp.uint64)
+        self._watched.append((what, self._finite_flags(x, flags), flags))
+
+    def check_watched(self):
+        watched, self._watched = self._watched, []
+        if watched:
+            counts = self.cp.stack([f for _, _, f in watched]).get()
+            for (what, size, _), (bad, nz) in zip(watched, counts):
+                self._raise_if_bad(what, size, int(bad), int(nz))
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena),
         reset here, so a forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""
         if self.pool is not None:
+            self._uploads.clear()        # memoised tables made inside the arena die with its reset
             self.pool.reset()
             self.pool.activate()
 
     def end_forward(self):
         if self.pool is not None:
             self.pool.deactivate()
+            self._uploads.clear()
 
     def synchronize(self):
         self.cp.cuda.Device(self.device_id).synchronize()

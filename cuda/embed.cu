@@ -21,6 +21,8 @@ extern "C" __global__ void gather_bf16_rows(const unsigned short* __restrict__ t
 }
 
 // NaN/Inf/all-zero guard: flags[0] += non-finite count, flags[1] += nonzero count.
+// numpy twin: clefcore/backends/cpu.py::check_finite. Counts are reduced per warp first: one atomic per thread
+// on the same two addresses serialises (it made the per-layer guard cost more than the layers).
 extern "C" __global__ void finite_check(const float* __restrict__ x, long long n, unsigned long long* __restrict__ flags) {
     unsigned long long bad = 0, nz = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -28,6 +30,12 @@ extern "C" __global__ void finite_check(const float* __restrict__ x, long long n
         if (!(fabsf(v) <= 3.402823466e38f)) bad++;
         if (v != 0.f) nz++;
     }
-    if (bad) atomicAdd(flags, bad);
-    if (nz) atomicAdd(flags + 1, nz);
+    for (int o = 16; o > 0; o >>= 1) {
+        bad += __shfl_down_sync(0xffffffffu, bad, o);
+        nz += __shfl_down_sync(0xffffffffu, nz, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (bad) atomicAdd(flags, bad);
+        if (nz) atomicAdd(flags + 1, nz);
+    }
 }

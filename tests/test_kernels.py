@@ -308,6 +308,21 @@ def test_check_finite(ops):
         ops.check_finite(ops.asarray(bad), "nan")
     with pytest.raises(DeviceError):
         ops.check_finite(ops.asarray(np.zeros((4, 4), np.float32)), "zeros")
+    # exact counts on a large awkward size (the counts are reduced per warp and over a capped grid)
+    big = r(1_000_003)
+    idx = np.random.default_rng(5).choice(big.size, 37, replace=False)
+    big[idx[:30]] = np.nan
+    big[idx[30:]] = -np.inf
+    with pytest.raises(DeviceError, match="37 of 1000003 values"):
+        ops.check_finite(ops.asarray(big), "big")
+    one = np.zeros(1_000_003, np.float32)
+    one[-1] = 1e-30
+    ops.check_finite(ops.asarray(one), "one nonzero")     # a single nonzero value is not "all zero"
+    ops.watch(ops.asarray(big), "watched big")
+    ops.watch(ops.asarray(r(65)), "watched ok")
+    with pytest.raises(DeviceError, match="watched big: 37 of"):
+        ops.check_watched()
+    ops.check_watched()                                     # the flags were consumed
 
 
 # ------------------------------------------------------------------- token-blocked prefill (model.backbone)

@@ -651,7 +651,9 @@ class CudaOps:
     # ------------------------------------------------------------------------------------- guards
     def _finite_flags(self, x, flags):
         x = self._c(x)
-        self.kernel("embed.cu", "finite_check")(self._grid1(x.size), (_ELEM_THREADS,), (x, np.int64(x.size), flags))
+        # a grid-stride loop over at most 1024 blocks: few atomics, and enough blocks to fill the GPU
+        grid = (int(min(max(1, -(-x.size // _ELEM_THREADS)), 1024)),)
+        self.kernel("embed.cu", "finite_check")(grid, (_ELEM_THREADS,), (x, np.int64(x.size), flags))
         return x.size
 
     def _raise_if_bad(self, what, size, bad, nz):

@@ -1,0 +1,54 @@
+"""`clefcore serve --device cuda:0`: the server's whole path on a GPU (HTTP -> batcher -> device thread ->
+CUDA kernels) answers like the fp32 CPU engine, batches concurrent requests, and keeps serving after a bad
+request. Skips without a GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import clefcore
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+
+
+def test_gpu_server_answers_like_the_cpu_engine(engine):
+    bodies = [json.loads(line) for line in (GOLDEN / "requests.jsonl").read_text().splitlines()]
+    bodies += [ticket(f"Ticket {i}: checkout fails with error {i * 7} in region {i}.") for i in range(16)]
+    with Server("--device", "cuda:0", "--max-batch-requests", "16",
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+        s.wait_ready(timeout=180)
+        s.decide(SUPPORT_TICKET)        # keeps the device busy so the next ones queue up together
+        with ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(s.decide, bodies))
+        answered = 0
+        for body, reply in zip(bodies, replies):
+            if reply.status == 422:     # golden requests that the Cloudflare rules refuse
+                continue
+            assert reply.status == 200, reply
+            check_client_rules(body, reply.json())
+            # GPU fp16 tensor cores vs the fp32 numpy path: probabilities within the engine's 2e-3 bar
+            assert same_answers(reply.json(), engine.decide(body), tol=2e-3), body
+            answered += 1
+        assert answered >= 26
+        assert s.metric("clef_batches_total") < len(bodies), "concurrent requests were never batched"
+        bad = s.post("/v1/systemone", '{"state": "x", "questions": {}}')
+        assert bad.status == 422
+        assert s.decide(SUPPORT_TICKET).status == 200
+        assert s.terminate() == 0

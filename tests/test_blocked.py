@@ -8,6 +8,7 @@ on their own too. CPU always; the same model-level checks on the GPU when CuPy s
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,9 @@ import pytest
 from clefcore import model
 from clefcore.backends import cpu
 from clefcore.checkpoint import Checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import HAVE_GPU  # noqa: E402
 
 GOLD = Path(__file__).parent / "golden" / "model"
 RNG = np.random.default_rng(11)
@@ -114,16 +118,8 @@ def test_keep_layers_are_copies(cpu_params):
 
 # ------------------------------------------------------------------------------------------------- GPU
 
-def _gpu():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu(), reason="no CUDA device visible to CuPy")
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
 @pytest.mark.parametrize("lengths,blocks", CASES)
 def test_backbone_blocked_equals_unblocked_gpu(cpu_params, lengths, blocks):
     from clefcore.backends.cuda import CudaOps

@@ -3,18 +3,18 @@ per-question probabilities within 2e-3 of the reference, hidden states close, pa
 the native build and for the compute_70 PTX of the pip NVRTC 12 (the Volta code path, JIT-compiled)."""
 
 import json
+import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
 
 from clefcore import model  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402

@@ -4,6 +4,7 @@ backend, instead of returning a well-formed wrong answer."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,18 +13,14 @@ import pytest
 import clefcore
 from clefcore.errors import DeviceError
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import HAVE_GPU  # noqa: E402
+
 MODEL = Path(__file__).parent / "golden" / "model"
 
 
 def _devices():
-    out = ["cpu"]
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            out.append(pytest.param("cuda:0", marks=pytest.mark.gpu))
-    except Exception:  # noqa: BLE001 - no CuPy or no driver: CPU only
-        pass
-    return out
+    return ["cpu"] + ([pytest.param("cuda:0", marks=pytest.mark.gpu)] if HAVE_GPU else [])
 
 
 @pytest.fixture(scope="module", params=_devices())

@@ -9,19 +9,20 @@ for linear/mlp/attention (where weights here are already fp16-exact, as bf16 che
 Pure fp32 kernels (norms, rotary, conv, gates, the delta rule) differ only by summation order: 1e-5..2e-4.
 """
 
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clefcore.backends import cpu
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
 
 RNG = np.random.default_rng()
 

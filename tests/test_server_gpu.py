@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
-
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+pytestmark = MARKS
+cupy = pytest.importorskip("cupy")
+
 from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
 
 

@@ -46,6 +46,8 @@ class Prepared:
 def backend_for(device: str, **options):
     """``"cpu"`` -> the numpy module; ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
     if device == "cpu":
+        if options:
+            raise ClefError(f"{', '.join(sorted(options))}: GPU-only options (device is 'cpu')")
         from .backends import cpu
         return cpu
     if device == "cuda" or device.startswith("cuda:"):

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.answers import CONFIDENCE_MODES
+from clefcore.cli import backend_options, gpu_options
 from clefcore.errors import ClefError, RequestError
 from clefcore.jsonvalue import parse_body
 
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
     parser.add_argument("--workers", type=int, default=0,
                         help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU")
+    gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
     parser.add_argument("--validation", default="cloudflare", choices=("cloudflare", "reference"),
@@ -175,7 +177,7 @@ async def _load(state: ServerState) -> None:
     try:
         engine = await state.device.run(lambda: clefcore.load(
             cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
-            validation=cfg.validation))
+            validation=cfg.validation, **backend_options(cfg)))
         state.lifecycle.set(LOADING, "warming up and running the self-check")
         await state.device.run(engine.self_check)
     except Exception as error:  # noqa: BLE001 - any load failure ends the process with a clear line

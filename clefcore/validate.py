@@ -164,23 +164,21 @@ def _cloudflare_question(qid: str, question: Any) -> None:
                 raise RequestError(f"{cpath}: noul criteria keys must be true or false, got {_show(key)}",
                                    field=join_path(cpath, key), limit="true, false")
     elif qtype == "choice":
-        if not isinstance(criteria, dict):
-            raise RequestError(f"{cpath}: choice criteria must be an object of options, got "
-                               f"{_got(question, 'criteria')}",
-                               field=cpath)
-        low, high = CHOICE_OPTIONS
-        if not low <= len(criteria) <= high:
-            raise RequestError(f"{cpath}: choice needs {low} to {high} options, got {len(criteria)}",
-                               field=cpath, limit=f"{low}..{high} options")
+        _check_criteria(question, cpath, dict, "choice", "an object of options", CHOICE_OPTIONS, "options")
         if "" in criteria:
             raise RequestError(f"{cpath}: option ids must be non-empty strings", field=cpath,
                                limit="non-empty")
     else:
-        if not isinstance(criteria, list):
-            raise RequestError(f"{cpath}: score criteria must be an array of levels, got "
-                               f"{_got(question, 'criteria')}",
-                               field=cpath)
-        low, high = SCORE_LEVELS
-        if not low <= len(criteria) <= high:
-            raise RequestError(f"{cpath}: score needs {low} to {high} levels, got {len(criteria)}",
-                               field=cpath, limit=f"{low}..{high} levels")
+        _check_criteria(question, cpath, list, "score", "an array of levels", SCORE_LEVELS, "levels")
+
+
+def _check_criteria(question: dict, cpath: str, kind: type, qtype: str, shape: str, bounds, unit: str) -> None:
+    """choice/score criteria: the right JSON type, and a count within the Cloudflare bounds."""
+    criteria = question.get("criteria")
+    if not isinstance(criteria, kind):
+        raise RequestError(f"{cpath}: {qtype} criteria must be {shape}, got {_got(question, 'criteria')}",
+                           field=cpath)
+    low, high = bounds
+    if not low <= len(criteria) <= high:
+        raise RequestError(f"{cpath}: {qtype} needs {low} to {high} {unit}, got {len(criteria)}",
+                           field=cpath, limit=f"{low}..{high} {unit}")

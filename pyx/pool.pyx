@@ -1,21 +1,23 @@
 # cython: language_level=3
-"""GPU arena for clefcore's CUDA backend: one reservation at load, bump allocation per forward.
+"""GPU arena for clefcore's CUDA backend: one reservation at load, sub-allocated for the engine's lifetime.
 
-``Arena(nbytes, device_id)`` reserves one block of device memory (a single cudaMalloc through CuPy) sized for
-the configured token budget. ``alloc(nbytes)`` hands out 256-byte-aligned pieces of it; nothing is freed
-piece by piece: ``reset()`` at the start of each forward makes the whole arena available again, so a request
-never calls cudaMalloc. Running out raises ``clefcore.errors.DeviceError`` naming the bytes asked for and the
-bytes left. ``activate()`` / ``deactivate()`` route every CuPy allocation of the current thread to the arena
-(``cupy.cuda.using_allocator``), which is how ``CudaOps.begin_forward`` / ``end_forward`` use it: arrays made
-by the ops during one forward live in the arena and die with the next ``reset()``; anything that must outlive
-the forward is copied out (answers go to the host anyway).
+``Arena(nbytes, device_id)`` reserves one block of device memory (a single cudaMalloc through CuPy). Between
+``activate()`` and ``deactivate()`` (``CudaOps.begin_forward`` / ``end_forward``) every CuPy allocation of the
+current thread is carved out of it, best fit and 256-byte aligned, and its range goes back to the arena when
+the array dies. So a forward never calls cudaMalloc, and the token-blocked prefill's early frees are reused
+by the next block. Running out raises ``clefcore.errors.DeviceError`` naming the bytes asked for, the largest
+free piece and the free total.
 
-Ownership: the Arena owns the reservation (a ``cupy.cuda.Memory``); every pointer it hands out is a
-``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is the Arena, so the reservation lives as long
-as any array made from it.
+Ownership: the Arena owns the reservation (a ``cupy.cuda.Memory``). Each piece handed out is a
+``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is a ``_Piece``; CuPy keeps the owner alive as
+long as any array or view uses the memory, and the piece returns its range when it is collected. Reuse is
+stream-ordered as in CuPy's own pool: the backend queues all its work on one stream, so a kernel that reuses
+a range runs after every kernel that read the range's previous contents.
+
+``FreeList`` is the bookkeeping alone (integers, no device), so it is tested without a GPU.
 """
 
-from libc.stdint cimport uint64_t
+from bisect import bisect_left
 
 import cupy
 
@@ -24,18 +26,97 @@ from clefcore.errors import DeviceError
 DEF ALIGN = 256
 
 
+cdef class FreeList:
+    """Free ranges [start, start + size) of a capacity, sorted by start and coalesced; best-fit ``take``."""
+
+    cdef readonly unsigned long long capacity
+    cdef readonly unsigned long long in_use
+    cdef readonly unsigned long long high_water
+    cdef list _starts
+    cdef list _sizes
+
+    def __cinit__(self, unsigned long long capacity):
+        self.capacity = capacity
+        self._starts = [0] if capacity else []
+        self._sizes = [capacity] if capacity else []
+        self.in_use = 0
+        self.high_water = 0
+
+    cpdef long long take(self, unsigned long long size):
+        """The start of a free range of ``size`` bytes, now in use; -1 when no free range is large enough."""
+        cdef Py_ssize_t i, best = -1
+        cdef unsigned long long s, best_size = 0
+        for i in range(len(self._sizes)):
+            s = self._sizes[i]
+            if s >= size and (best < 0 or s < best_size):
+                best, best_size = i, s
+                if s == size:
+                    break
+        if best < 0:
+            return -1
+        start = self._starts[best]
+        if best_size == size:
+            del self._starts[best]
+            del self._sizes[best]
+        else:
+            self._starts[best] = start + size
+            self._sizes[best] = best_size - size
+        self.in_use += size
+        if self.in_use > self.high_water:
+            self.high_water = self.in_use
+        return start
+
+    cpdef give(self, unsigned long long start, unsigned long long size):
+        """Return [start, start + size); merges with its free neighbours. Overlapping a free range (a double
+        free) or leaving the capacity is an error: the arena would hand the same bytes out twice."""
+        cdef Py_ssize_t i = bisect_left(self._starts, start)
+        if start + size > self.capacity or size > self.in_use:
+            raise ValueError(f"free of [{start}, {start + size}) outside the {self.capacity}-byte arena's use")
+        if (i > 0 and self._starts[i - 1] + self._sizes[i - 1] > start) or \
+                (i < len(self._starts) and start + size > self._starts[i]):
+            raise ValueError(f"double free of [{start}, {start + size})")
+        self.in_use -= size
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:
+            i -= 1
+            start = self._starts[i]
+            size += self._sizes[i]
+            del self._starts[i]
+            del self._sizes[i]
+        if i < len(self._starts) and start + size == self._starts[i]:
+            size += self._sizes[i]
+            del self._starts[i]
+            del self._sizes[i]
+        self._starts.insert(i, start)
+        self._sizes.insert(i, size)
+
+    def largest_free(self):
+        return max(self._sizes, default=0)
+
+    def ranges(self):
+        """Free ranges as (start, size) pairs, by start."""
+        return list(zip(self._starts, self._sizes))
+
+
+cdef class _Piece:
+    """Owner of one handed-out range: returns it to the arena when CuPy drops the memory."""
+
+    cdef Arena arena
+    cdef unsigned long long start
+    cdef unsigned long long size
+
+    def __dealloc__(self):
+        if self.arena is not None:
+            self.arena.free.give(self.start, self.size)
+
+
 cdef class Arena:
-    cdef readonly uint64_t capacity
-    cdef readonly uint64_t offset
-    cdef readonly uint64_t high_water
-    cdef readonly uint64_t base
+    cdef readonly FreeList free
+    cdef readonly unsigned long long base
     cdef readonly int device_id
-    cdef readonly bint fallback
-    cdef readonly uint64_t fallback_bytes
     cdef object _mem
     cdef object _ctx
 
-    def __cinit__(self, uint64_t nbytes, int device_id=0, bint fallback=False):
+    def __cinit__(self, unsigned long long nbytes, int device_id=0):
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
             try:
@@ -44,38 +125,33 @@ cdef class Arena:
                 free, total = cupy.cuda.runtime.memGetInfo()
                 raise DeviceError(f"arena: cannot reserve {nbytes} bytes on GPU {device_id} "
                                   f"({free} of {total} bytes free)") from None
-        self.base = <uint64_t>self._mem.ptr
-        self.capacity = nbytes
-        self.offset = 0
-        self.high_water = 0
-        self.fallback = fallback
-        self.fallback_bytes = 0
+        self.base = <unsigned long long>self._mem.ptr
+        self.free = FreeList(nbytes)
         self._ctx = None
 
-    cpdef uint64_t bytes_left(self):
-        return self.capacity - self.offset
+    @property
+    def capacity(self):
+        return self.free.capacity
 
-    cpdef reset(self):
-        """Make the whole arena available again (start of a forward)."""
-        self.offset = 0
-        self.fallback_bytes = 0
+    @property
+    def in_use(self):
+        return self.free.in_use
 
-    cpdef object alloc(self, uint64_t nbytes):
+    @property
+    def high_water(self):
+        return self.free.high_water
+
+    cpdef object alloc(self, unsigned long long nbytes):
         """A MemoryPointer to ``nbytes`` (rounded up to 256) inside the arena."""
-        cdef uint64_t size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        if size == 0:
-            size = ALIGN
-        if size > self.capacity - self.offset:
-            if self.fallback:
-                self.fallback_bytes += size
-                return cupy.cuda.alloc(size)
-            raise DeviceError(f"arena out of memory: asked for {nbytes} bytes, {self.capacity - self.offset} "
-                              f"of {self.capacity} bytes left (raise max_tokens or lower the request size)")
-        cdef uint64_t ptr = self.base + self.offset
-        self.offset += size
-        if self.offset > self.high_water:
-            self.high_water = self.offset
-        mem = cupy.cuda.UnownedMemory(ptr, size, self, self.device_id)
+        cdef unsigned long long size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        cdef long long start = self.free.take(size)
+        if start < 0:
+            raise DeviceError(f"arena out of memory: asked for {nbytes} bytes; largest free piece "
+                              f"{self.free.largest_free()} bytes, {self.free.capacity - self.free.in_use} of "
+                              f"{self.free.capacity} bytes free (lower the token block or the batch's tokens)")
+        piece = _Piece()
+        piece.arena, piece.start, piece.size = self, start, size
+        mem = cupy.cuda.UnownedMemory(self.base + start, size, piece, self.device_id)
         return cupy.cuda.MemoryPointer(mem, 0)
 
     def malloc(self, nbytes):
@@ -94,16 +170,5 @@ cdef class Arena:
             ctx.__exit__(None, None, None)
 
     def __repr__(self):
-        return (f"Arena(device={self.device_id}, capacity={self.capacity}, used={self.offset}, "
+        return (f"Arena(device={self.device_id}, capacity={self.capacity}, in_use={self.in_use}, "
                 f"high_water={self.high_water})")
-
-
-def arena_bytes_for(int max_tokens, int hidden=4096, int intermediate=12288, int token_block=4096,
-                    int conv_dim=8192, int heads_v=32, int dk=128, int dv=128, int gdn_block_chunks=128):
-    """Arena size for a token budget with the current (unfused) CUDA backend: the live fp32 activations of
-    one layer at ``max_tokens`` plus the token-blocked MLP and the GDN chunk workspace, with 25% headroom."""
-    cdef uint64_t T = max_tokens
-    cdef uint64_t per_token = 4 * (4 * hidden + 3 * conv_dim + 3 * heads_v * dv)   # x, h, sums, qkv/conv, q/k/v, z, o
-    cdef uint64_t mlp = 4 * 3 * <uint64_t>min(max_tokens, token_block) * intermediate
-    cdef uint64_t gdn = 4 * <uint64_t>gdn_block_chunks * heads_v * 64 * (dv + dk + 64 + 1)
-    return int((T * per_token + mlp + gdn) * 5 // 4)

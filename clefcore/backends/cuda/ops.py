@@ -681,17 +681,14 @@ class CudaOps:
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
     def begin_forward(self):
-        """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena),
-        reset here, so a forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""
+        """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a
+        forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""
         if self.pool is not None:
-            self._uploads.clear()        # memoised tables made inside the arena die with its reset
-            self.pool.reset()
             self.pool.activate()
 
     def end_forward(self):
         if self.pool is not None:
             self.pool.deactivate()
-            self._uploads.clear()
 
     def synchronize(self):
         self.cp.cuda.Device(self.device_id).synchronize()

@@ -1,0 +1,102 @@
+"""The GPU arena (clefcore.pool, pyx/pool.pyx). Its bookkeeping (FreeList) is integers only and is checked
+here against a brute-force model of the bytes on random alloc/free sequences; the device part (Arena through
+CuPy's allocator hook, a whole forward inside it) runs where there is a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pool = pytest.importorskip("clefcore.pool")
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import HAVE_GPU  # noqa: E402
+
+
+def test_freelist_best_fit_coalesce_and_errors():
+    f = pool.FreeList(1000)
+    a, b, c = f.take(100), f.take(200), f.take(300)
+    assert (a, b, c) == (0, 100, 300) and f.in_use == 600
+    f.give(b, 200)                                   # hole [100, 300)
+    assert f.take(150) == 100                        # best fit: the 200-byte hole, not the 400-byte tail
+    assert f.take(500) == -1 and f.largest_free() == 400
+    f.give(a, 100)
+    with pytest.raises(ValueError, match="double free"):
+        f.give(a, 100)
+    with pytest.raises(ValueError):
+        f.give(900, 200)                             # beyond the capacity
+    f.give(100, 150)
+    f.give(c, 300)
+    assert f.take(100) == 0 and f.take(200) == 100   # the holes merged back: first fit from the start
+    f.give(0, 300)
+    assert f.ranges() == [(0, 1000)] and f.in_use == 0 and f.high_water == 600
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_freelist_never_hands_out_a_byte_twice(seed):
+    rng = np.random.default_rng(seed)
+    cap = 1 << 16
+    f = pool.FreeList(cap)
+    owner = np.zeros(cap, np.int64)                  # 0 = free, k = handed out to allocation k
+    live = {}
+    for k in range(1, 3000):
+        if live and rng.random() < 0.45:
+            key = list(live)[rng.integers(len(live))]
+            start, size = live.pop(key)
+            assert np.all(owner[start:start + size] == key)
+            owner[start:start + size] = 0
+            f.give(start, size)
+        else:
+            size = int(rng.integers(1, 40)) * 64
+            start = f.take(size)
+            if start < 0:                            # only when no free run of that length exists
+                runs = np.diff(np.flatnonzero(np.diff(np.r_[1, owner != 0, 1])))[::2]
+                assert runs.max(initial=0) < size
+                continue
+            assert np.all(owner[start:start + size] == 0)
+            owner[start:start + size] = k
+            live[k] = (start, size)
+        assert f.in_use == int(np.count_nonzero(owner))
+        assert sum(s for _, s in f.ranges()) == cap - f.in_use
+    for start, size in live.values():
+        f.give(start, size)
+    assert f.ranges() == [(0, cap)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
+def test_arena_on_the_gpu():
+    import cupy
+
+    from clefcore import model
+    from clefcore.backends.cuda import CudaOps
+    from clefcore.checkpoint import Checkpoint
+    from clefcore.errors import DeviceError
+
+    arena = pool.Arena(64 << 20, 0)
+    arena.activate()
+    x = cupy.arange(1000, dtype=cupy.float32)
+    inside = arena.base <= x.data.ptr < arena.base + arena.capacity
+    used = arena.in_use
+    del x
+    arena.deactivate()
+    assert inside and used >= 4000 and arena.in_use == 0
+    with pytest.raises(DeviceError, match=r"asked for 134217728 bytes; largest free piece 67108864"):
+        arena.alloc(128 << 20)
+
+    ck = Checkpoint(Path(__file__).parent / "golden" / "model")
+    ops = CudaOps(0, pool=pool.Arena(256 << 20, 0), token_block=64, gemm="cublas")
+    ref = CudaOps(0, token_block=64, gemm="cublas")
+    p, pr = model.load_params(ck, ops), model.load_params(ck, ref)
+    ids = np.arange(300) % 1900
+    cu, pos = np.array([0, 130, 300]), np.r_[np.arange(130), np.arange(170)]
+    for _ in range(2):                               # the second forward reuses the first one's ranges
+        ops.begin_forward()
+        h, _ = model.backbone(ops, p, ids, cu, pos)
+        h = ops.to_host(h)
+        ops.end_forward()
+    want = ref.to_host(model.backbone(ref, pr, ids, cu, pos)[0])
+    assert np.max(np.abs(h - want)) <= 1e-5 * np.max(np.abs(want))
+    assert 0 < ops.pool.high_water < 256 << 20

@@ -46,6 +46,7 @@ def test_gpu_server_answers_like_the_cpu_engine(engine):
             answered += 1
         assert answered >= 26
         assert s.metric("clef_batches_total") < len(bodies), "concurrent requests were never batched"
+        assert s.metric("clef_device_memory_bytes") > 1e6       # the weights, at least (0 only on the CPU)
         bad = s.post("/v1/systemone", '{"state": "x", "questions": {}}')
         assert bad.status == 422
         assert s.decide(SUPPORT_TICKET).status == 200

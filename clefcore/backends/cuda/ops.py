@@ -680,6 +680,12 @@ class CudaOps:
             for (what, size, _), (bad, nz) in zip(watched, counts):
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
+    def memory_in_use(self) -> int:
+        """Device bytes held by live arrays, weights included (the server's device-memory gauge)."""
+        if self.pool is not None:
+            return int(self.pool.in_use) + int(self.cp.get_default_memory_pool().used_bytes())
+        return int(self.cp.get_default_memory_pool().used_bytes())
+
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a
         forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""

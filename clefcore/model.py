@@ -155,7 +155,7 @@ class _Carry:
 
     def __init__(self):
         self.conv = None     # [K-1, conv_dim]: pre-conv rows before the next block's first row
-        self.state = None    # [1, Hv, dk, dv]: delta-rule state after the previous block's last row
+        self.state = None    # [Hv, dk, dv]: delta-rule state after the previous block's last row
 
 
 def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin, t0: int = 0, cache=None):
@@ -225,34 +225,18 @@ def _conv_tail(xp, prev, pre, last_start: int, K1: int):
 
 
 def _delta_rule_block(ops, q, k, v, g, beta, b: _Block, carry: _Carry):
-    """The delta rule over one block. Pieces of sequences that neither continue from the previous block nor
-    into the next one run together from a zero state (state=None); the piece cut at the block's start runs
-    from the carried state, the piece cut at its end leaves its state in ``carry``: at most three calls."""
-    cu = b.cu
-    nseg = len(cu) - 1
+    """The delta rule over one block in one call: every piece starts from a zero state except the one that
+    continues from the previous block (the carried state); when the last piece continues into the next block,
+    its final state is kept in ``carry``."""
     if not b.cont_in and not b.cont_out:
-        return ops.gated_delta_rule(q, k, v, g, beta, cu)
-    groups = []                                   # (first piece, end piece, carried state or None)
+        return ops.gated_delta_rule(q, k, v, g, beta, b.cu)
+    state = ops.xp.zeros((len(b.cu) - 1, v.shape[1], k.shape[2], v.shape[2]), dtype=np.float32)
     if b.cont_in:
-        groups.append((0, 1, True))
-    lo, hi = (1 if b.cont_in else 0), (nseg - 1 if b.cont_out else nseg)
-    if hi > lo:
-        groups.append((lo, hi, False))
-    if b.cont_out and not (b.cont_in and nseg == 1):
-        groups.append((nseg - 1, nseg, True))
-    parts = []
-    for i0, i1, stateful in groups:
-        a, e = int(cu[i0]), int(cu[i1])
-        state = None
-        if stateful:
-            if i0 == 0 and b.cont_in:
-                state = carry.state
-            else:                                 # a sequence that starts here and continues in the next block
-                state = ops.xp.zeros((1, v.shape[1], k.shape[2], v.shape[2]), dtype=np.float32)
-                carry.state = state
-        parts.append(ops.gated_delta_rule(q[a:e], k[a:e], v[a:e], g[a:e], beta[a:e], cu[i0:i1 + 1] - a,
-                                          state=state))
-    return parts[0] if len(parts) == 1 else ops.xp.concatenate(parts, axis=0)
+        state[0] = carry.state
+    o = ops.gated_delta_rule(q, k, v, g, beta, b.cu, state=state)
+    if b.cont_out:
+        carry.state = state[-1].copy()
+    return o
 
 
 # ----------------------------------------------------------------------------------------------------- head

@@ -53,10 +53,14 @@ def _timeit(cp, fn, reps=5, warm=1):
 
 
 def _commit():
+    """HEAD, with "+dirty" when the tree differs from it (numbers from uncommitted code must say so)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
     except OSError:
         return "?"
+    return (head or "?") + ("+dirty" if dirty else "")
 
 
 def kernels(cp, ops, out):

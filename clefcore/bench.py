@@ -223,7 +223,6 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
             outs = []
             for i in range(len(lens)):
                 outs.append(model.head(ops, params, hs[cu[i]:cu[i + 1]], ids[cu[i]:cu[i + 1]], _questions(lens[i])))
-            ops.check_finite(hs, "hidden states")
             return outs
 
         run()                                   # warm-up: compiles, autotunes the GEMM shapes

@@ -146,7 +146,8 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     del cache
     for b in plan:                                             # final norm, in place: x becomes the output
         x[b.t0:b.t1] = ops.rmsnorm(x[b.t0:b.t1], p.norm, c.rms_eps)
-    ops.check_watched()
+    ops.watch(x, "final hidden states")
+    ops.check_watched()                                        # the forward's one wait for the guard flags
     return x, kept
 
 

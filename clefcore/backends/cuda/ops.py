@@ -84,6 +84,7 @@ class CudaOps:
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.cc = (props["major"], props["minor"])
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
+        self.sm_count = int(props["multiProcessorCount"])
         self._fn = {}
         self._smem_set = {}
         self._uploads = {}
@@ -598,9 +599,7 @@ class CudaOps:
     def _gdn_bv(self, hv, dv, nseq):
         """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):
         32 (two tiles per warp share the M' fragments), or 16 when twice the blocks still fit on the SMs."""
-        rt = self.cp.cuda.runtime
-        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, self.device_id)
-        return 32 if dv % 32 == 0 and 2 * hv * (dv // 32) * nseq > sms else 16
+        return 32 if dv % 32 == 0 and 2 * hv * (dv // 32) * nseq > self.sm_count else 16
 
     # ---------------------------------------------------------------------------------------- head
     def gelu(self, x):

@@ -18,13 +18,13 @@ REQUEST = {
     "model": "clef-flash",
     "state": {"ticket": "Our checkout started returning errors and orders are blocked since 09:40 UTC.",
               "customer": {"plan": "enterprise", "region": "eu-west"}, "attempts": [1, 2, 3]},
-    "questions": [
-        {"id": "urgent", "type": "noul", "instructions": "Is this urgent?"},
-        {"id": "team", "type": "choice", "instructions": "Which team should handle it?",
-         "criteria": {"billing": "payments and invoices", "technical": "outages and bugs", "sales": None}},
-        {"id": "severity", "type": "score", "instructions": "How severe is it?",
-         "criteria": ["minor", "moderate", "major", "critical"]},
-    ],
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this urgent?"},
+        "team": {"type": "choice", "instructions": "Which team should handle it?",
+                 "criteria": {"billing": "payments and invoices", "technical": "outages and bugs", "sales": "new plans"}},
+        "severity": {"type": "score", "instructions": "How severe is it?",
+                     "criteria": ["minor", "moderate", "major", "critical"]},
+    },
 }
 
 
@@ -78,50 +78,60 @@ def streamed_reference_params(ck):
     return p
 
 
-def run(args) -> int:
+def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print) -> bool:
+    """Run REQUEST through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
+    print the side-by-side report; True when every layer and probability is within tolerance and the answers
+    agree."""
     from . import model
     from .backends import cpu
-    from .backends.cuda import CudaOps
-    from .checkpoint import Checkpoint
     from .encode import Encoder
     from .tokenize import Tokenizer
     from .validate import validate_request
-    ck = Checkpoint(args.model)
-    dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     rec = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(REQUEST, "cloudflare"), 16384)
     ids, questions = np.asarray(rec.input_ids, np.int64), rec.questions
     L = len(ids)
     cu, pos = np.array([0, L]), np.arange(L)
+    p_cpu = streamed_reference_params(ck)
+    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True)
+    h_g, kept_g = model.backbone(ops, params, ids, cu, pos, keep_layers=True)
+    ok = True
+    out(f"{L} tokens; per-layer residual stream, device vs fp32 numpy:")
+    out(f"{'layer':>5} {'kind':18} {'max abs':>10} {'max rel':>10}")
+    for i, (a, b) in enumerate(zip(kept_g, kept_c)):
+        a = ops.to_host(a)
+        d = float(np.max(np.abs(a - b)))
+        r_ = d / max(float(np.max(np.abs(b))), 1e-30)
+        flag = "" if r_ <= layer_tol else "  <-- beyond tolerance"
+        ok &= r_ <= layer_tol
+        out(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
+    z_c = model.head(cpu, p_cpu, h_c, ids, questions)
+    z_g = model.head(ops, params, h_g, ids, questions)
+    out("head logits (device | cpu) and probabilities:")
+    for qi, (zg, zc) in enumerate(zip(z_g, z_c)):
+        pg, pc = _softmax(zg), _softmax(zc)
+        dp = float(np.max(np.abs(pg - pc)))
+        same = int(np.argmax(pg)) == int(np.argmax(pc))
+        ok &= dp <= prob_tol and same
+        flag = "" if dp <= prob_tol and same else "  <-- beyond tolerance"
+        out(f"  question {qi}: answer device {int(np.argmax(pg))} cpu {int(np.argmax(pc))}, max |dp| {dp:.2e}{flag}")
+        for a, b, x, y in zip(zg, zc, pg, pc):
+            out(f"      {a:10.5f} | {b:10.5f}    p {x:.5f} | {y:.5f}")
+    out("verify: " + ("PASS" if ok else "FAIL"))
+    return bool(ok)
+
+
+def run(args) -> int:
+    from . import model
+    from .backends.cuda import CudaOps
+    from .checkpoint import Checkpoint
+    ck = Checkpoint(args.model)
+    dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev)
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_overflow:
         print(f"WARNING: {gpu.fp16_overflow} weight values exceeded the fp16 range and were saturated")
-    p_cpu = streamed_reference_params(ck)
-    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True)
-    h_g, kept_g = model.backbone(gpu, p_gpu, ids, cu, pos, keep_layers=True)
-    ok = True
-    print(f"{L} tokens on {gpu.device_name}; per-layer residual stream, GPU vs fp32 numpy:")
-    print(f"{'layer':>5} {'kind':18} {'max abs':>10} {'max rel':>10}")
-    for i, (a, b) in enumerate(zip(kept_g, kept_c)):
-        a = gpu.to_host(a)
-        d = float(np.max(np.abs(a - b)))
-        r_ = d / max(float(np.max(np.abs(b))), 1e-30)
-        flag = "" if r_ <= args.layer_tol else "  <-- beyond tolerance"
-        ok &= r_ <= args.layer_tol
-        print(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
-    z_c = model.head(cpu, p_cpu, h_c, ids, questions)
-    z_g = model.head(gpu, p_gpu, h_g, ids, questions)
-    print("head logits (gpu | cpu) and probabilities:")
-    for qi, (zg, zc) in enumerate(zip(z_g, z_c)):
-        pg, pc = _softmax(zg), _softmax(zc)
-        dp = float(np.max(np.abs(pg - pc)))
-        ok &= dp <= args.prob_tol
-        print(f"  question {qi}: answer gpu {int(np.argmax(pg))} cpu {int(np.argmax(pc))}, max |dp| {dp:.2e}")
-        for a, b, x, y in zip(zg, zc, pg, pc):
-            print(f"      {a:10.5f} | {b:10.5f}    p {x:.5f} | {y:.5f}")
-        ok &= int(np.argmax(pg)) == int(np.argmax(pc))
-    print("verify:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    print(f"device: {gpu.device_name}")
+    return 0 if compare(ck, gpu, p_gpu, args.layer_tol, args.prob_tol) else 1
 
 
 def main(argv=None):

@@ -11,7 +11,6 @@ same shapes (bf16, sdpa) runs the same lengths in the same process.
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ def add_arguments(parser):
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--token-block", type=int, default=4096,
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
+    parser.add_argument("--graph-tokens", type=int, default=1024,
+                        help="CudaOps graph_tokens: single prompts up to this length replay a CUDA graph (0 = off)")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="write all numbers here")
@@ -237,16 +238,21 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
         reserved = pool.total_bytes() - base
         dev = _device_used(cp) - dev0
         ts = []
+        graphs = getattr(ops, "graphs", None)
+        l0 = graphs.launches if graphs is not None else 0
         for _ in range(reps if T <= 8192 else max(1, reps - 1)):
             t0 = time.perf_counter()
             run()
             cp.cuda.Device().synchronize()
             ts.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(ts)
+        graphed = graphs is not None and graphs.launches > l0
         res.append(dict(case=label, tokens=T, ms=ms, tok_s=T / ms * 1e3, token_block=getattr(ops, "token_block", 0),
+                        cuda_graph=graphed, graph_pools_gib=(graphs.nbytes() if graphs is not None else 0) / 2 ** 30,
                         peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30,
                         device_gib=dev / 2 ** 30))
-        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s   beyond weights: peak in use "
+        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
+              f"beyond weights: peak in use "
               f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
         pool.free_all_blocks()
     out["end_to_end"] = res
@@ -315,11 +321,12 @@ def run(args) -> int:
     from .backends.cuda import CudaOps
     from .config import HeadConfig, TextConfig
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    ops = CudaOps(dev, precision=args.precision, tables="device", token_block=args.token_block)
+    ops = CudaOps(dev, precision=args.precision, tables="device", token_block=args.token_block,
+                  graph_tokens=args.graph_tokens)
     out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), commit=_commit(), host=platform.node(),
-               precision=args.precision)
+               precision=args.precision, graph_tokens=args.graph_tokens)
     print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}), commit {out['commit']}, "
-          f"precision {args.precision}, token block {args.token_block}")
+          f"precision {args.precision}, token block {args.token_block}, CUDA graphs up to {args.graph_tokens} tokens")
     if not args.no_kernels:
         print("kernels:")
         kernels(cp, ops, out)

@@ -39,10 +39,14 @@ def gpu_options(p: argparse.ArgumentParser) -> None:
                         "of each activation: ~1.5x faster, probabilities move by up to ~1e-2)")
     p.add_argument("--token-block", type=int, default=None,
                    help="GPU prefill block in tokens (default 4096; smaller = less memory, 0 = whole prompt)")
+    p.add_argument("--graph-tokens", type=int, default=None,
+                   help="GPU: prompts of up to this many tokens replay a CUDA graph (default 1024; 0 = off); "
+                        "each cached graph holds its own activations (at most 4 graphs)")
 
 
 def backend_options(args) -> dict:
-    return {k: v for k, v in (("precision", args.precision), ("token_block", args.token_block)) if v is not None}
+    pairs = (("precision", args.precision), ("token_block", args.token_block), ("graph_tokens", args.graph_tokens))
+    return {k: v for k, v in pairs if v is not None}
 
 
 def _load(args, model: str):

@@ -109,17 +109,46 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     the conv's last K-1 pre-conv rows and the delta rule's state of the sequence cut by the boundary, and for
     attention the K/V cache of the whole stream (``ops.kv_cache``; rows [0, t1) are valid when block
     [t0, t1) runs). Results equal the unblocked computation up to fp rounding for any block size.
+
+    A backend with ``ops.graphs`` (CUDA) replays one graph for the layers of a short single-sequence prompt.
+    The prompt is padded at its end to the graph's bucket so that nearby lengths share a graph: every op is
+    causal, so the padding changes no row before it, and it is cut off again here.
     """
     c = p.text
     T = int(len(ids))
     if block is None:
         block = getattr(ops, "token_block", 0)
     block = int(block) if block and int(block) > 0 else max(T, 1)
-    plan = block_plan(cu_seqlens, T, block)
+    graphs = getattr(ops, "graphs", None)
+    Tp = None if keep_layers or graphs is None else graphs.padded_length(T, len(cu_seqlens) - 1)
+    if Tp is not None and Tp > T:
+        ids = np.concatenate([np.asarray(ids), np.zeros(Tp - T, dtype=np.asarray(ids).dtype)])
+        positions = np.asarray(positions)
+        positions = np.concatenate([positions, positions[-1] + 1 + np.arange(Tp - T, dtype=positions.dtype)])
+        cu_seqlens = np.array([0, Tp])
+    plan = block_plan(cu_seqlens, len(ids), block)
     x = ops.embed(p.embed, ids)
     cos, sin = ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
-    cache = None
     kept = [] if keep_layers else None
+
+    def layers(x, cos, sin):
+        _layers(ops, p, x, cu_seqlens, cos, sin, plan, kept)
+        return x
+
+    if Tp is None:
+        x = layers(x, cos, sin)
+    else:
+        key = ("backbone", Tp, block, getattr(ops, "precision", None))
+        x = graphs.run(key, layers, (x, cos, sin), owner=p)[:T].copy()   # the graph reuses its buffer next time
+    ops.check_watched()                                        # the forward's one wait for the guard flags
+    return x, kept
+
+
+def _layers(ops, p: Params, x, cu_seqlens, cos, sin, plan, kept):
+    """Every layer, then the final norm, in place on x [T, H] (see backbone)."""
+    c = p.text
+    T = x.shape[0]
+    cache = None
     for i, (kind, L) in enumerate(zip(c.layer_types, p.layers)):
         if kind == "full_attention" and cache is None:        # one K/V cache, reused by every attention layer
             cache = (ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
@@ -147,8 +176,6 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     for b in plan:                                             # final norm, in place: x becomes the output
         x[b.t0:b.t1] = ops.rmsnorm(x[b.t0:b.t1], p.norm, c.rms_eps)
     ops.watch(x, "final hidden states")
-    ops.check_watched()                                        # the forward's one wait for the guard flags
-    return x, kept
 
 
 class _Carry:

@@ -21,6 +21,7 @@ from ... import errors
 from ..cpu import ATTN_QUERY_BLOCK, GDN_CHUNK  # noqa: F401  (same constants as the reference)
 from ..cpu import rope_tables as _rope_tables_host
 from .compile import load_module
+from .graphs import GraphCache
 
 log = logging.getLogger("clefcore.cuda")
 
@@ -53,7 +54,7 @@ class CudaOps:
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
                  ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None,
-                 precision: str = "split"):
+                 precision: str = "split", graph_tokens: int = 1024, graphs: int = 4):
         import cupy
         self.cp = cupy
         self.xp = cupy
@@ -88,7 +89,10 @@ class CudaOps:
         self._fn = {}
         self._smem_set = {}
         self._uploads = {}
+        self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._watched = []
+        # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
+        self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
@@ -166,6 +170,8 @@ class CudaOps:
             if len(self._uploads) >= 256:
                 self._uploads.clear()
             d = self._uploads[key] = self.cp.asarray(a)
+        if self._pinned is not None:
+            self._pinned.append(d)
         return d
 
     def empty(self, shape, dtype=np.float32):
@@ -301,6 +307,9 @@ class CudaOps:
         M, K = a16.shape
         N = w16.shape[0]
         handle = self.device.cublas_handle
+        # the handle keeps the last stream set on it (CuPy sets it only in its own calls): use ours, so a graph
+        # capture on a side stream records this GEMM and nothing lands on another stream
+        cublas.setStream(handle, self.cp.cuda.get_current_stream().ptr)
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, M, K,
                       self._one.ctypes.data, w16.data.ptr, 2, K, a16.data.ptr, 2, K,
                       (self._one if accumulate else self._zero).ctypes.data, out.data.ptr, 0, N, 68, -1)
@@ -638,13 +647,12 @@ class CudaOps:
         values = self._f32(values)
         own = cp.asarray(owner)
         m = cp.full(n_groups, -np.inf, dtype=cp.float32)
-        import cupyx
-        cupyx.scatter_max(m, own, scores)
+        cp.maximum.at(m, own, scores)
         e = cp.exp(scores - m[own])
         den = cp.zeros(n_groups, dtype=cp.float32)
-        cupyx.scatter_add(den, own, e)
+        cp.add.at(den, own, e)
         out = cp.zeros((n_groups, values.shape[1]), dtype=cp.float32)
-        cupyx.scatter_add(out, own, (e / den[own])[:, None] * values)
+        cp.add.at(out, own, (e / den[own])[:, None] * values)
         return out
 
     # ------------------------------------------------------------------------------------- guards
@@ -680,10 +688,10 @@ class CudaOps:
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
     def memory_in_use(self) -> int:
-        """Device bytes held by live arrays, weights included (the server's device-memory gauge)."""
-        if self.pool is not None:
-            return int(self.pool.in_use) + int(self.cp.get_default_memory_pool().used_bytes())
-        return int(self.cp.get_default_memory_pool().used_bytes())
+        """Device bytes held by live arrays (weights included) and by the CUDA graphs' private pools (the server's
+        device-memory gauge)."""
+        used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes()
+        return used + (int(self.pool.in_use) if self.pool is not None else 0)
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a

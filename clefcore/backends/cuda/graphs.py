@@ -1,0 +1,122 @@
+"""CUDA graphs for short prefills: a prompt of a few hundred tokens is bound by the host (about 1,400 kernel and
+cuBLAS launches from Python, ~45 us each on an H200), not by the GPU; replaying a captured graph costs one launch.
+
+``GraphCache.run(key, fn, inputs)`` returns ``fn(*inputs)``. The first time a key is seen it runs eagerly (that
+compiles the kernels and autotunes the GEMM shapes, neither of which may happen during a capture); the second
+time it captures ``fn`` on a side stream into a graph that owns a private memory pool; later calls copy the
+inputs into the graph's static input buffers and launch it. What the graph reads and writes therefore stays
+valid for its whole life: its activations live in its own pool (never handed to anyone else), and any index
+table ``CudaOps._upload`` returned during the capture is pinned in the entry. A capture that fails for any
+reason falls back to eager runs for that key and is logged: a graph may make a forward faster, never wrong.
+The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
+memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+log = logging.getLogger("clefcore.cuda")
+
+
+@dataclass
+class _Entry:
+    graph: object
+    inputs: list          # static input buffers (the graph reads these addresses)
+    output: object        # the array fn returned during the capture (the graph writes it)
+    watched: list         # CudaOps.watch records made during the capture
+    pool: object          # the private MemoryPool holding every activation of the graph
+    owner: object         # weakref to the weights the graph reads (their addresses are baked into it)
+    pinned: list = field(default_factory=list)
+
+
+class GraphCache:
+    """At most ``capacity`` graphs (least recently used dropped first); ``bucket`` tokens of padding granularity
+    for the callers that pad (model.backbone); graphs only for prompts of at most ``max_tokens``."""
+
+    def __init__(self, ops, max_tokens: int = 1024, capacity: int = 4, bucket: int = 128):
+        self.ops = ops
+        self.max_tokens = int(max_tokens)
+        self.capacity = int(capacity)
+        self.bucket = int(bucket)
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: set = set()
+        self._failed: set = set()
+        self.launches = 0
+        self.captures = 0
+
+    def padded_length(self, T: int, n_seqs: int):
+        """Tokens to pad a single-sequence prompt to (a multiple of ``bucket``, so nearby lengths share a graph),
+        or None when this forward runs eagerly (packed batches, long prompts, graphs off)."""
+        if self.max_tokens <= 0 or self.capacity <= 0 or n_seqs != 1 or T < 1:
+            return None
+        Tp = -(-T // self.bucket) * self.bucket
+        return Tp if Tp <= self.max_tokens else None
+
+    def nbytes(self) -> int:
+        return sum(e.pool.total_bytes() for e in self._graphs.values())
+
+    def run(self, key, fn, inputs, owner):
+        """``owner``: the object whose arrays ``fn`` reads besides its inputs (the model's Params); graphs are
+        kept per owner and dropped when it is gone, so a new model at a recycled address is never replayed
+        against a graph of the old one's weights."""
+        key = (id(owner),) + tuple(key)
+        e = self._graphs.get(key)
+        if e is not None and e.owner() is not owner:
+            del self._graphs[key]
+            self._seen.discard(key)
+            e = None
+        if e is None:
+            if key in self._failed or key not in self._seen:
+                self._seen.add(key)
+                return fn(*inputs)
+            e = self._capture(key, fn, inputs, owner)
+            if e is None:
+                return fn(*inputs)
+        else:
+            self._graphs.move_to_end(key)
+        cp = self.ops.cp
+        for dst, src in zip(e.inputs, inputs):
+            cp.copyto(dst, src)
+        e.graph.launch(stream=cp.cuda.get_current_stream())
+        self.launches += 1
+        self.ops._watched.extend(e.watched)
+        return e.output
+
+    def _capture(self, key, fn, inputs, owner):
+        ops, cp = self.ops, self.ops.cp
+        pool = cp.cuda.MemoryPool()
+        stream = cp.cuda.Stream(non_blocking=True)
+        before = ops._watched
+        ops._watched, ops._pinned = [], []
+        graph = out = None
+        cp.cuda.get_current_stream().synchronize()       # the inputs are ready before the side stream copies them
+        try:
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                static = [x.copy() for x in inputs]
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    out = fn(*static)
+                finally:
+                    graph = stream.end_capture()
+                graph.upload(stream)
+                stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any capture failure means "run this key eagerly"
+            log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly", key,
+                        exc.__class__.__name__, exc)
+            self._failed.add(key)
+            return None
+        finally:
+            watched, pinned = ops._watched, ops._pinned
+            ops._watched, ops._pinned = before, None
+        e = _Entry(graph, static, out, watched, pool, weakref.ref(owner), pinned)
+        self._graphs[key] = e
+        self.captures += 1
+        while len(self._graphs) > self.capacity:
+            self._graphs.popitem(last=False)
+        log.info("captured a CUDA graph for %s (%d graphs, %.1f MiB)", key, len(self._graphs), self.nbytes() / 2 ** 20)
+        return e

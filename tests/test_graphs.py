@@ -1,0 +1,157 @@
+"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, model.backbone's padding).
+
+CPU: padding a single prompt to its graph bucket changes none of its rows (every op is causal), through the
+real backbone with a stand-in cache that pads but runs eagerly. GPU: a replayed graph gives the eager result
+for the same padded prompt, takes fresh inputs on every replay, keeps per-length graphs apart, still trips the
+guard when a weight dies after the capture, and falls back to eager runs (and the same numbers) for packed
+batches and long prompts.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clefcore import errors, model
+from clefcore.backends import cpu
+from clefcore.backends.cuda.graphs import GraphCache
+from clefcore.checkpoint import Checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+GOLD = Path(__file__).parent / "golden" / "model"
+
+
+class _PadOnly(GraphCache):
+    """GraphCache's padding rule without a GPU: pads to the bucket, then runs the layers eagerly."""
+
+    def __init__(self, bucket, max_tokens):
+        super().__init__(None, max_tokens=max_tokens, bucket=bucket)
+        self.calls = []
+
+    def run(self, key, fn, inputs, owner):
+        self.calls.append(key)
+        return fn(*inputs)
+
+
+@pytest.fixture(scope="module")
+def cpu_params():
+    ck = Checkpoint(GOLD)
+    return ck, model.load_params(ck, cpu)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 100])
+def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
+    ck, p = cpu_params
+    ids = np.random.default_rng(T).integers(0, ck.text.vocab_size, T)
+    cu, pos = np.array([0, T]), np.arange(T)
+    want, _ = model.backbone(cpu, p, ids, cu, pos)
+    pad = _PadOnly(bucket=64, max_tokens=1024)
+    ops = types.SimpleNamespace(**{k: getattr(cpu, k) for k in dir(cpu) if not k.startswith("__")}, graphs=pad)
+    got, _ = model.backbone(ops, p, ids, cu, pos)
+    assert pad.calls and pad.calls[0][1] == -(-T // 64) * 64
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(np.abs(want).max()))
+
+
+def test_no_padding_for_packed_or_long_prompts():
+    pad = _PadOnly(bucket=128, max_tokens=1024)
+    assert pad.padded_length(346, 1) == 384
+    assert pad.padded_length(1024, 1) == 1024
+    assert pad.padded_length(1025, 1) is None
+    assert pad.padded_length(346, 2) is None
+    assert _PadOnly(bucket=128, max_tokens=0).padded_length(10, 1) is None
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+@pytest.fixture(scope="module")
+def gpu():
+    from clefcore.backends.cuda import CudaOps
+    ck = Checkpoint(GOLD)
+    ops = CudaOps(0, graph_tokens=256)
+    return ck, ops, model.load_params(ck, ops)
+
+
+def _eager_padded(ops, p, ids, bucket):
+    """The same padded prompt with graphs off: what a replay must reproduce."""
+    T = len(ids)
+    Tp = -(-T // bucket) * bucket
+    idp = np.concatenate([ids, np.zeros(Tp - T, ids.dtype)])
+    keep = ops.graphs.max_tokens
+    ops.graphs.max_tokens = 0
+    try:
+        h, _ = model.backbone(ops, p, idp, np.array([0, Tp]), np.arange(Tp))
+    finally:
+        ops.graphs.max_tokens = keep
+    return ops.to_host(h)[:T]
+
+
+def _run(ops, p, ids):
+    h, _ = model.backbone(ops, p, ids, np.array([0, len(ids)]), np.arange(len(ids)))
+    return ops.to_host(h)
+
+
+def _same(got, want):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=MARKS)])
+def test_replay_equals_eager_and_takes_fresh_inputs(gpu, _):
+    ck, ops, p = gpu
+    g = ops.graphs
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, ck.text.vocab_size, 100), rng.integers(0, ck.text.vocab_size, 97)
+    c = rng.integers(0, ck.text.vocab_size, 150)                    # another bucket (256)
+    want_a, want_b, want_c = (_eager_padded(ops, p, x, g.bucket) for x in (a, b, c))
+    caps, launches = g.captures, g.launches
+    _same(_run(ops, p, a), want_a)                                 # first sight: eager
+    _same(_run(ops, p, a), want_a)                                 # capture + launch
+    assert (g.captures, g.launches) == (caps + 1, launches + 1)
+    _same(_run(ops, p, c), want_c)                                 # eager (first sight of its bucket)
+    _same(_run(ops, p, b), want_b)                                 # same bucket as a: replay, new tokens
+    _same(_run(ops, p, c), want_c)                                 # capture for 256
+    _same(_run(ops, p, a), want_a)                                 # a's graph again, after b's inputs
+    assert (g.captures, g.launches) == (caps + 2, launches + 4)
+    assert ops.memory_in_use() >= g.nbytes() > 0
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=MARKS)])
+def test_guard_fires_inside_a_replay(gpu, _):
+    ck, ops, p = gpu
+    ids = np.random.default_rng(9).integers(0, ck.text.vocab_size, 40)
+    _run(ops, p, ids)
+    _run(ops, p, ids)                                              # graph for this bucket exists now
+    launches = ops.graphs.launches
+    w = p.layers[1]["mlp.down_proj.weight"]
+    saved = w.copy()
+    w.fill(0)                                                      # the graph reads this address
+    try:
+        with pytest.raises(errors.DeviceError, match="layer 1 MLP output"):
+            _run(ops, p, ids)
+        assert ops.graphs.launches == launches + 1
+    finally:
+        w[...] = saved
+    _run(ops, p, ids)                                              # healthy again
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=MARKS)])
+def test_packed_and_long_prompts_stay_eager(gpu, _):
+    ck, ops, p = gpu
+    launches = ops.graphs.launches
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, ck.text.vocab_size, 300)                 # beyond graph_tokens=256
+    for _ in range(3):
+        _run(ops, p, ids)
+    lens = [40, 60]
+    cu = np.array([0, 40, 100])
+    pid = rng.integers(0, ck.text.vocab_size, 100)
+    pos = np.concatenate([np.arange(n) for n in lens])
+    for _ in range(3):
+        model.backbone(ops, p, pid, cu, pos)
+    assert ops.graphs.launches == launches

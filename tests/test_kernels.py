@@ -114,6 +114,18 @@ def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
     check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), 4e-3, o)
 
 
+@pytest.mark.parametrize("M", [1, 63, 65])
+@pytest.mark.parametrize("N,K", [(1, 4096), (4, 63), (15, 65), (32, 8)])
+def test_linear_small_fp32_weight(ops, M, N, K):
+    """Matrices with a side under 16 stay fp32 and run as a reduction (capturable in a CUDA graph)."""
+    x, w, b = r(M, K), r(N, K, scale=K ** -0.5), r(N)
+    W = ops.weight(w)
+    assert W.dtype == np.float32 if min(N, K) < 16 else W.dtype == np.float16
+    check(f"linear fp32 {M}x{N}x{K}", ops.linear(ops.asarray(x), W), cpu.linear(x, w), 1e-5, ops)
+    check("linear fp32 3d+bias", ops.linear(ops.asarray(x.reshape(M, 1, K)), W, ops.asarray(b)),
+          cpu.linear(x.reshape(M, 1, K), w, b), 1e-5, ops)
+
+
 @pytest.mark.parametrize("M", [1, 65, 300])
 @pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
 def test_mlp(ops, ops_cublas, ops_fast, M, path):

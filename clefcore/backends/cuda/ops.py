@@ -20,6 +20,7 @@ import numpy as np
 from ... import errors
 from ..cpu import ATTN_QUERY_BLOCK, GDN_CHUNK  # noqa: F401  (same constants as the reference)
 from ..cpu import rope_tables as _rope_tables_host
+from . import cublas
 from .compile import load_module
 from .graphs import GraphCache
 
@@ -93,8 +94,6 @@ class CudaOps:
         self._watched = []
         # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
         self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
-        self._one = np.ones(1, np.float32)
-        self._zero = np.zeros(1, np.float32)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):
@@ -302,17 +301,10 @@ class CudaOps:
         return y
 
     def _cublas(self, a16, w16, out, accumulate=False):
-        """out[M, N] fp32 (+)= a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute)."""
-        from cupy_backends.cuda.libs import cublas
+        """out[M, N] fp32 (+)= a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute), current stream."""
         M, K = a16.shape
-        N = w16.shape[0]
-        handle = self.device.cublas_handle
-        # the handle keeps the last stream set on it (CuPy sets it only in its own calls): use ours, so a graph
-        # capture on a side stream records this GEMM and nothing lands on another stream
-        cublas.setStream(handle, self.cp.cuda.get_current_stream().ptr)
-        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, M, K,
-                      self._one.ctypes.data, w16.data.ptr, 2, K, a16.data.ptr, 2, K,
-                      (self._one if accumulate else self._zero).ctypes.data, out.data.ptr, 0, N, 68, -1)
+        cublas.gemm(self.device.cublas_handle, a16.data.ptr, w16.data.ptr, out.data.ptr, M, w16.shape[0], K,
+                    self.cp.cuda.get_current_stream().ptr, accumulate)
         return out
 
     def _split(self, x):
@@ -384,7 +376,9 @@ class CudaOps:
     def linear(self, x, w, b=None):
         cp = self.cp
         if w.dtype != cp.float16:                     # small fp32 matrices (e.g. a [1, F] scorer row)
-            y = self._f32(x) @ w.T
+            # a reduction over broadcast views, not cuBLAS: CuPy's cuBLAS calls refuse a graph capture
+            x2 = self._f32(x).reshape(-1, x.shape[-1])
+            y = _rowdot_k()(x2[:, None, :], w[None, :, :], axis=2).reshape(x.shape[:-1] + (w.shape[0],))
             return y if b is None else y + b
         lead = x.shape[:-1]
         x = self._c(x).reshape(-1, x.shape[-1])
@@ -723,6 +717,14 @@ def _ek(name, *args):
         import cupy
         _K[name] = cupy.ElementwiseKernel(*args, name=name)
     return _K[name]
+
+
+def _rowdot_k():
+    if "clef_rowdot" not in _K:
+        import cupy
+        _K["clef_rowdot"] = cupy.ReductionKernel("float32 x, float32 w", "float32 y", "x * w", "a + b", "y = a",
+                                                 "0", name="clef_rowdot")
+    return _K["clef_rowdot"]
 
 
 def _sigmoid_k():

@@ -98,18 +98,21 @@ class Engine:
 
     # ----------------------------------------------------------------------------------------- device side
     def forward(self, records: list[EncodedRecord], keep_layers: bool = False):
-        """One packed backbone pass over every record, then the head per record.
+        """One packed backbone pass over every record, then one joint-head pass over all of them.
         Returns (logits per record, final hidden states [T, H] on the device, per-layer streams or None)."""
         lengths = [len(r.input_ids) for r in records]
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
         positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
         ops = self.ops
-        ops.begin_forward()   # with a GPU arena, this forward's buffers come from it (the backbone guards its output)
+        ops.begin_forward()   # with a GPU arena, this forward's buffers come from it
         try:
-            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers)
-            logits = [model.head(ops, self.params, hs[cu[i]:cu[i + 1]], r.input_ids, r.questions)
-                      for i, r in enumerate(records)]
+            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False)
+            try:
+                # the head is queued behind the backbone without waiting for its guard flags
+                logits = model.heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
+            finally:
+                ops.check_watched()   # the backbone's guard flags, read once; a bad layer fails the whole batch
         finally:
             ops.end_forward()
         return logits, hs, layers

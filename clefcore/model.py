@@ -99,7 +99,8 @@ def block_plan(cu_seqlens, T: int, block: int) -> list[_Block]:
     return plan
 
 
-def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False, block: int | None = None):
+def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False, block: int | None = None,
+             check: bool = True):
     """ids [T] (packed sequences), cu_seqlens [B+1], positions [T] -> (final-norm states [T, H], per-layer
     residual streams or None).
 
@@ -109,6 +110,9 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     the conv's last K-1 pre-conv rows and the delta rule's state of the sequence cut by the boundary, and for
     attention the K/V cache of the whole stream (``ops.kv_cache``; rows [0, t1) are valid when block
     [t0, t1) runs). Results equal the unblocked computation up to fp rounding for any block size.
+
+    ``check``: read the guard flags (``ops.check_watched``) before returning; a caller that queues more work
+    first (the engine queues the heads) passes False and calls ``ops.check_watched()`` itself.
 
     A backend with ``ops.graphs`` (CUDA) replays one graph for the layers of a short single-sequence prompt.
     The prompt is padded at its end to the graph's bucket so that nearby lengths share a graph: every op is
@@ -139,8 +143,10 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
         x = layers(x, cos, sin)
     else:
         key = ("backbone", Tp, block, getattr(ops, "precision", None))
-        x = graphs.run(key, layers, (x, cos, sin), owner=p)[:T].copy()   # the graph reuses its buffer next time
-    ops.check_watched()                                        # the forward's one wait for the guard flags
+        weights = [p.norm] + [w for L in p.layers for w in L.values()]
+        x = graphs.run(key, layers, (x, cos, sin), weights)[:T].copy()   # the graph reuses its buffer next time
+    if check:
+        ops.check_watched()                                    # the forward's one wait for the guard flags
     return x, kept
 
 
@@ -269,31 +275,42 @@ def _delta_rule_block(ops, q, k, v, g, beta, b: _Block, carry: _Carry):
 
 # ----------------------------------------------------------------------------------------------------- head
 
-def head(ops, p: Params, hs, ids, questions) -> list:
-    """Joint schema head for ONE sequence. hs [L, H] final-norm states, ids [L] (host ints),
-    questions: EncodedQuestion sequence. Returns one logit vector (host fp32) per question."""
-    xp, P, hc = ops.xp, p.head, p.head_config
-    nq = len(questions)
-    owner = np.concatenate([np.full(len(q.option_spans), i) for i, q in enumerate(questions)])
-    o_starts = np.array([s for q in questions for s, _ in q.option_spans])
-    o_ends = np.array([e for q in questions for _, e in q.option_spans])
-    types = np.array([q.type_index for q in questions])
+def heads(ops, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
+    """Joint schema head for every sequence of a packed stream in one pass. hs [T, H] final-norm states,
+    ids [T] (host ints), cu_seqlens [B+1], questions_of[b]: sequence b's EncodedQuestions (spans relative to its
+    start). Returns, per sequence, one logit vector (host fp32) per question.
 
-    # 1: X = layernorm(hs) is never formed for all L rows: the memory is projected block by block (2), and
-    # the last row (3) and the span means (4, 5) read the normalised rows of their spans only
+    The head's rows (options, questions) of all sequences are stacked; where it mixes rows it stays inside a
+    sequence: its attentions take group ids (options and questions attend to their own sequence's memory and
+    questions only), the option softmax runs per question, the last-row vector is the sequence's own."""
+    xp, P, hc = ops.xp, p.head, p.head_config
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    B = len(cu) - 1
+    qs = [(b, q) for b in range(B) for q in questions_of[b]]
+    nq = len(qs)
+    q_seq = np.array([b for b, _ in qs], dtype=np.int64)                     # sequence of each question
+    owner = np.concatenate([np.full(len(q.option_spans), i) for i, (_, q) in enumerate(qs)])  # question of option
+    o_starts = np.array([cu[b] + s for b, q in qs for s, _ in q.option_spans], dtype=np.int64)
+    o_ends = np.array([cu[b] + e for b, q in qs for _, e in q.option_spans], dtype=np.int64)
+    types = np.array([q.type_index for _, q in qs])
+    mem_seq = np.repeat(np.arange(B), np.diff(cu))                             # sequence of each memory row
+    opt_seq = q_seq[owner]
+
+    # 1: X = layernorm(hs) is never formed for all T rows: the memory is projected block by block (2), and
+    # the last rows (3) and the span means (4, 5) read the normalised rows of their spans only
     norm = lambda a: ops.layernorm(a, P["hidden_norm.weight"], P["hidden_norm.bias"])  # noqa: E731
-    L = hs.shape[0]
-    block = int(getattr(ops, "token_block", 0) or 0) or max(L, 1)
+    T = hs.shape[0]
+    block = int(getattr(ops, "token_block", 0) or 0) or max(T, 1)
     wm = P["memory_projection.weight"]
-    if L <= block:
+    if T <= block:
         mem = ops.linear(norm(hs), wm)                                                        # 2
     else:
-        mem = xp.empty((L, wm.shape[0]), dtype=np.float32)
-        for t0 in range(0, L, block):
+        mem = xp.empty((T, wm.shape[0]), dtype=np.float32)
+        for t0 in range(0, T, block):
             mem[t0:t0 + block] = ops.linear(norm(hs[t0:t0 + block]), wm)
-    g = norm(hs[L - 1:])                                                                      # 3
-    q_starts = np.array([q.question_span[0] for q in questions])
-    q_ends = np.array([q.question_span[1] for q in questions])
+    g = norm(ops.gather_rows(hs, cu[1:] - 1))[ops.asarray(q_seq)]                             # 3, per question
+    q_starts = np.array([cu[b] + q.question_span[0] for b, q in qs], dtype=np.int64)
+    q_ends = np.array([cu[b] + q.question_span[1] for b, q in qs], dtype=np.int64)
     span_s, span_e = np.concatenate([q_starts, o_starts]), np.concatenate([q_ends, o_ends])
     rows = np.concatenate([np.arange(s, e) for s, e in zip(span_s, span_e)] + [np.zeros(0, np.int64)])
     span_offs = np.concatenate([[0], np.cumsum(span_e - span_s)])
@@ -304,7 +321,7 @@ def head(ops, p: Params, hs, ids, questions) -> list:
     lens = o_ends - o_starts
     offs = np.concatenate([[0], np.cumsum(lens)])
     lx = ops.span_means(ops.gather_rows(p.lm_head, tok), offs[:-1], offs[1:])
-    own = xp.asarray(owner)
+    own = ops.asarray(owner)
     r = (ops.linear(ctx, P["option_context_projection.weight"])                               # 7
          + ops.linear(lx, P["option_lexical_projection.weight"])
          + ops.linear(qv, P["option_question_projection.weight"])[own])
@@ -312,7 +329,8 @@ def head(ops, p: Params, hs, ids, questions) -> list:
         e = f"evidence_layers.{i}."
         mi = ops.layernorm(mem, P[e + "memory_norm.weight"], P[e + "memory_norm.bias"])
         r = r + _mha(ops, P, e + "attention.",
-                     ops.layernorm(r, P[e + "query_norm.weight"], P[e + "query_norm.bias"]), mi, hc.heads)
+                     ops.layernorm(r, P[e + "query_norm.weight"], P[e + "query_norm.bias"]), mi, hc.heads,
+                     (opt_seq, mem_seq))
         y = ops.layernorm(r, P[e + "feedforward_norm.weight"], P[e + "feedforward_norm.bias"])
         r = r + ops.linear(ops.gelu(ops.linear(y, P[e + "feedforward.0.weight"], P[e + "feedforward.0.bias"])),
                            P[e + "feedforward.3.weight"], P[e + "feedforward.3.bias"])
@@ -320,13 +338,13 @@ def head(ops, p: Params, hs, ids, questions) -> list:
     scores = xp.sum(r * b[own], axis=-1) / np.float32(math.sqrt(hc.width))                    # 10
     s = ops.segment_softmax_sum(scores, r, own, nq)
     f = (b + ops.layernorm(s, P["option_summary_norm.weight"], P["option_summary_norm.bias"])  # 11
-         + ops.linear(g, P["global_projection.weight"]) + P["type_embedding.weight"][xp.asarray(types)])
+         + ops.linear(g, P["global_projection.weight"]) + P["type_embedding.weight"][ops.asarray(types)])
     for j in range(hc.layers):                                                                # 12
         d = f"layers.{j}."
         y = ops.layernorm(f, P[d + "norm1.weight"], P[d + "norm1.bias"])
-        f = f + _mha(ops, P, d + "self_attn.", y, y, hc.heads)
+        f = f + _mha(ops, P, d + "self_attn.", y, y, hc.heads, (q_seq, q_seq))
         f = f + _mha(ops, P, d + "multihead_attn.",
-                     ops.layernorm(f, P[d + "norm2.weight"], P[d + "norm2.bias"]), mem, hc.heads)
+                     ops.layernorm(f, P[d + "norm2.weight"], P[d + "norm2.bias"]), mem, hc.heads, (q_seq, mem_seq))
         y = ops.layernorm(f, P[d + "norm3.weight"], P[d + "norm3.bias"])
         f = f + ops.linear(ops.gelu(ops.linear(y, P[d + "linear1.weight"], P[d + "linear1.bias"])),
                            P[d + "linear2.weight"], P[d + "linear2.bias"])
@@ -344,9 +362,10 @@ def head(ops, p: Params, hs, ids, questions) -> list:
                      P["residual_scorer.3.weight"], P["residual_scorer.3.bias"])[:, 0]
     z = prior + ops.sigmoid(P["residual_gate"]) * (sj * cos + res)                           # 16
     z = ops.to_host(z).astype(np.float32)
-    return [z[owner == i] for i in range(nq)]
+    per_q = [z[owner == i] for i in range(nq)]
+    return [[per_q[i] for i in np.nonzero(q_seq == b_)[0]] for b_ in range(B)]
 
 
-def _mha(ops, P, prefix, xq, xkv, heads):
+def _mha(ops, P, prefix, xq, xkv, heads, groups):
     return ops.mha(xq, xkv, P[prefix + "in_proj_weight"], P[prefix + "in_proj_bias"],
-                   P[prefix + "out_proj.weight"], P[prefix + "out_proj.bias"], heads)
+                   P[prefix + "out_proj.weight"], P[prefix + "out_proj.bias"], heads, groups)

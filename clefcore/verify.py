@@ -104,8 +104,8 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
         flag = "" if r_ <= layer_tol else "  <-- beyond tolerance"
         ok &= r_ <= layer_tol
         out(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
-    z_c = model.head(cpu, p_cpu, h_c, ids, questions)
-    z_g = model.head(ops, params, h_g, ids, questions)
+    z_c = model.heads(cpu, p_cpu, h_c, ids, cu, [questions])[0]
+    z_g = model.heads(ops, params, h_g, ids, cu, [questions])[0]
     out("head logits (device | cpu) and probabilities:")
     for qi, (zg, zc) in enumerate(zip(z_g, z_c)):
         pg, pc = _softmax(zg), _softmax(zc)

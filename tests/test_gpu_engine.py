@@ -57,7 +57,7 @@ def test_golden_probabilities(loaded):
         L = len(ids)
         hs, _ = model.backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         ops.check_finite(hs, "final hidden states")
-        logits = model.head(ops, params, hs, ids, _questions(rec))
+        logits = model.heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]
         for q, z in zip(rec["questions"], logits):
             p = _softmax(z)
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))

@@ -34,7 +34,7 @@ class _PadOnly(GraphCache):
         super().__init__(None, max_tokens=max_tokens, bucket=bucket)
         self.calls = []
 
-    def run(self, key, fn, inputs, owner):
+    def run(self, key, fn, inputs, reads):
         self.calls.append(key)
         return fn(*inputs)
 
@@ -155,3 +155,21 @@ def test_packed_and_long_prompts_stay_eager(gpu, _):
     for _ in range(3):
         model.backbone(ops, p, pid, cu, pos)
     assert ops.graphs.launches == launches
+
+
+@pytest.mark.parametrize("_", [pytest.param(0, marks=MARKS)])
+def test_a_replaced_weight_is_never_replayed_stale(gpu, _):
+    ck, ops, p = gpu
+    ids = np.random.default_rng(4).integers(0, ck.text.vocab_size, 30)
+    want = _run(ops, p, ids)
+    _run(ops, p, ids)                                              # captured with the original arrays
+    L = p.layers[2]
+    saved = L["mlp.down_proj.weight"]
+    L["mlp.down_proj.weight"] = saved * 0                          # another array: the graph must not run
+    try:
+        with pytest.raises(errors.DeviceError, match="layer 2 MLP output"):
+            _run(ops, p, ids)
+    finally:
+        L["mlp.down_proj.weight"] = saved
+    for _ in range(3):                                             # eager, capture, replay: all as before
+        _same(_run(ops, p, ids), want)

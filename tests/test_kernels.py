@@ -312,6 +312,20 @@ def test_head_ops(ops):
           cpu.segment_softmax_sum(sc, vals, own, 3), 1e-6, ops)
 
 
+@pytest.mark.parametrize("nq,nk", [([1], [1]), ([7, 1, 3], [65, 63, 1]), ([2, 300], [130, 17])])
+def test_mha_groups(ops, nq, nk):
+    """Packed joint-head attention: each query group attends to its own keys only (awkward group sizes)."""
+    W, heads = 32, 4
+    gq = np.repeat(np.arange(len(nq)), nq)
+    gk = np.repeat(np.arange(len(nk)), nk)
+    xq, xkv = r(len(gq), W), r(len(gk), W)
+    in_w, in_b, out_w, out_b = h16(r(3 * W, W, scale=0.2)), r(3 * W), h16(r(W, W, scale=0.2)), r(W)
+    want = cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads, (gq, gk))
+    got = ops.mha(ops.asarray(xq), ops.asarray(xkv), ops.weight(in_w), ops.asarray(in_b), ops.weight(out_w),
+                  ops.asarray(out_b), heads, (gq, gk))
+    check(f"mha groups {nq}/{nk}", got, want, 4e-3, ops)
+
+
 def test_check_finite(ops):
     from clefcore.errors import DeviceError
     ops.check_finite(ops.asarray(r(10, 10)), "ok")

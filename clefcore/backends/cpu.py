@@ -295,19 +295,44 @@ def gelu(x):
     return (0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))).astype(np.float32)
 
 
-def mha(xq, xkv, in_w, in_b, out_w, out_b, heads):
-    """torch.nn.MultiheadAttention forward without masks: every query row attends to all of xkv."""
+def mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+    """torch.nn.MultiheadAttention forward. ``groups`` = (gq, gk), non-decreasing group ids of the query and the
+    key rows (the packed sequences of the joint head): a query attends only to the keys of its own group
+    (None: to every key)."""
     W = xq.shape[-1]
     d = W // heads
     q = (xq @ in_w[:W].T + in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
     k = (xkv @ in_w[W:2 * W].T + in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
     v = (xkv @ in_w[2 * W:].T + in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
-    o = np.empty((heads, q.shape[1], d), np.float32)
-    for b0 in range(0, q.shape[1], ATTN_QUERY_BLOCK):
-        sc = (q[:, b0:b0 + ATTN_QUERY_BLOCK] @ k) * np.float32(1.0 / np.sqrt(d))
+    check_groups(groups)
+    n = q.shape[1]
+    o = np.empty((heads, n, d), np.float32)
+    for b0 in range(0, n, ATTN_QUERY_BLOCK):
+        b1 = min(b0 + ATTN_QUERY_BLOCK, n)
+        k0, k1 = group_keys(groups, b0, b1, v.shape[1])
+        sc = (q[:, b0:b1] @ k[:, :, k0:k1]) * np.float32(1.0 / np.sqrt(d))
+        if groups is not None:
+            sc = np.where(groups[0][b0:b1, None] == groups[1][None, k0:k1], sc, np.float32(-np.inf))
         sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-        o[:, b0:b0 + ATTN_QUERY_BLOCK] = (sc / sc.sum(axis=-1, keepdims=True)) @ v
+        o[:, b0:b1] = (sc / sc.sum(axis=-1, keepdims=True)) @ v[:, k0:k1]
     return o.transpose(1, 0, 2).reshape(-1, W) @ out_w.T + out_b
+
+
+def group_keys(groups, b0: int, b1: int, n_keys: int) -> tuple[int, int]:
+    """The key rows [k0, k1) that query rows [b0, b1) may attend to under mha's ``groups`` (both id lists are
+    sorted, so a query block's groups own one contiguous key range)."""
+    if groups is None:
+        return 0, n_keys
+    gq, gk = groups
+    return int(np.searchsorted(gk, gq[b0], "left")), int(np.searchsorted(gk, gq[b1 - 1], "right"))
+
+
+def check_groups(groups) -> None:
+    """A query group without keys would softmax over nothing (NaN): refuse it by name."""
+    if groups is not None:
+        missing = np.setdiff1d(np.asarray(groups[0]), np.asarray(groups[1]))
+        if missing.size:
+            raise ValueError(f"mha groups: query groups {missing[:8].tolist()} have no keys")
 
 
 def span_means(x, starts, ends):

@@ -5,8 +5,8 @@ cuBLAS launches from Python, ~45 us each on an H200), not by the GPU; replaying 
 compiles the kernels and autotunes the GEMM shapes, neither of which may happen during a capture); the second
 time it captures ``fn`` on a side stream into a graph that owns a private memory pool; later calls copy the
 inputs into the graph's static input buffers and launch it. What the graph reads and writes therefore stays
-valid for its whole life: its activations live in its own pool (never handed to anyone else), and any index
-table ``CudaOps._upload`` returned during the capture is pinned in the entry. A capture that fails for any
+valid for its whole life: its activations live in its own pool (never handed to anyone else), any index table
+``CudaOps._upload`` returned during the capture is pinned in the entry, and so are the weights it reads. A capture that fails for any
 reason falls back to eager runs for that key and is logged: a graph may make a forward faster, never wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
@@ -15,7 +15,6 @@ memsets are captured) and handed back to ``CudaOps`` after every launch, so ``ch
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ class _Entry:
     output: object        # the array fn returned during the capture (the graph writes it)
     watched: list         # CudaOps.watch records made during the capture
     pool: object          # the private MemoryPool holding every activation of the graph
-    owner: object         # weakref to the weights the graph reads (their addresses are baked into it)
+    reads: tuple          # the arrays besides the inputs that the graph reads (weights): held, and compared
     pinned: list = field(default_factory=list)
 
 
@@ -59,21 +58,23 @@ class GraphCache:
     def nbytes(self) -> int:
         return sum(e.pool.total_bytes() for e in self._graphs.values())
 
-    def run(self, key, fn, inputs, owner):
-        """``owner``: the object whose arrays ``fn`` reads besides its inputs (the model's Params); graphs are
-        kept per owner and dropped when it is gone, so a new model at a recycled address is never replayed
-        against a graph of the old one's weights."""
-        key = (id(owner),) + tuple(key)
+    def run(self, key, fn, inputs, reads):
+        """``reads``: every array ``fn`` reads besides its inputs (the weights). Their addresses are baked into
+        the graph, so the entry holds them (never freed under it) and is replayed only while the caller passes
+        the very same arrays: a weight replaced by another array means a new capture, not a stale replay
+        (changes made in place are seen by the graph, as by an eager run)."""
+        reads = tuple(reads)
         e = self._graphs.get(key)
-        if e is not None and e.owner() is not owner:
+        if e is not None and (len(e.reads) != len(reads) or any(a is not b for a, b in zip(e.reads, reads))):
             del self._graphs[key]
             self._seen.discard(key)
+            self._failed.discard(key)
             e = None
         if e is None:
             if key in self._failed or key not in self._seen:
                 self._seen.add(key)
                 return fn(*inputs)
-            e = self._capture(key, fn, inputs, owner)
+            e = self._capture(key, fn, inputs, reads)
             if e is None:
                 return fn(*inputs)
         else:
@@ -86,7 +87,7 @@ class GraphCache:
         self.ops._watched.extend(e.watched)
         return e.output
 
-    def _capture(self, key, fn, inputs, owner):
+    def _capture(self, key, fn, inputs, reads):
         ops, cp = self.ops, self.ops.cp
         pool = cp.cuda.MemoryPool()
         stream = cp.cuda.Stream(non_blocking=True)
@@ -113,7 +114,7 @@ class GraphCache:
         finally:
             watched, pinned = ops._watched, ops._pinned
             ops._watched, ops._pinned = before, None
-        e = _Entry(graph, static, out, watched, pool, weakref.ref(owner), pinned)
+        e = _Entry(graph, static, out, watched, pool, reads, pinned)
         self._graphs[key] = e
         self.captures += 1
         while len(self._graphs) > self.capacity:

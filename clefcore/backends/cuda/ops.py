@@ -19,6 +19,7 @@ import numpy as np
 
 from ... import errors
 from ..cpu import ATTN_QUERY_BLOCK, GDN_CHUNK  # noqa: F401  (same constants as the reference)
+from ..cpu import check_groups, group_keys
 from ..cpu import rope_tables as _rope_tables_host
 from . import cublas
 from .compile import load_module
@@ -91,6 +92,7 @@ class CudaOps:
         self._smem_set = {}
         self._uploads = {}
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
+        self._staged = []            # pinned host buffers of asynchronous uploads still in flight
         self._watched = []
         # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
         self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
@@ -159,18 +161,38 @@ class CudaOps:
         return x, R, D, D
 
     def _upload(self, a: np.ndarray):
-        """A small host index table (tiles, chunks, row starts) on the device, memoised by content. Every layer
-        of a forward asks for the same tables, and an upload from pageable memory first waits for the GPU to
-        drain its queue: uploading once per forward instead of once per layer keeps the launches ahead."""
+        """A small host index table (tiles, chunks, row starts) on the device, memoised by content: every layer
+        of a forward asks for the same tables. During a graph capture a table must already be here (a copy
+        recorded into the graph would re-read a staging buffer that is gone by then): the capture fails and
+        that prompt runs eagerly."""
         a = np.ascontiguousarray(a)
         key = (a.dtype.str, a.shape, a.tobytes())
         d = self._uploads.get(key)
         if d is None:
+            if self._pinned is not None:
+                raise errors.DeviceError("index table upload during a CUDA graph capture")
             if len(self._uploads) >= 256:
                 self._uploads.clear()
-            d = self._uploads[key] = self.cp.asarray(a)
+            d = self._uploads[key] = self._to_device(a)
         if self._pinned is not None:
             self._pinned.append(d)
+        return d
+
+    def _to_device(self, a: np.ndarray):
+        """Host -> device without waiting for the GPU: a copy from pageable memory first drains the stream, which
+        would stop the host from queueing the head while the backbone runs. The data is staged in pinned memory
+        and copied asynchronously on the current stream; the staging buffers are kept until the next host read
+        (``to_host``, ``check_watched``), by which point the stream has passed their copies."""
+        cp = self.cp
+        a = np.ascontiguousarray(a)
+        if a.size == 0:
+            return cp.asarray(a)
+        import cupyx
+        staged = cupyx.empty_pinned(a.shape, a.dtype)
+        staged[...] = a
+        d = cp.empty(a.shape, a.dtype)
+        d.set(staged, stream=cp.cuda.get_current_stream())
+        self._staged.append(staged)
         return d
 
     def empty(self, shape, dtype=np.float32):
@@ -178,10 +200,14 @@ class CudaOps:
 
     # ------------------------------------------------------------------------------ interface basics
     def asarray(self, x):
-        return self.cp.asarray(x)
+        return self._to_device(x) if isinstance(x, np.ndarray) else self.cp.asarray(x)
 
     def to_host(self, x) -> np.ndarray:
-        return self.cp.asnumpy(x) if isinstance(x, self.cp.ndarray) else np.asarray(x)
+        if not isinstance(x, self.cp.ndarray):
+            return np.asarray(x)
+        out = self.cp.asnumpy(x)              # waits for the stream: every staged upload before it is done
+        self._staged.clear()
+        return out
 
     def weight(self, w: np.ndarray):
         """Matrices (both dims >= 16) -> fp16 on the device, converted there and counted; the rest fp32."""
@@ -219,22 +245,22 @@ class CudaOps:
         if ids_h.size == 0:
             return out
         if isinstance(table, DeviceTable):
-            dids = cp.asarray(ids_h)
+            dids = self._to_device(ids_h)
             self.kernel("embed.cu", "gather_bf16_rows")(self._grid1(out.size), (_ELEM_THREADS,),
                                                         (table.bits, dids, out, np.int32(ids_h.size), np.int32(D)))
             return out
         rows = table.rows(ids_h)
         if table.dtype == "BF16":
-            dev = cp.asarray(rows)
+            dev = self._to_device(rows)
             self.kernel("embed.cu", "widen_bf16")(self._grid1(out.size), (_ELEM_THREADS,),
                                                   (dev, out, np.int64(out.size)))
             return out
-        return cp.asarray(rows.astype(np.float32))
+        return self._to_device(rows.astype(np.float32))
 
     def gather_rows(self, table, ids):
         if isinstance(table, (HostTable, DeviceTable)):
             return self._widen_rows(table, ids)
-        return self._f32(table)[self.cp.asarray(ids)]
+        return self._f32(table)[self.asarray(ids)]
 
     def embed(self, table, ids):
         return self.gather_rows(table, ids)
@@ -444,7 +470,7 @@ class CudaOps:
 
     def rope_tables(self, positions, rotary_dim, theta):
         c, s = _rope_tables_host(np.asarray(self.to_host(positions)), rotary_dim, theta)
-        return self.cp.asarray(c), self.cp.asarray(s)
+        return self._to_device(c), self._to_device(s)
 
     def rotary(self, x, cos, sin):
         T, H, D = x.shape
@@ -608,16 +634,29 @@ class CudaOps:
     def gelu(self, x):
         return _gelu_k()(self._f32(x))
 
-    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads):
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+        """See cpu.mha. With groups the scores are masked per query block, each block against the key range of
+        its groups only, in blocks that keep the score matrix under 64 MiB."""
         cp = self.cp
+        check_groups(groups)
         W = xq.shape[-1]
         d = W // heads
         q = self.linear(xq, in_w[:W], in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
         k = self.linear(xkv, in_w[W:2 * W], in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
         v = self.linear(xkv, in_w[2 * W:], in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
-        sc = cp.matmul(q, k) * np.float32(1.0 / math.sqrt(d))       # [heads, n, m] fp32 (small: head only)
-        sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
-        o = cp.matmul(sc / sc.sum(axis=-1, keepdims=True), v)
+        n, m = q.shape[1], v.shape[1]
+        o = cp.empty((heads, n, d), dtype=cp.float32)
+        rows = n if groups is None else max(1, (16 << 20) // max(1, heads * m))
+        if groups is not None:
+            gq, gk = self._upload(np.asarray(groups[0], np.int32)), self._upload(np.asarray(groups[1], np.int32))
+        for b0 in range(0, n, rows):
+            b1 = min(b0 + rows, n)
+            k0, k1 = group_keys(groups, b0, b1, m)
+            sc = cp.matmul(q[:, b0:b1], k[:, :, k0:k1]) * np.float32(1.0 / math.sqrt(d))   # fp32, head only
+            if groups is not None:
+                sc = cp.where(gq[b0:b1, None] == gk[None, k0:k1], sc, np.float32(-np.inf))
+            sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
+            o[:, b0:b1] = cp.matmul(sc / sc.sum(axis=-1, keepdims=True), v[:, k0:k1])
         return self.linear(o.transpose(1, 0, 2).reshape(-1, W), out_w, out_b)
 
     def span_means(self, x, starts, ends):
@@ -627,8 +666,8 @@ class CudaOps:
         cp.cumsum(x, axis=0, dtype=cp.float64, out=c[1:])
         s = np.asarray(self.to_host(starts), dtype=np.int64)
         e = np.asarray(self.to_host(ends), dtype=np.int64)
-        n = cp.asarray((e - s).astype(np.float64))[:, None]
-        return ((c[cp.asarray(e)] - c[cp.asarray(s)]) / n).astype(cp.float32)
+        n = self._to_device((e - s).astype(np.float64))[:, None]
+        return ((c[self._to_device(e)] - c[self._to_device(s)]) / n).astype(cp.float32)
 
     def normalize(self, x, eps):
         cp = self.cp
@@ -639,7 +678,7 @@ class CudaOps:
         cp = self.cp
         scores = self._f32(scores)
         values = self._f32(values)
-        own = cp.asarray(owner)
+        own = self.asarray(owner)
         m = cp.full(n_groups, -np.inf, dtype=cp.float32)
         cp.maximum.at(m, own, scores)
         e = cp.exp(scores - m[own])
@@ -678,6 +717,7 @@ class CudaOps:
         watched, self._watched = self._watched, []
         if watched:
             counts = self.cp.stack([f for _, _, f in watched]).get()
+            self._staged.clear()
             for (what, size, _), (bad, nz) in zip(watched, counts):
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
@@ -689,7 +729,8 @@ class CudaOps:
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a
-        forward never calls cudaMalloc. A no-op without a pool (and on the CPU backend)."""
+        forward never calls cudaMalloc. Drops guard records a failed forward may have left unread."""
+        self._watched = []
         if self.pool is not None:
             self.pool.activate()
 

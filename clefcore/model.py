@@ -44,7 +44,8 @@ class Params:
 
 
 def load_params(ck: Checkpoint, ops, progress=None) -> Params:
-    """Convert every tensor once, in checkpoint order, into the backend's storage (``ops.weight``)."""
+    """Convert every tensor once, in checkpoint order, into the backend's storage (``ops.weight`` takes the
+    memory-mapped TensorRef, so each backend reads the file's bytes once, in its own way)."""
     names = list(ck.text_tensors) + list(ck.head_tensors)
     done = 0
 
@@ -59,15 +60,14 @@ def load_params(ck: Checkpoint, ops, progress=None) -> Params:
     for name in ck.text_tensors:
         if name in ("embed_tokens.weight", "lm_head.weight"):
             w = ops.table(ck.text_tensors[name])       # large vocab tables: the backend decides where they live
+        elif name.endswith("conv1d.weight"):
+            w = ops.weight(ck.text_f32(name)[:, 0, :])
         else:
-            w = ck.text_f32(name)
-            if name.endswith("conv1d.weight"):
-                w = w[:, 0, :]
-            w = ops.weight(w)
+            w = ops.weight(ck.text_tensors[name])      # the backend converts (the GPU from bf16 bits, on device)
         p.place(name, w)
         tick(name)
     for name in ck.head_tensors:
-        p.head[name] = ops.weight(ck.head_f32(name))
+        p.head[name] = ops.weight(ck.head_tensors[name])
         tick(name)
     return p
 

@@ -16,6 +16,33 @@
 #define GK 32
 #define GLD (GK + 8)
 
+// 16 consecutive halves of one row (from column gk), packed in pairs; zeros past the row's end or for a row
+// outside the matrix (ok = false). vec: K % 16 == 0, so a full 16-half run is one aligned 32-byte read.
+__device__ __forceinline__ void load16h(const half_t* __restrict__ X, bool ok, size_t row, int gk, int K, bool vec,
+                                        unsigned (&r)[8]) {
+    if (vec && ok && gk + 16 <= K) {
+        const uint4* p = (const uint4*)(X + row + gk);
+        const uint4 a = p[0], b = p[1];
+        r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w; r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        half_t lo = 0, hi = 0;
+        if (ok && gk + 2 * i < K) lo = X[row + gk + 2 * i];
+        if (ok && gk + 2 * i + 1 < K) hi = X[row + gk + 2 * i + 1];
+        r[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+}
+
+// two fp32 values -> one packed fp16 pair (h); SPLIT: also the pair of what the rounding lost (l), so h + l
+// carries ~22 significant bits
+template <bool SPLIT>
+__device__ __forceinline__ void pack_pair(float a, float b, unsigned& h, unsigned& l) {
+    h = pack2h(a, b);
+    if (SPLIT) l = pack2h(a - h2f((half_t)(h & 0xffff)), b - h2f((half_t)(h >> 16)));
+}
+
 template <bool AH, bool SPLIT>
 __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const half_t* __restrict__ Wg,
                                           const half_t* __restrict__ Wu, int M, int N, int K, int m0, int n0,
@@ -26,34 +53,16 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
     {
         const int r = t >> 1, kk = (t & 1) * 16, gr = m0 + r, gk = k0 + kk;
         if (AH) {
-            const half_t* A = (const half_t*)Av;
-            if (vec && gr < M && gk + 16 <= K) {
-                const uint4* p = (const uint4*)(A + (size_t)gr * K + gk);
-                uint4 a = p[0], b = p[1];
-                ra[0] = a.x; ra[1] = a.y; ra[2] = a.z; ra[3] = a.w; ra[4] = b.x; ra[5] = b.y; ra[6] = b.z; ra[7] = b.w;
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    half_t lo = 0, hi = 0;
-                    if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
-                    if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
-                    ra[i] = (unsigned)lo | ((unsigned)hi << 16);
-                }
-            }
+            load16h((const half_t*)Av, gr < M, (size_t)gr * K, gk, K, vec, ra);
         } else {
             const float* A = (const float*)Av;
             if (vec && gr < M && gk + 16 <= K) {
                 const float4* p = (const float4*)(A + (size_t)gr * K + gk);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float4 v = p[i];
-                    ra[2 * i] = pack2h(v.x, v.y);
-                    ra[2 * i + 1] = pack2h(v.z, v.w);
-                    if (SPLIT) {
-                        rl[2 * i] = pack2h(v.x - h2f((half_t)(ra[2 * i] & 0xffff)), v.y - h2f((half_t)(ra[2 * i] >> 16)));
-                        rl[2 * i + 1] = pack2h(v.z - h2f((half_t)(ra[2 * i + 1] & 0xffff)),
-                                               v.w - h2f((half_t)(ra[2 * i + 1] >> 16)));
-                    }
+                    const float4 v = p[i];
+                    pack_pair<SPLIT>(v.x, v.y, ra[2 * i], rl[2 * i]);
+                    pack_pair<SPLIT>(v.z, v.w, ra[2 * i + 1], rl[2 * i + 1]);
                 }
             } else {
 #pragma unroll
@@ -61,32 +70,19 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
                     float lo = 0.f, hi = 0.f;
                     if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
                     if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
-                    ra[i] = pack2h(lo, hi);
-                    if (SPLIT) rl[i] = pack2h(lo - h2f((half_t)(ra[i] & 0xffff)), hi - h2f((half_t)(ra[i] >> 16)));
+                    pack_pair<SPLIT>(lo, hi, ra[i], rl[i]);
                 }
             }
         }
     }
-    // W: 128 rows x 32 k, same split
+    // W: 128 rows x 32 k, 16 halves per thread like A
     {
         const int r = t >> 1, kk = (t & 1) * 16, gk = k0 + kk;
         const half_t* W;
         int gn;
         if (swiglu) { W = r < 64 ? Wg : Wu; gn = n0 + (r & 63); }
         else { W = Wg; gn = n0 + r; }
-        if (vec && gn < N && gk + 16 <= K) {
-            const uint4* p = (const uint4*)(W + (size_t)gn * K + gk);
-            uint4 a = p[0], b = p[1];
-            rb[0] = a.x; rb[1] = a.y; rb[2] = a.z; rb[3] = a.w; rb[4] = b.x; rb[5] = b.y; rb[6] = b.z; rb[7] = b.w;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                half_t lo = 0, hi = 0;
-                if (gn < N && gk + 2 * i < K) lo = W[(size_t)gn * K + gk + 2 * i];
-                if (gn < N && gk + 2 * i + 1 < K) hi = W[(size_t)gn * K + gk + 2 * i + 1];
-                rb[i] = (unsigned)lo | ((unsigned)hi << 16);
-            }
-        }
+        load16h(W, gn < N, (size_t)gn * K, gk, K, vec, rb);
     }
 }
 
@@ -222,12 +218,6 @@ extern "C" __global__ void to_half_split(const float* __restrict__ x, half_t* __
         lo[i] = f2h(x[i] - h2f(h));
     }
 }
-extern "C" __global__ void swiglu_f32(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
-                                      long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = silu_f(g[i]) * u[i];
-}
-
 // fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path).
 extern "C" __global__ void to_half(const float* __restrict__ x, half_t* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -238,14 +228,18 @@ extern "C" __global__ void swiglu_half(const float* __restrict__ g, const float*
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = f2h(silu_f(g[i]) * u[i]);
 }
-// bf16 bits -> fp16 weights, counting values whose magnitude does not fit fp16 (|x| > 65504: saturated)
-// and nonzero values that flush to zero (|x| < 2^-24).
-extern "C" __global__ void bf16_to_half(const unsigned short* __restrict__ x, half_t* __restrict__ y, long long n,
-                                        unsigned long long* __restrict__ counts) {
+// checkpoint weights -> fp16, counting values whose magnitude does not fit fp16 (|x| > 65504: saturated) and
+// nonzero values that flush to zero (|x| < 2^-24). Sources: fp32, or bf16 bits (widened exactly first).
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(unsigned short b) { return bf2f(b); }
+
+template <typename T>
+__device__ __forceinline__ void to_half_counted(const T* __restrict__ x, half_t* __restrict__ y, long long n,
+                                                unsigned long long* __restrict__ counts) {
     unsigned long long over = 0, under = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float v = bf2f(x[i]);
-        float a = fabsf(v);
+        float v = widen(x[i]);
+        const float a = fabsf(v);
         if (a > 65504.f && a == a) { over++; v = copysignf(65504.f, v); }
         else if (a != 0.f && a < 5.9604645e-8f) under++;
         y[i] = f2h(v);
@@ -253,17 +247,11 @@ extern "C" __global__ void bf16_to_half(const unsigned short* __restrict__ x, ha
     if (over) atomicAdd(counts, over);
     if (under) atomicAdd(counts + 1, under);
 }
-// fp32 -> fp16 weights with the same counting (weights handed over as fp32 arrays).
 extern "C" __global__ void f32_to_half_count(const float* __restrict__ x, half_t* __restrict__ y, long long n,
                                              unsigned long long* __restrict__ counts) {
-    unsigned long long over = 0, under = 0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float v = x[i];
-        float a = fabsf(v);
-        if (a > 65504.f && a == a) { over++; v = copysignf(65504.f, v); }
-        else if (a != 0.f && a < 5.9604645e-8f) under++;
-        y[i] = f2h(v);
-    }
-    if (over) atomicAdd(counts, over);
-    if (under) atomicAdd(counts + 1, under);
+    to_half_counted(x, y, n, counts);
+}
+extern "C" __global__ void bf16_to_half_count(const unsigned short* __restrict__ x, half_t* __restrict__ y,
+                                              long long n, unsigned long long* __restrict__ counts) {
+    to_half_counted(x, y, n, counts);
 }

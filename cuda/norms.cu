@@ -10,15 +10,22 @@
 // output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
 #include "mma_sm70.cuh"
 
+// the row this warp owns (blockDim.x / 32 rows per block)
+__device__ __forceinline__ int warp_row() { return blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+
+// sum of squares of one row, reduced over the warp (every lane gets it)
+__device__ __forceinline__ float row_sumsq(const float* __restrict__ xr, int D) {
+    float ss = 0.f;
+    for (int i = threadIdx.x & 31; i < D; i += 32) { const float v = xr[i]; ss += v * v; }
+    return warp_sum(ss);
+}
+
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ w,
                                         float* __restrict__ y, int R, int D, float eps) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
-    float ss = 0.f;
-    for (int i = lane; i < D; i += 32) { float v = xr[i]; ss += v * v; }
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    const float inv = 1.f / sqrtf(row_sumsq(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += 32) yr[i] = xr[i] * inv * (1.f + w[i]);
 }
@@ -26,7 +33,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, long long x
 extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ d,
                                             const float* __restrict__ w, float* __restrict__ s,
                                             float* __restrict__ y, int R, int D, float eps) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const long long o = (long long)row * D;
     float ss = 0.f;
@@ -40,14 +47,11 @@ extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ x, const f
 extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ z,
                                               long long zs, const float* __restrict__ w, float* __restrict__ y,
                                               int R, int D, float eps) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
     const float* zr = z + (long long)row * zs;
-    float ss = 0.f;
-    for (int i = lane; i < D; i += 32) { float v = xr[i]; ss += v * v; }
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    const float inv = 1.f / sqrtf(row_sumsq(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += 32) {
         float zz = zr[i];
@@ -58,7 +62,7 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ x, long 
 extern "C" __global__ void layernorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ w,
                                           const float* __restrict__ b, float* __restrict__ y, int R, int D,
                                           float eps) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
     float sm = 0.f;
@@ -73,12 +77,10 @@ extern "C" __global__ void layernorm_rows(const float* __restrict__ x, long long
 
 extern "C" __global__ void l2norm_rows(const float* __restrict__ x, long long xs, float* __restrict__ y, int R,
                                        int D, float eps, float scale) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
-    float ss = 0.f;
-    for (int i = lane; i < D; i += 32) { float v = xr[i]; ss += v * v; }
-    const float f = scale / sqrtf(warp_sum(ss) + eps);
+    const float f = scale / sqrtf(row_sumsq(xr, D) + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += 32) yr[i] = xr[i] * f;
 }

@@ -148,6 +148,24 @@ def test_weight_overflow_counted(ops):
     assert float(W[0, 0]) == 65504.0
 
 
+def test_bf16_weight_converted_on_the_device(ops, tmp_path):
+    """A bf16 checkpoint matrix travels as its bits and becomes the same fp16 values as through fp32 (every
+    bf16 value in fp16 range is exact in fp16), with saturation and flush-to-zero counted."""
+    from clefcore.checkpoint import SafetensorsFile, bf16_bits, write_safetensors
+    w = r(65, 33)
+    w[0, 0], w[1, 1], w[2, 2] = 1e6, -3e5, 1e-9                      # two saturate, one flushes to zero
+    bits = bf16_bits(w)
+    write_safetensors(tmp_path / "w.safetensors", {"w": ("BF16", w.shape, lambda: bits)})
+    ref = SafetensorsFile(tmp_path / "w.safetensors").ref("w")
+    over, under = ops.fp16_overflow, ops.fp16_underflow
+    got = ops.to_host(ops.weight(ref))
+    want = ops.to_host(ops.weight((bits.astype(np.uint32) << 16).view(np.float32)))
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, want)
+    assert (ops.fp16_overflow - over, ops.fp16_underflow - under) == (4, 2)   # both conversions counted
+    assert got[0, 0] == 65504 and got[1, 1] == -65504 and got[2, 2] == 0
+
+
 def test_rotary_and_gate(ops):
     T, H, D, rd = 70, 4, 64, 16
     pos = np.arange(T) + 5

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checkpoint import to_float32
+from ..checkpoint import TensorRef, to_float32
 from ..errors import DeviceError
 
 xp = np
@@ -57,8 +57,10 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def weight(w: np.ndarray) -> np.ndarray:
-    """How a checkpoint tensor (fp32 on the host) is stored for this backend."""
+def weight(w) -> np.ndarray:
+    """How a checkpoint tensor (TensorRef, or an fp32 host array) is stored for this backend: fp32."""
+    if isinstance(w, TensorRef):
+        return to_float32(w)
     return np.ascontiguousarray(w, dtype=np.float32)
 
 

@@ -209,24 +209,33 @@ class CudaOps:
         self._staged.clear()
         return out
 
-    def weight(self, w: np.ndarray):
-        """Matrices (both dims >= 16) -> fp16 on the device, converted there and counted; the rest fp32."""
+    def weight(self, w):
+        """A checkpoint tensor (TensorRef, or an fp32 host array) for this backend: matrices (both dims >= 16)
+        -> fp16, converted on the device and counted (a bf16 matrix travels as its 2-byte bits and is never
+        widened on the host); the rest fp32."""
+        from ...checkpoint import TensorRef, to_float32
         cp = self.cp
+        if isinstance(w, TensorRef):
+            if w.dtype == "BF16" and len(w.shape) == 2 and min(w.shape) >= 16:
+                return self._to_half_counted(cp.asarray(np.ascontiguousarray(w.raw)), "bf16_to_half_count")
+            w = to_float32(w)
         w = np.ascontiguousarray(w, dtype=np.float32)
         if w.ndim == 2 and min(w.shape) >= 16:
-            src = cp.asarray(w)
-            out = cp.empty(w.shape, dtype=cp.float16)
-            self._counts.fill(0)
-            self.kernel("gemm.cu", "f32_to_half_count")(self._grid1(src.size), (_ELEM_THREADS,),
-                                                        (src, out, np.int64(src.size), self._counts))
-            over, under = (int(v) for v in self._counts.get())
-            if over or under:
-                log.warning("fp16 weight conversion: %d values saturated to +-65504, %d flushed to zero "
-                            "(tensor %s)", over, under, w.shape)
-            self.fp16_overflow += over
-            self.fp16_underflow += under
-            return out
+            return self._to_half_counted(cp.asarray(w), "f32_to_half_count")
         return cp.asarray(w)
+
+    def _to_half_counted(self, src, kernel: str):
+        out = self.cp.empty(src.shape, dtype=self.cp.float16)
+        self._counts.fill(0)
+        self.kernel("gemm.cu", kernel)(self._grid1(src.size), (_ELEM_THREADS,), (src, out, np.int64(src.size),
+                                                                                 self._counts))
+        over, under = (int(v) for v in self._counts.get())
+        if over or under:
+            log.warning("fp16 weight conversion: %d values saturated to +-65504, %d flushed to zero (tensor %s)",
+                        over, under, src.shape)
+        self.fp16_overflow += over
+        self.fp16_underflow += under
+        return out
 
     def table(self, ref):
         if self.tables == "device":
@@ -782,7 +791,7 @@ def _sigmoid_gate_k():
 
 
 def _swiglu_inplace_k():
-    # same formula as gemm.cu::swiglu_f32 (silu_f uses __expf), written in place into g
+    # same formula as gemm.cu's SWIGLU epilogue (silu_f uses __expf), written in place into g
     return _ek("clef_swiglu_inplace", "float32 u", "float32 g", "g = g / (1.f + __expf(-g)) * u")
 
 

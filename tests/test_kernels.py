@@ -76,6 +76,9 @@ def check(name, got, ref, tol, ops=None):
 
 
 SIZES = [1, 63, 65, 130]
+# split-precision GEMMs (hi + lo fp16 halves of each fp32 activation, fp16-exact weights) are fp32-grade: on the
+# H200 at 54dff08 the worst relative errors were 3.8e-6 (linear) and 1.6e-6 (MLP)
+SPLIT_TOL = 2e-5
 
 
 @pytest.mark.parametrize("R", SIZES)
@@ -110,8 +113,9 @@ def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
     o = ops if path == "wmma" else ops_cublas if path == "cublas" else ops_fast[path]
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     W = o.weight(w)
-    check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), 4e-3, o)
-    check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), 4e-3, o)
+    tol = SPLIT_TOL if path in ("wmma", "cublas") else 4e-3     # split: fp32-grade; fp16: one rounding of x
+    check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), tol, o)
+    check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
 
 
 @pytest.mark.parametrize("M", [1, 63, 65])
@@ -135,8 +139,8 @@ def test_mlp(ops, ops_cublas, ops_fast, M, path):
     x = r(M, H)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
     got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
-    # the hidden product is stored in fp16 before the down projection: 4e-3 as for a GEMM
-    check(f"mlp {path} M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)
+    # fp16: the hidden product is also stored in fp16 before the down projection
+    check(f"mlp {path} M{M}", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL if path in ("wmma", "cublas") else 6e-3, o)
 
 
 def test_weight_overflow_counted(ops):
@@ -416,4 +420,4 @@ def test_mlp_cublas_inplace_swiglu(ops_cublas):
     x = r(300, H)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
     got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
-    check("mlp cublas split in-place swiglu", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)
+    check("mlp cublas split in-place swiglu", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL, o)

@@ -6,6 +6,7 @@ requests into one token stream, run the backbone once, the head per request, map
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from .encode import EncodedRecord, Encoder
 from .errors import ClefError, ContextLengthError
 from .tokenize import Tokenizer
 from .validate import validate_request
+
+log = logging.getLogger("clefcore")
 
 DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
 
@@ -79,6 +82,9 @@ class Engine:
         self.encoder = Encoder(Tokenizer(self.checkpoint.tokenizer_path, regex=regex))
         self.ops = backend_for(device, **backend_options)
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
+        summary = getattr(self.ops, "fp16_summary", lambda: None)()
+        if summary:
+            log.warning("%s", summary)
 
     # ------------------------------------------------------------------------------------------- host side
     def encode(self, body) -> EncodedRecord:

@@ -128,8 +128,8 @@ def run(args) -> int:
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev)
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
-    if gpu.fp16_overflow:
-        print(f"WARNING: {gpu.fp16_overflow} weight values exceeded the fp16 range and were saturated")
+    if gpu.fp16_summary():
+        print("WARNING:", gpu.fp16_summary())
     print(f"device: {gpu.device_name}")
     return 0 if compare(ck, gpu, p_gpu, args.layer_tol, args.prob_tol) else 1
 

@@ -230,12 +230,19 @@ class CudaOps:
         self.kernel("gemm.cu", kernel)(self._grid1(src.size), (_ELEM_THREADS,), (src, out, np.int64(src.size),
                                                                                  self._counts))
         over, under = (int(v) for v in self._counts.get())
-        if over or under:
-            log.warning("fp16 weight conversion: %d values saturated to +-65504, %d flushed to zero (tensor %s)",
-                        over, under, src.shape)
+        if over or under:      # per tensor at debug level: the load ends with one summary (fp16_summary)
+            log.debug("fp16 weight conversion: %d values saturated to +-65504, %d flushed to zero (tensor %s)",
+                      over, under, src.shape)
         self.fp16_overflow += over
         self.fp16_underflow += under
         return out
+
+    def fp16_summary(self) -> str | None:
+        """One line for the end of a load when any weight did not fit fp16, else None."""
+        if not (self.fp16_overflow or self.fp16_underflow):
+            return None
+        return (f"fp16 weights: {self.fp16_overflow} values beyond +-65504 were saturated, {self.fp16_underflow} "
+                f"nonzero values below 2^-24 became 0")
 
     def table(self, ref):
         if self.tables == "device":

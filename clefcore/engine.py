@@ -1,7 +1,8 @@
 """The engine: one loaded model answering System One requests.
 
 A request's path: ``prepare`` (parse check, validate, encode: host only) -> ``infer`` (pack several prepared
-requests into one token stream, run the backbone once, the head per request, map logits to answers).
+requests into one token stream, run the backbone once and the joint head once over the batch, map
+logits to answers).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Engine:
         self.encoder = Encoder(Tokenizer(self.checkpoint.tokenizer_path, regex=regex))
         self.ops = backend_for(device, **backend_options)
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
-        summary = getattr(self.ops, "fp16_summary", lambda: None)()
+        summary = self.ops.fp16_summary()
         if summary:
             log.warning("%s", summary)
 

@@ -112,7 +112,7 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     [t0, t1) runs). Results equal the unblocked computation up to fp rounding for any block size.
 
     ``check``: read the guard flags (``ops.check_watched``) before returning; a caller that queues more work
-    first (the engine queues the heads) passes False and calls ``ops.check_watched()`` itself.
+    first (the engine queues the head) passes False and calls ``ops.check_watched()`` itself.
 
     A backend with ``ops.graphs`` (CUDA) replays one graph for the layers of a short single-sequence prompt.
     The prompt is padded at its end to the graph's bucket so that nearby lengths share a graph: every op is

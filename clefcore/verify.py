@@ -21,7 +21,8 @@ REQUEST = {
     "questions": {
         "urgent": {"type": "noul", "instructions": "Is this urgent?"},
         "team": {"type": "choice", "instructions": "Which team should handle it?",
-                 "criteria": {"billing": "payments and invoices", "technical": "outages and bugs", "sales": "new plans"}},
+                 "criteria": {"billing": "payments and invoices", "technical": "outages and bugs",
+                              "sales": "new plans"}},
         "severity": {"type": "score", "instructions": "How severe is it?",
                      "criteria": ["minor", "moderate", "major", "critical"]},
     },

@@ -49,6 +49,11 @@ def check_watched() -> None:
     pass
 
 
+def fp16_summary() -> None:
+    """Weights stay fp32 here: nothing was saturated or flushed (the CUDA backend reports its fp16 conversion)."""
+    return None
+
+
 def asarray(x):
     return np.asarray(x)
 

@@ -5,9 +5,10 @@ cuBLAS launches from Python, ~45 us each on an H200), not by the GPU; replaying 
 compiles the kernels and autotunes the GEMM shapes, neither of which may happen during a capture); the second
 time it captures ``fn`` on a side stream into a graph that owns a private memory pool; later calls copy the
 inputs into the graph's static input buffers and launch it. What the graph reads and writes therefore stays
-valid for its whole life: its activations live in its own pool (never handed to anyone else), any index table
-``CudaOps._upload`` returned during the capture is pinned in the entry, and so are the weights it reads. A capture that fails for any
-reason falls back to eager runs for that key and is logged: a graph may make a forward faster, never wrong.
+valid for its whole life: its activations live in its own pool (never handed to anyone else), and the entry
+pins every index table ``CudaOps._upload`` returned during the capture and the weights the graph reads. A
+capture that fails for any reason falls back to eager runs for that key and is logged: a graph may make a
+forward faster, never wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
 """

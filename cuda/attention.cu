@@ -15,6 +15,11 @@
 // the host to the block's end, so rows of the cache not yet written for this layer are never read.
 #include "mma_sm70.cuh"
 
+// Keys per tile at head dim 256: 32 fits Volta's 96 KB per block (two blocks per SM on newer GPUs).
+#ifndef ATTN_BC256
+#define ATTN_BC256 32
+#endif
+
 template <int D, int BC>
 struct AttnSmem {
     static constexpr int LDQ = D + 8;           // halves
@@ -71,6 +76,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     float* sSw = sS + warp * 16 * L::LDS;
     half_t* sPw = sP + warp * 16 * L::LDP;
     float* sAlw = sAl + warp * 16;
+    const unsigned aQ = sa(sQ + warp * 16 * L::LDQ), aK = sa(sK), aV = sa(sV), aS = sa(sSw), aP = sa(sPw);
 
     for (int j0 = s0; j0 < q1; j0 += BC) {
         __syncthreads();
@@ -86,19 +92,24 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         }
         __syncthreads();
         if (!warp_live || j0 > q0 + warp * 16 + 15) continue;   // nothing visible for this warp's rows
+        {
+            // S = Q K^T for this warp's 16 rows: each Q fragment is read once per tile, for every key column tile
+            FragC s[BC / 16];
 #pragma unroll
-        for (int n = 0; n < BC / 16; ++n) {
-            FragC s;
-            frag_zero(s);
+            for (int n = 0; n < BC / 16; ++n) frag_zero(s[n]);
 #pragma unroll 4
             for (int kd = 0; kd < D / 16; ++kd) {
                 FragA a;
-                FragB b;
-                load_a_row(a, sQ + (warp * 16) * L::LDQ + kd * 16, L::LDQ);
-                load_b_col(b, sK + (n * 16) * L::LDQ + kd * 16, L::LDQ);
-                mma_row_col(s, a, b);
+                lda_row(a, aQ + 2 * kd * 16, L::LDQ);
+#pragma unroll
+                for (int n = 0; n < BC / 16; ++n) {
+                    FragB b;
+                    ldb_col(b, aK + 2 * (n * 16 * L::LDQ + kd * 16), L::LDQ);
+                    mma_row_col(s[n], a, b);
+                }
             }
-            store_c_row(sSw + n * 16, s, L::LDS);
+#pragma unroll
+            for (int n = 0; n < BC / 16; ++n) stc_row(aS + 4 * n * 16, s[n], L::LDS);
         }
         __syncwarp();
         // online softmax on this lane's half row
@@ -125,21 +136,28 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         ps += __shfl_xor_sync(0xffffffffu, ps, 1);
         l = l * alpha + ps;
         m = mnew;
+        // once a row's maximum settles, alpha is exactly 1: most tiles skip the rescale of the accumulators
+        const bool rescale = __any_sync(0xffffffffu, alpha != 1.f);
         if ((lane & 1) == 0) sAlw[myrow] = alpha;
         __syncwarp();
+        if (rescale) {
+            float al[8];                              // the rows of this lane's 8 accumulator elements
 #pragma unroll
-        for (int f = 0; f < D / 16; ++f)
+            for (int e = 0; e < 8; ++e) al[e] = sAlw[(int)idx.x[e]];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[f].x[e] *= sAlw[(int)idx.x[e]];
+            for (int f = 0; f < D / 16; ++f)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[f].x[e] *= al[e];
+        }
         FragA pa[BC / 16];
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) load_a_row(pa[kk], sPw + kk * 16, L::LDP);
+        for (int kk = 0; kk < BC / 16; ++kk) lda_row(pa[kk], aP + 2 * kk * 16, L::LDP);
 #pragma unroll
         for (int f = 0; f < D / 16; ++f) {
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
                 FragB b;
-                load_b_row(b, sV + (kk * 16) * L::LDQ + f * 16, L::LDQ);
+                ldb_row(b, aV + 2 * (kk * 16 * L::LDQ + f * 16), L::LDQ);
                 mma_row_row(o[f], pa[kk], b);
             }
         }
@@ -148,17 +166,21 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     if (!warp_live) return;
     if ((lane & 1) == 0) sAlw[myrow] = l > 0.f ? 1.f / l : 0.f;
     __syncwarp();
+    float inv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) inv[e] = sAlw[(int)idx.x[e]];
 #pragma unroll
     for (int f = 0; f < D / 16; ++f) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) o[f].x[e] *= sAlw[(int)idx.x[e]];
-        store_c_row(sSw, o[f], L::LDS);
+        for (int e = 0; e < 8; ++e) o[f].x[e] *= inv[e];
+        stc_row(aS, o[f], L::LDS);
         __syncwarp();
         const int r = lane >> 1, c0 = (lane & 1) * 8, row = q0 + warp * 16 + r;
         if (row < q1) {
             float* dst = out + ((long long)(row - qbase) * Hq + h) * D + f * 16 + c0;
-#pragma unroll
-            for (int c = 0; c < 8; ++c) dst[c] = sSw[r * L::LDS + c0 + c];
+            const float* src = sSw + r * L::LDS + c0;
+            *(float4*)dst = *(const float4*)src;
+            *(float4*)(dst + 4) = *(const float4*)(src + 4);
         }
         __syncwarp();
     }
@@ -176,5 +198,5 @@ CLEF_ATTN(16, 64)
 CLEF_ATTN(32, 64)
 CLEF_ATTN(64, 64)
 CLEF_ATTN(128, 64)
-CLEF_ATTN(256, 32)
+CLEF_ATTN(256, ATTN_BC256)
 #undef CLEF_ATTN

@@ -16,7 +16,7 @@
 // Tensor-core operands are fp32 values split x = hi + lo (two fp16); hi*hi + hi*lo + lo*hi keeps a product
 // fp32-grade (~2^-22; dropping lo*hi measured 3.5e-4 relative error on the output, over the 2e-4 test bound).
 // Tail chunks are zero-padded (k = v = beta = g = 0), which is exact. Only non-positive numbers are exponentiated.
-// Fragments are loaded with .shared addressing (ldmatrix on sm_75+; generic wmma loads become 8 scalar loads).
+// Fragments are loaded with .shared addressing (mma_sm70.cuh: ldmatrix on sm_75+).
 // sm_70: wmma m16n16k16 only, <= 96 KB shared memory per block (gdn_prep: 95 KB at dk = dv = 128).
 #include "mma_sm70.cuh"
 
@@ -29,39 +29,6 @@
 #else
 #define PREP_BLOCKS 1  // 96 KB of shared memory per SM on sm_70
 #endif
-
-__device__ __forceinline__ unsigned sa(const void* p) {   // shared-window address of a pointer into shared memory
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-#define GDN_LOADS(name, frag, spec)                                                                     \
-    __device__ __forceinline__ void name(frag& f, unsigned a, unsigned ld) {                          \
-        asm volatile("wmma.load." spec ".m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"    \
-                     : "=r"(f.x[0]), "=r"(f.x[1]), "=r"(f.x[2]), "=r"(f.x[3]), "=r"(f.x[4]),          \
-                       "=r"(f.x[5]), "=r"(f.x[6]), "=r"(f.x[7])                                       \
-                     : "r"(a), "r"(ld));                                                               \
-    }
-// a: A(m, k) at row m (row) or column m (col); b: B(k, n) at row k (row) or column n (col); ld in halves
-GDN_LOADS(lda_row, FragA, "a.sync.aligned.row")
-GDN_LOADS(lda_col, FragA, "a.sync.aligned.col")
-GDN_LOADS(ldb_row, FragB, "b.sync.aligned.row")
-GDN_LOADS(ldb_col, FragB, "b.sync.aligned.col")
-#undef GDN_LOADS
-__device__ __forceinline__ void st_tile(unsigned a, const FragC& c) {   // 16x16 fp32, row-major, ld 16
-    asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.shared.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, 16;"
-                 :: "r"(a), "f"(c.x[0]), "f"(c.x[1]), "f"(c.x[2]), "f"(c.x[3]), "f"(c.x[4]), "f"(c.x[5]),
-                    "f"(c.x[6]), "f"(c.x[7]) : "memory");
-}
-__device__ __forceinline__ void mma_col_row(FragC& d, const FragA& a, const FragB& b) {
-    asm volatile("wmma.mma.sync.aligned.col.row.m16n16k16.f32.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, "
-                 "{%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"
-                 : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3]), "+f"(d.x[4]), "+f"(d.x[5]),
-                   "+f"(d.x[6]), "+f"(d.x[7])
-                 : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(a.x[4]), "r"(a.x[5]), "r"(a.x[6]),
-                   "r"(a.x[7]), "r"(b.x[0]), "r"(b.x[1]), "r"(b.x[2]), "r"(b.x[3]), "r"(b.x[4]), "r"(b.x[5]),
-                   "r"(b.x[6]), "r"(b.x[7]));
-}
 
 enum { RR, RC, CR };   // (A, B) layouts: row.row, row.col, col.row
 // d += (ah + al)(bh + bl) less the al * bl term
@@ -104,7 +71,7 @@ __device__ __forceinline__ void frag_raw_load(FragC& c, const float* p) {
 }
 // an accumulator tile through the warp's 16x16 fp32 staging: the lane gets row lane/2, columns 8*(lane&1) + 0..7
 __device__ __forceinline__ void tile_to_lane(float* stage, const FragC& c, float (&x)[8]) {
-    st_tile(sa(stage), c);
+    stc_row(sa(stage), c, 16);
     __syncwarp();
     const int lane = threadIdx.x & 31;
     const float4 a = *(const float4*)(stage + (lane >> 1) * 16 + (lane & 1) * 8);
@@ -282,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(
         if (t >= 10) break;
         const int r = ri * 16 + (lane >> 1), s0 = ci * 16 + (lane & 1) * 8;
         const float* sr = stage + (lane >> 1) * 16 + (lane & 1) * 8;
-        st_tile(sa(stage), akk[i]);
+        stc_row(sa(stage), akk[i], 16);
         __syncwarp();
 #pragma unroll 1
         for (int e = 0; e < 8; ++e) {   // A^T: A = beta k k^T * D, strictly lower (mask before exp)
@@ -290,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(
             At[s * LA + r] = s < r ? bet[r] * sr[e] * expf(gam[r] - gam[s]) : 0.f;
         }
         __syncwarp();
-        st_tile(sa(stage), aqk[i]);
+        stc_row(sa(stage), aqk[i], 16);
         __syncwarp();
 #pragma unroll 1
         for (int e = 0; e < 8; ++e) {   // QKD = (q k^T) * D, lower

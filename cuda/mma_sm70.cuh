@@ -63,6 +63,8 @@ __device__ __forceinline__ void load_b_row(FragB& f, const half_t* p, unsigned l
 __device__ __forceinline__ void mma_row_col(FragC& d, const FragA& a, const FragB& b) { CLEF_MMA("row.col", d, a, b); }
 // d += a (row) * b (row)
 __device__ __forceinline__ void mma_row_row(FragC& d, const FragA& a, const FragB& b) { CLEF_MMA("row.row", d, a, b); }
+// d += a (col) * b (row)
+__device__ __forceinline__ void mma_col_row(FragC& d, const FragA& a, const FragB& b) { CLEF_MMA("col.row", d, a, b); }
 #undef CLEF_MMA
 
 // fp32 accumulator <-> memory, row-major, ld in elements (multiple of 4)
@@ -76,6 +78,33 @@ __device__ __forceinline__ void load_c_row(FragC& c, const float* p, unsigned ld
                  : "=f"(c.x[0]), "=f"(c.x[1]), "=f"(c.x[2]), "=f"(c.x[3]), "=f"(c.x[4]),
                    "=f"(c.x[5]), "=f"(c.x[6]), "=f"(c.x[7])
                  : "l"(p), "r"(ld));
+}
+
+// The same fragment loads/stores with a .shared address (a 32-bit offset in the shared window): sm_75+ turns
+// them into ldmatrix, where a generic-address wmma load is 8 scalar loads.
+__device__ __forceinline__ unsigned sa(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+#define CLEF_LOADS(name, frag, spec)                                                                    \
+    __device__ __forceinline__ void name(frag& f, unsigned a, unsigned ld) {                          \
+        asm volatile("wmma.load." spec ".m16n16k16.shared.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"    \
+                     : "=r"(f.x[0]), "=r"(f.x[1]), "=r"(f.x[2]), "=r"(f.x[3]), "=r"(f.x[4]),          \
+                       "=r"(f.x[5]), "=r"(f.x[6]), "=r"(f.x[7])                                       \
+                     : "r"(a), "r"(ld));                                                               \
+    }
+// a: A(m, k) at row m (row) or column m (col); b: B(k, n) at row k (row) or column n (col); ld in halves
+CLEF_LOADS(lda_row, FragA, "a.sync.aligned.row")
+CLEF_LOADS(lda_col, FragA, "a.sync.aligned.col")
+CLEF_LOADS(ldb_row, FragB, "b.sync.aligned.row")
+CLEF_LOADS(ldb_col, FragB, "b.sync.aligned.col")
+#undef CLEF_LOADS
+// fp32 accumulator -> shared memory, row-major, ld in elements (multiple of 4)
+__device__ __forceinline__ void stc_row(unsigned a, const FragC& c, unsigned ld) {
+    asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.shared.f32 [%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
+                 :: "r"(a), "f"(c.x[0]), "f"(c.x[1]), "f"(c.x[2]), "f"(c.x[3]), "f"(c.x[4]), "f"(c.x[5]),
+                    "f"(c.x[6]), "f"(c.x[7]), "r"(ld) : "memory");
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

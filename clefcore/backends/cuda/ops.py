@@ -29,6 +29,8 @@ log = logging.getLogger("clefcore.cuda")
 
 _ELEM_THREADS = 256
 _NULL = np.uint64(0)     # a NULL device pointer passed by value
+# split GEMMs of at most this many rows may also run as one stacked pass (see CudaOps._split_gemm)
+STACK_ROWS = 1024
 
 
 class HostTable:
@@ -64,8 +66,8 @@ class CudaOps:
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
         self.max_tokens = int(max_tokens)
-        if gemm not in ("auto", "wmma", "cublas"):
-            raise ValueError("gemm must be auto, wmma or cublas")
+        if gemm not in ("auto", "wmma", "cublas", "stacked"):
+            raise ValueError("gemm must be auto, wmma, cublas or stacked")
         self.gemm_mode = gemm
         if precision not in ("split", "fp16"):
             raise ValueError("precision must be split or fp16")
@@ -90,6 +92,7 @@ class CudaOps:
         self.sm_count = int(props["multiProcessorCount"])
         self._fn = {}
         self._smem_set = {}
+        self._attn_smem_bytes = {}
         self._uploads = {}
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._staged = []            # pinned host buffers of asynchronous uploads still in flight
@@ -350,11 +353,24 @@ class CudaOps:
         return out
 
     def _split(self, x):
+        """x fp32 [M, K] -> fp16 [2, M, K]: hi = fp16(x) over lo = fp16(x - hi), one buffer (see _gemm's stacked
+        path)."""
         x = self._c(x)
-        hi = self.cp.empty(x.shape, dtype=self.cp.float16)
-        lo = self.cp.empty(x.shape, dtype=self.cp.float16)
-        self.kernel("gemm.cu", "to_half_split")(self._grid1(x.size), (_ELEM_THREADS,), (x, hi, lo, np.int64(x.size)))
-        return hi, lo
+        hl = self.cp.empty((2,) + x.shape, dtype=self.cp.float16)
+        self.kernel("gemm.cu", "to_half_split")(self._grid1(x.size), (_ELEM_THREADS,),
+                                                (x, hl[0], hl[1], np.int64(x.size)))
+        return hl
+
+    def _split_gemm(self, hl, w, out, stacked):
+        """out[M, N] fp32 = (hi + lo) @ w^T for hl = _split(x): two cuBLAS passes accumulating into out, or
+        (stacked) one pass over the [2M, K] rows hi;lo into a [2M, N] product whose halves are then added: a
+        short block (few hundred rows) runs nearer the tensor-core rate at twice the rows."""
+        M = hl.shape[1]
+        if not stacked:
+            self._cublas(hl[0], w, out)
+            return self._cublas(hl[1], w, out, accumulate=True)
+        both = self._cublas(hl.reshape(2 * M, -1), w, self.cp.empty((2 * M, w.shape[0]), dtype=self.cp.float32))
+        return self.cp.add(both[:M], both[M:], out=out)
 
     def _gemm(self, x, w, out, bias=None):
         """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune."""
@@ -362,22 +378,22 @@ class CudaOps:
         N = w.shape[0]
         split = self.precision == "split" and x.dtype == self.cp.float32
 
-        def run_w():
-            self._wmma(x, w, out, bias)
+        def cublas(stacked=False):
+            def run():
+                if x.dtype == self.cp.float16:
+                    self._cublas(x, w, out)
+                elif split:
+                    self._split_gemm(self._split(x), w, out, stacked)
+                else:
+                    self._cublas(self._half(x), w, out)
+                if bias is not None:
+                    out.__iadd__(bias)
+            return run
 
-        def run_c():
-            if x.dtype == self.cp.float16:
-                self._cublas(x, w, out)
-            elif split:
-                hi, lo = self._split(x)
-                self._cublas(hi, w, out)
-                self._cublas(lo, w, out, accumulate=True)
-            else:
-                self._cublas(self._half(x), w, out)
-            if bias is not None:
-                out.__iadd__(bias)
-
-        (run_w if self._choose(M, N, K, run_w, run_c, str(x.dtype)) == "wmma" else run_c)()
+        paths = {"wmma": lambda: self._wmma(x, w, out, bias), "cublas": cublas()}
+        if split and M <= STACK_ROWS:
+            paths["stacked"] = cublas(stacked=True)
+        paths[self._choose(M, N, K, paths, str(x.dtype))]()
         return out
 
     def _wmma(self, a, w16, out, bias=None, res=None):
@@ -391,16 +407,19 @@ class CudaOps:
                                                    np.int32(K)))
         return out
 
-    def _choose(self, M, N, K, run_wmma, run_cublas, tag=""):
+    def _choose(self, M, N, K, paths: dict, tag=""):
+        """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
+        first time the shape is seen and logged; ``gemm`` = wmma / cublas / stacked forces that path (stacked
+        where it applies, else cublas)."""
         if self.gemm_mode != "auto":
-            return self.gemm_mode
+            return self.gemm_mode if self.gemm_mode in paths else "cublas"
         bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
         key = (N, K, bucket, tag, self.precision)
         got = self.gemm_choice.get(key)
         if got is None:
             cp = self.cp
             times = {}
-            for name, fn in (("wmma", run_wmma), ("cublas", run_cublas)):
+            for name, fn in paths.items():
                 fn()
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record()
@@ -411,8 +430,8 @@ class CudaOps:
                 times[name] = cp.cuda.get_elapsed_time(e0, e1) / 3
             got = min(times, key=times.get)
             self.gemm_choice[key] = got
-            log.info("gemm autotune M~%d N=%d K=%d: wmma %.3f ms, cublas %.3f ms -> %s", bucket, N, K,
-                     times["wmma"], times["cublas"], got)
+            log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", bucket, N, K, tag,
+                     ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), got)
         return got
 
     def linear(self, x, w, b=None):
@@ -455,27 +474,31 @@ class CudaOps:
                                                             np.int32(H)))
                 return hb
 
-            def run_c():
-                gb = cp.empty((M, I), dtype=cp.float32)
-                ub = cp.empty((M, I), dtype=cp.float32)
-                if split:
-                    hi, lo = self._split(xb)
-                    for w_, o_ in ((w_gate, gb), (w_up, ub)):
-                        self._cublas(hi, w_, o_)
-                        self._cublas(lo, w_, o_, accumulate=True)
-                    del hi, lo
-                    _swiglu_inplace_k()(ub, gb)           # gb = silu(gb) * ub: no third [M, I] buffer
-                    return gb
-                a16 = self._half(xb)
-                self._cublas(a16, w_gate, gb)
-                self._cublas(a16, w_up, ub)
-                del a16
-                hb = cp.empty((M, I), dtype=cp.float16)
-                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                      (gb, ub, hb, np.int64(gb.size)))
-                return hb
+            def cublas(stacked=False):
+                def run():
+                    gb = cp.empty((M, I), dtype=cp.float32)
+                    ub = cp.empty((M, I), dtype=cp.float32)
+                    if split:
+                        hl = self._split(xb)
+                        self._split_gemm(hl, w_gate, gb, stacked)
+                        self._split_gemm(hl, w_up, ub, stacked)
+                        del hl
+                        _swiglu_inplace_k()(ub, gb)           # gb = silu(gb) * ub: no third [M, I] buffer
+                        return gb
+                    a16 = self._half(xb)
+                    self._cublas(a16, w_gate, gb)
+                    self._cublas(a16, w_up, ub)
+                    del a16
+                    hb = cp.empty((M, I), dtype=cp.float16)
+                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                          (gb, ub, hb, np.int64(gb.size)))
+                    return hb
+                return run
 
-            hb = (run_w if self._choose(M, 2 * I, H, run_w, run_c, "swiglu") == "wmma" else run_c)()
+            paths = {"wmma": run_w, "cublas": cublas()}
+            if split and M <= STACK_ROWS:
+                paths["stacked"] = cublas(stacked=True)
+            hb = paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
             self._gemm(hb, w_down, ob)
             del hb
         return out
@@ -538,11 +561,21 @@ class CudaOps:
         v16 = v if v.dtype == cp.float16 else self._half(v[:t1])
         if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
             k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
-        smem = _attn_smem(D)
+        smem = self._attn_smem(D)
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
         fn((len(tiles), hq), (128,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv), np.float32(scale),
                                       np.int32(t0)), shared_mem=smem)
         return out
+
+    def _attn_smem(self, D):
+        """Shared-memory bytes of attn_fwd_d{D}, as compiled for this device (its key tile size is chosen in
+        attention.cu): asked once from the module's attn_smem_d{D}."""
+        got = self._attn_smem_bytes.get(D)
+        if got is None:
+            n = self.cp.zeros(1, dtype=self.cp.int32)
+            self.kernel("attention.cu", f"attn_smem_d{D}")((1,), (1,), (n,))
+            got = self._attn_smem_bytes[D] = int(n.get()[0])
+        return got
 
     # ------------------------------------------------------------------------------------ GDN path
     def conv1d_silu(self, x, w, cu_seqlens, prev=None):
@@ -759,12 +792,6 @@ class CudaOps:
 
 
 # ------------------------------------------------------------------------------------ CuPy elementwise
-
-def _attn_smem(D):
-    bc = 32 if D == 256 else 64
-    ldq, lds, ldp = D + 8, bc + 4, bc + 8
-    return 64 * ldq * 2 + 2 * bc * ldq * 2 + 4 * 16 * lds * 4 + 4 * 16 * ldp * 2 + 256 * 4 + 4 * 16 * 4
-
 
 _K = {}
 

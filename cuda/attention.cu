@@ -2,13 +2,18 @@
 //
 // numpy twin: clefcore/backends/cpu.py::attention (q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]).
 //
-// sm_70 design (docs/sm70-design.md): a block owns 64 query rows of one query head (4 warps x 16 rows) and
+// Two bodies behind one entry point: sm_80+ compiles the mma.sync path below (known fragment layouts), every
+// other target (sm_70 first) the wmma path. Shared by both: a block owns 64 query rows of one query head (4 warps x 16 rows) and
 // walks the key/value tiles of its sequence up to its last query (causal), BC = 64 keys per tile (32 when
 // D = 256, to stay under Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB).
 // Q K^T and P V run on the tensor cores (fp16 operands, fp32 accumulate); scores, the running max m, the
-// running sum l and the rescaling stay fp32. The O accumulator lives in wmma fragments (D/16 of them per
-// warp); their opaque element -> row map is read once from a fragment loaded from a matrix of row numbers,
-// which is how each element finds its row's rescale factor alpha = exp(m_old - m_new).
+// running sum l and the rescaling stay fp32; P is rounded to fp16 for P V.
+// wmma path: the O accumulator lives in wmma fragments (D/16 of them per warp); their opaque element -> row
+// map is read once from a fragment loaded from a matrix of row numbers, which is how each element finds its
+// row's rescale factor alpha = exp(m_old - m_new). Scores go through shared memory for the softmax.
+// mma.sync path (sm_80+): m16n8k16 with the PTX-documented layouts, so the softmax runs in registers (a quad of
+// lanes shares a row), P is repacked from the score accumulators straight into A fragments (no shared-memory
+// round trip), fragments come from ldmatrix, and the K/V tiles are double-buffered with cp.async.
 // Inputs are fp16 (q converted per call; k/v usually an fp16 K/V cache of the whole stream), tiles =
 // (seq_start, seq_end, q0, q1) in absolute token indices of the packed stream. Token-blocked prefill: q and out
 // hold only the rows [qbase, qbase + n) (one block of queries), k/v the rows [0, >= q1); seq_end is clipped by
@@ -20,6 +25,173 @@
 #define ATTN_BC256 32
 #endif
 
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], unsigned a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm4_t(unsigned (&r)[4], unsigned a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// d[16x8] += a[16x16] b[16x8]; lane (g = lane/4, t = lane%4) holds d rows g, g+8 at columns 2t, 2t+1
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {   // bytes 0: zero fill
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes));
+}
+
+template <int D, int BC>
+struct AttnSmem {
+    static constexpr int LD = D + 8;            // halves: 16-byte rows, conflict-free ldmatrix
+    static constexpr int Q = 64 * LD * 2;
+    static constexpr int KV = BC * LD * 2;      // one K (or V) tile
+    static constexpr int total = Q + 4 * KV;    // K and V, two buffers each
+};
+
+template <int D, int BC>
+__device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
+                                          const half_t* __restrict__ v, float* __restrict__ out,
+                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
+                                          int qbase) {
+    typedef AttnSmem<D, BC> L;
+    extern __shared__ __align__(128) unsigned char smem[];
+    half_t* sQ = (half_t*)smem;
+    const unsigned aQ = sa(smem), aKV = aQ + L::Q;   // buffer b: K at aKV + 2 b KV, V right after it
+    const int4 tile = tiles[blockIdx.x];
+    const int s0 = tile.x, s1 = tile.y, q0 = tile.z, q1 = tile.w;
+    const int h = blockIdx.y, kh = h / (Hq / Hkv);
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, tq = lane & 3;
+    constexpr int V8 = D / 8;   // 16-byte pieces per row
+
+    for (int e = t; e < 64 * V8; e += 128) {
+        const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
+        *(uint4*)(sQ + r * L::LD + c) = val;
+    }
+    auto load_kv = [&](int j0, int buf) {     // rows past the sequence are zero-filled (finite for P V)
+        const unsigned dK = aKV + 2 * buf * L::KV;
+        for (int e = t; e < BC * V8; e += 128) {
+            const int r = e / V8, c = (e % V8) * 8, kj = j0 + r;
+            const bool in = kj < s1;
+            const long long off = ((long long)(in ? kj : s0) * Hkv + kh) * D + c;
+            const unsigned so = 2 * (r * L::LD + c);
+            cp_async16(dK + so, k + off, in ? 16 : 0);
+            cp_async16(dK + L::KV + so, v + off, in ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {-CLEF_INF, -CLEF_INF}, l[2] = {0.f, 0.f};   // rows r0 and r0 + 8 (l: this lane's columns)
+    const int r0 = q0 + warp * 16 + g;
+    const bool warp_live = q0 + warp * 16 < q1;
+    load_kv(s0, 0);
+    int buf = 0;
+    for (int j0 = s0; j0 < q1; j0 += BC, buf ^= 1) {
+        if (j0 + BC < q1) {
+            load_kv(j0 + BC, buf ^ 1);         // the buffer the previous tile used: freed by its last barrier
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();
+        if (warp_live && j0 <= q0 + warp * 16 + 15) {   // else nothing in this tile is visible to the warp
+            const unsigned aK = aKV + 2 * buf * L::KV, aV = aK + L::KV;
+            float s[BC / 8][4];
+#pragma unroll
+            for (int i = 0; i < BC / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll 4
+            for (int kd = 0; kd < D / 16; ++kd) {
+                unsigned a[4];
+                ldsm4(a, aQ + 2 * ((warp * 16 + (lane & 15)) * L::LD + kd * 16 + (lane >> 4) * 8));
+#pragma unroll
+                for (int nb = 0; nb < BC / 16; ++nb) {       // keys 16 nb .. 16 nb + 15: two n8 tiles
+                    unsigned b[4];
+                    ldsm4(b, aK + 2 * ((nb * 16 + (lane & 7) + (lane >> 4) * 8) * L::LD + kd * 16 +
+                                       ((lane >> 3) & 1) * 8));
+                    mma16816(s[2 * nb], a, b[0], b[1]);
+                    mma16816(s[2 * nb + 1], a, b[2], b[3]);
+                }
+            }
+            float mx[2] = {m[0], m[1]};
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kj = j0 + nt * 8 + 2 * tq + (e & 1);
+                    float sv = s[nt][e] * scale;
+                    if (kj > r0 + (e >> 1) * 8 || kj >= s1) sv = -CLEF_INF;
+                    s[nt][e] = sv;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sv);
+                }
+            float muse[2], alpha[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                muse[i] = mx[i] == -CLEF_INF ? 0.f : mx[i];
+                alpha[i] = m[i] == -CLEF_INF ? 0.f : expf(m[i] - muse[i]);
+                m[i] = mx[i];
+                l[i] *= alpha[i];
+            }
+            unsigned pa[BC / 16][4];   // P as A fragments: the score tile pair (2 kk, 2 kk + 1) is rows g / g+8
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = s[nt][e] == -CLEF_INF ? 0.f : expf(s[nt][e] - muse[e >> 1]);
+                    l[e >> 1] += p;
+                    s[nt][e] = p;
+                }
+                pa[nt >> 1][(nt & 1) * 2] = pack2h(s[nt][0], s[nt][1]);
+                pa[nt >> 1][(nt & 1) * 2 + 1] = pack2h(s[nt][2], s[nt][3]);
+            }
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {   // a row maximum moved
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) {
+                    o[i][0] *= alpha[0]; o[i][1] *= alpha[0]; o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {       // columns 16 dp .. 16 dp + 15: two n8 tiles
+                    unsigned b[4];
+                    ldsm4_t(b, aV + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * L::LD + dp * 16 +
+                                         (lane >> 4) * 8));
+                    mma16816(o[2 * dp], pa[kk], b[0], b[1]);
+                    mma16816(o[2 * dp + 1], pa[kk], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();   // this buffer is free for the tile after next
+    }
+    if (!warp_live) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        l[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int row = r0 + hr * 8;
+        if (row >= q1) continue;
+        float* dst = out + ((long long)(row - qbase) * Hq + h) * D + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+            *(float2*)(dst + i * 8) = make_float2(o[i][2 * hr] * l[hr], o[i][2 * hr + 1] * l[hr]);
+    }
+}
+#else
 template <int D, int BC>
 struct AttnSmem {
     static constexpr int LDQ = D + 8;           // halves
@@ -185,6 +357,8 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         __syncwarp();
     }
 }
+
+#endif
 
 #define CLEF_ATTN(D, BC)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_d##D(const half_t* q, const half_t* k,        \

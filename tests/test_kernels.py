@@ -212,12 +212,13 @@ def test_attention_long(ops):
 
 
 @pytest.mark.parametrize("cu", CU)
-def test_conv1d(ops, cu):
+@pytest.mark.parametrize("K", [1, 4, 8])
+def test_conv1d(ops, cu, K):
     T, C = cu[-1], 72
-    x, w = r(T, 3 * C), r(C, 4)
+    x, w = r(T, 3 * C), r(C, K)
     xs = x[:, C:2 * C]
     got = ops.conv1d_silu(ops.asarray(x)[:, C:2 * C], ops.asarray(w), np.array(cu))
-    check(f"conv1d cu{cu}", got, cpu.conv1d_silu(np.ascontiguousarray(xs), w, np.array(cu)), 1e-5, ops)
+    check(f"conv1d K{K} cu{cu}", got, cpu.conv1d_silu(np.ascontiguousarray(xs), w, np.array(cu)), 1e-5, ops)
 
 
 def _gdn_inputs(T, hk, hv, dk, dv):

@@ -31,6 +31,7 @@ _ELEM_THREADS = 256
 _NULL = np.uint64(0)     # a NULL device pointer passed by value
 # split GEMMs of at most this many rows may also run as one stacked pass (see CudaOps._split_gemm)
 STACK_ROWS = 1024
+_CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
 
 
 class HostTable:
@@ -591,10 +592,12 @@ class CudaOps:
             prev = self._c(prev)
             if prev.shape != (K - 1, C):
                 raise ValueError(f"conv prev must be [{K - 1}, {C}], got {prev.shape}")
-        self.kernel("conv1d.cu", "conv1d_silu_k")(self._grid1(y.size), (_ELEM_THREADS,),
-                                                  (x, np.int64(xs), self._c(w), self._upload(starts),
-                                                   _NULL if prev is None else prev, y,
-                                                   np.int32(T), np.int32(C), np.int32(K)))
+        if K > _CONV_KMAX:
+            raise errors.DeviceError(f"conv1d kernel size {K}: the CUDA kernel takes at most {_CONV_KMAX} taps")
+        grid = (-(-C // 128), -(-T // _CONV_TT))
+        self.kernel("conv1d.cu", "conv1d_silu_k")(grid, (128,), (x, np.int64(xs), self._c(w), self._upload(starts),
+                                                               _NULL if prev is None else prev, y,
+                                                               np.int32(T), np.int32(C), np.int32(K)))
         return y
 
     def gdn_gates(self, a, b, a_log, dt_bias):

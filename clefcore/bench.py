@@ -151,6 +151,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
         p.place(name, w)
     for name, shape in expected_head_shapes(head_cfg).items():
         p.head[name] = mat(shape, 0.02) if shape else cp.asarray(np.float32(0.5))
+    p.fuse(ops)
     return p
 
 

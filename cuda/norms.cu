@@ -44,13 +44,14 @@ extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ x, const f
     for (int i = lane; i < D; i += 32) y[o + i] = s[o + i] * inv * (1.f + w[i]);
 }
 
+// z row r = head r % zh of token r / zh, token rows zs apart (z may be a column slice of the fused projection)
 extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ z,
-                                              long long zs, const float* __restrict__ w, float* __restrict__ y,
-                                              int R, int D, float eps) {
+                                              long long zs, int zh, const float* __restrict__ w,
+                                              float* __restrict__ y, int R, int D, float eps) {
     const int row = warp_row(), lane = threadIdx.x & 31;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
-    const float* zr = z + (long long)row * zs;
+    const float* zr = z + (long long)(row / zh) * zs + (long long)(row % zh) * D;
     const float inv = 1.f / sqrtf(row_sumsq(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += 32) {

@@ -102,6 +102,17 @@ def test_norms(ops, R, D):
     check("l2norm", ops.l2norm(ops.asarray(x), 1e-6, 0.25), cpu.l2norm(x, 1e-6, 0.25), 2e-5, ops)
 
 
+@pytest.mark.parametrize("T", [1, 65])
+def test_gated_rmsnorm_on_a_projection_slice(ops, T):
+    """z as the model passes it: heads x d columns of a wider fused projection, viewed [T, heads, d]."""
+    H, D = 3, 32
+    proj, x, w = r(T, 7 + H * D + 5), r(T, H, D), r(D, scale=0.1)
+    z = proj[:, 7:7 + H * D].reshape(T, H, D)
+    got = ops.gated_rmsnorm(ops.asarray(x), ops.asarray(proj)[:, 7:7 + H * D].reshape(T, H, D), ops.asarray(w), 1e-6)
+    assert got.shape == (T, H, D)
+    check(f"gated_rmsnorm slice T{T}", got, cpu.gated_rmsnorm(x, z, w, 1e-6), 2e-5, ops)
+
+
 def test_norms_strided_view(ops):
     T, H, D = 65, 3, 32
     qg = r(T, H, 2, D)

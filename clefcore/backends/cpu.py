@@ -69,6 +69,11 @@ def weight(w) -> np.ndarray:
     return np.ascontiguousarray(w, dtype=np.float32)
 
 
+def stack_rows(ws) -> np.ndarray:
+    """Matrices with equal column counts as one (rows concatenated): a fused projection (model.FUSED)."""
+    return np.concatenate([np.asarray(w, np.float32) for w in ws], axis=0)
+
+
 def table(ref) -> np.ndarray:
     """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
     return to_float32(ref)
@@ -263,7 +268,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None):
 
 
 def gated_rmsnorm(x, z, w, eps):
-    """Per-head RMSNorm with a plain weight, times SiLU(z). x, z [N, d]."""
+    """Per-head RMSNorm with a plain weight, times SiLU(z). x, z [..., d] (e.g. [tokens, heads, d])."""
     inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
     return (x * inv) * w * silu(z)
 

@@ -248,6 +248,13 @@ class CudaOps:
         return (f"fp16 weights: {self.fp16_overflow} values beyond +-65504 were saturated, {self.fp16_underflow} "
                 f"nonzero values below 2^-24 became 0")
 
+    def stack_rows(self, ws):
+        """One fp16 matrix from row blocks (a fused projection, model.FUSED); a block kept fp32 for its size
+        (weight(): a side under 16) is converted and counted like any weight."""
+        cp = self.cp
+        return cp.concatenate([w if w.dtype == cp.float16 else self._to_half_counted(self._c(w), "f32_to_half_count")
+                               for w in ws], axis=0)
+
     def table(self, ref):
         if self.tables == "device":
             cp = self.cp
@@ -315,13 +322,26 @@ class CudaOps:
         return s, y
 
     def gated_rmsnorm(self, x, z, w, eps):
+        """x, z [..., heads, d]; z may be a column slice of a wider projection (its token rows have their own
+        stride: row r of z is token r // heads, head r % heads)."""
+        shape = x.shape
         x, R, D, xs = self._rows(x)
-        z, Rz, Dz, zs = self._rows(z)
+        z = self._f32(z)
+        if z.shape[-1] != D or z.size != R * D:
+            raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
+        if z.ndim > 3:
+            z = z.reshape((-1,) + z.shape[-2:])
+        heads = z.shape[-2] if z.ndim == 3 else 1
+        if not (z.strides[-1] == 4 and (heads == 1 or z.strides[-2] == 4 * D)
+                and (z.ndim < 3 or z.strides[0] % 4 == 0) and z.data.ptr % 4 == 0):
+            z = self.cp.ascontiguousarray(z)
+        zs = z.strides[0] // 4 if z.ndim >= 2 else D
         y = self.cp.empty((R, D), dtype=self.cp.float32)
         g, b = self._row_launch(R)
-        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), self._c(w), y,
-                                                             np.int32(R), np.int32(D), np.float32(eps)))
-        return y.reshape(x.shape)
+        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), np.int32(heads),
+                                                             self._c(w), y, np.int32(R), np.int32(D),
+                                                             np.float32(eps)))
+        return y.reshape(shape)
 
     def layernorm(self, x, w, b, eps=1e-5):
         x, R, D, xs = self._rows(x)

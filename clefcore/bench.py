@@ -126,7 +126,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
     """clef-flash-shaped random weights made on the GPU (see module doc)."""
     from .backends.cuda.ops import DeviceTable
     from .checkpoint import expected_head_shapes, expected_text_shapes
-    from .model import Params
+    from .model import Params, stored_groups
     rs = cp.random.RandomState(0)
 
     def mat(shape, std=0.02):
@@ -136,7 +136,9 @@ def random_params(cp, ops, text_cfg, head_cfg):
 
     layers = [dict() for _ in range(text_cfg.num_layers)]
     p = Params(text_cfg, head_cfg, None, None, None, layers)
-    for name, shape in expected_text_shapes(text_cfg).items():
+    shapes = expected_text_shapes(text_cfg)
+    for name, parts in stored_groups(shapes):
+        shape = (sum(shapes[n][0] for n in parts),) + tuple(shapes[parts[0]][1:])   # FUSED parts stacked
         if name in ("embed_tokens.weight", "lm_head.weight"):
             bits = (rs.standard_normal(shape, dtype=cp.float32) * 0.02).view(cp.uint32) >> 16
             w = DeviceTable(bits.astype(cp.uint16), shape)
@@ -151,7 +153,6 @@ def random_params(cp, ops, text_cfg, head_cfg):
         p.place(name, w)
     for name, shape in expected_head_shapes(head_cfg).items():
         p.head[name] = mat(shape, 0.02) if shape else cp.asarray(np.float32(0.5))
-    p.fuse(ops)
     return p
 
 

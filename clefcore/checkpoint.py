@@ -74,6 +74,19 @@ class SafetensorsFile:
         return TensorRef(self.path, name, tag, shape, raw)
 
 
+def stack_refs(name: str, refs: list[TensorRef]) -> TensorRef:
+    """Tensors with equal column counts as one, rows concatenated (a fused projection, model.FUSED), in their
+    common dtype (fp32 when they differ); a single ref is returned as it is."""
+    if len(refs) == 1:
+        return refs[0]
+    if len({r.dtype for r in refs}) == 1:
+        raw = np.concatenate([r.raw for r in refs])
+    else:
+        raw = np.concatenate([to_float32(r) for r in refs])
+    tag = refs[0].dtype if raw.dtype == refs[0].raw.dtype else "F32"
+    return TensorRef(refs[0].file, name, tag, tuple(raw.shape), raw)
+
+
 def to_float32(ref: TensorRef, rows=None) -> np.ndarray:
     """Exact widening to a fresh fp32 array (bf16 is the top half of an fp32 bit pattern), of the whole tensor
     or of the given rows only."""

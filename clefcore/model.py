@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, stack_refs
 from .config import HeadConfig, TextConfig
 
 
@@ -50,12 +50,27 @@ class Params:
             _, i, rest = name.split(".", 2)
             self.layers[int(i)][rest] = w
 
-    def fuse(self, ops) -> None:
-        """Stack each layer's FUSED parts into one weight (``ops.stack_rows``), dropping the parts."""
-        for L in self.layers:
-            for name, parts in FUSED.items():
-                if all(k in L for k in parts):
-                    L[name] = ops.stack_rows([L.pop(k) for k in parts])
+
+
+def stored_groups(names) -> list[tuple[str, list[str]]]:
+    """Checkpoint tensor names (``layers.{i}.<rest>``, ...) -> [(name in Params, [its checkpoint tensors])] in
+    checkpoint order: the parts of a FUSED group become one entry, at the position of its first part."""
+    names = list(names)
+    present, out, taken = set(names), [], set()
+    for n in names:
+        if n in taken:
+            continue
+        group = [n]
+        if n.startswith("layers."):
+            _, i, rest = n.split(".", 2)
+            for fused, parts in FUSED.items():
+                full = [f"layers.{i}.{q}" for q in parts]
+                if rest in parts and all(q in present for q in full):
+                    n, group = f"layers.{i}.{fused}", full
+                    break
+        taken.update(group)
+        out.append((n, group))
+    return out
 
 
 def load_params(ck: Checkpoint, ops, progress=None) -> Params:
@@ -72,19 +87,19 @@ def load_params(ck: Checkpoint, ops, progress=None) -> Params:
 
     layers = [dict() for _ in range(ck.text.num_layers)]
     p = Params(ck.text, ck.head_config, None, None, None, layers)
-    for name in ck.text_tensors:
+    for name, parts in stored_groups(ck.text_tensors):
         if name in ("embed_tokens.weight", "lm_head.weight"):
             w = ops.table(ck.text_tensors[name])       # large vocab tables: the backend decides where they live
         elif name.endswith("conv1d.weight"):
             w = ops.weight(ck.text_f32(name)[:, 0, :])
-        else:
-            w = ops.weight(ck.text_tensors[name])      # the backend converts (the GPU from bf16 bits, on device)
+        else:                                          # the backend converts (the GPU from bf16 bits, on device);
+            w = ops.weight(stack_refs(name, [ck.text_tensors[n] for n in parts]))   # FUSED parts stacked on host
         p.place(name, w)
-        tick(name)
+        for n in parts:
+            tick(n)
     for name in ck.head_tensors:
         p.head[name] = ops.weight(ck.head_tensors[name])
         tick(name)
-    p.fuse(ops)
     return p
 
 

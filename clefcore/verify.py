@@ -47,24 +47,21 @@ class _DiskLayer(Mapping):
     use, so the fp32 reference never holds the whole model (36 GB for clef-flash) in host memory."""
 
     def __init__(self, ck, index: int):
-        from .model import FUSED
+        from .model import stored_groups
         self.ck, self.prefix = ck, f"layers.{index}."
-        names = [n[len(self.prefix):] for n in ck.text_tensors if n.startswith(self.prefix)]
-        self.fused = {f: parts for f, parts in FUSED.items() if all(k in names for k in parts)}
-        parts = {k for ps in self.fused.values() for k in ps}
-        self.keys_ = [n for n in names if n not in parts] + list(self.fused)
+        groups = stored_groups(n for n in ck.text_tensors if n.startswith(self.prefix))
+        self.parts = {n[len(self.prefix):]: parts for n, parts in groups}   # FUSED parts as load_params stacks them
 
     def __getitem__(self, key):
-        if key in self.fused:                    # what load_params stacks (model.FUSED), stacked the same way
-            return np.concatenate([self[k] for k in self.fused[key]])
-        w = self.ck.text_f32(self.prefix + key)
+        ws = [self.ck.text_f32(n) for n in self.parts[key]]
+        w = ws[0] if len(ws) == 1 else np.concatenate(ws)
         return w[:, 0, :] if key.endswith("conv1d.weight") else w
 
     def __iter__(self):
-        return iter(self.keys_)
+        return iter(self.parts)
 
     def __len__(self):
-        return len(self.keys_)
+        return len(self.parts)
 
 
 class _DiskTable:

@@ -162,3 +162,27 @@ def test_load_progress_bar_on_a_terminal(monkeypatch):
     model.load_params(ck, cpu, progress=progress.terminal_bar("loading"))
     n = len(ck.text_tensors) + len(ck.head_tensors)
     assert out.getvalue().count("\r") == n and out.getvalue().endswith(f"] {n}/{n}\n")
+
+
+def test_fused_projections_are_stacked_at_load():
+    """model.FUSED parts become one weight (rows in the listed order), stored under the fused name only."""
+    from clefcore import model
+    from clefcore.backends import cpu
+    from clefcore.checkpoint import stack_refs
+    ck = Checkpoint(GOLDEN_MODEL)
+    p = model.load_params(ck, cpu)
+    (fused, parts), = model.FUSED.items()
+    gdn = [i for i, t in enumerate(ck.text.layer_types) if t == "linear_attention"]
+    assert gdn
+    for i, L in enumerate(p.layers):
+        assert not any(q in L for q in parts)
+        assert (fused in L) == (i in gdn)
+    i = gdn[0]
+    want = np.concatenate([ck.text_f32(f"layers.{i}.{q}") for q in parts])
+    assert np.array_equal(p.layers[i][fused], want)
+    # mixed dtypes widen to fp32; one ref passes through unchanged
+    refs = [ck.text_tensors[f"layers.{i}.{q}"] for q in parts[:2]]
+    wide = ck.text_f32(f"layers.{i}.{parts[1]}")
+    f32 = stack_refs("x", [refs[0], type(refs[1])(refs[1].file, "y", "F32", refs[1].shape, wide)])
+    assert f32.dtype == "F32" and np.array_equal(f32.raw, want[:f32.shape[0]])
+    assert stack_refs("x", refs[:1]) is refs[0]

@@ -69,11 +69,6 @@ def weight(w) -> np.ndarray:
     return np.ascontiguousarray(w, dtype=np.float32)
 
 
-def stack_rows(ws) -> np.ndarray:
-    """Matrices with equal column counts as one (rows concatenated): a fused projection (model.FUSED)."""
-    return np.concatenate([np.asarray(w, np.float32) for w in ws], axis=0)
-
-
 def table(ref) -> np.ndarray:
     """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
     return to_float32(ref)

@@ -248,13 +248,6 @@ class CudaOps:
         return (f"fp16 weights: {self.fp16_overflow} values beyond +-65504 were saturated, {self.fp16_underflow} "
                 f"nonzero values below 2^-24 became 0")
 
-    def stack_rows(self, ws):
-        """One fp16 matrix from row blocks (a fused projection, model.FUSED); a block kept fp32 for its size
-        (weight(): a side under 16) is converted and counted like any weight."""
-        cp = self.cp
-        return cp.concatenate([w if w.dtype == cp.float16 else self._to_half_counted(self._c(w), "f32_to_half_count")
-                               for w in ws], axis=0)
-
     def table(self, ref):
         if self.tables == "device":
             cp = self.cp

@@ -25,6 +25,19 @@
 #define ATTN_BC256 32
 #endif
 
+// the block's 64 query rows of head h (zeros from q1 on) -> shared memory, rows ld halves apart (both bodies)
+template <int D>
+__device__ __forceinline__ void stage_q(half_t* sQ, int ld, const half_t* __restrict__ q, int q0, int q1,
+                                        int qbase, int Hq, int h) {
+    constexpr int V8 = D / 8;   // 16-byte pieces per row
+    for (int e = threadIdx.x; e < 64 * V8; e += 128) {
+        const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
+        *(uint4*)(sQ + r * ld + c) = val;
+    }
+}
+
 #if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void ldsm4(unsigned (&r)[4], unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -68,12 +81,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, tq = lane & 3;
     constexpr int V8 = D / 8;   // 16-byte pieces per row
 
-    for (int e = t; e < 64 * V8; e += 128) {
-        const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
-        *(uint4*)(sQ + r * L::LD + c) = val;
-    }
+    stage_q<D>(sQ, L::LD, q, q0, q1, qbase, Hq, h);
     auto load_kv = [&](int j0, int buf) {     // rows past the sequence are zero-filled (finite for P V)
         const unsigned dK = aKV + 2 * buf * L::KV;
         for (int e = t; e < BC * V8; e += 128) {
@@ -227,12 +235,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     constexpr int V8 = D / 8;   // uint4 (8 halves) per row
 
-    for (int e = t; e < 64 * V8; e += 128) {
-        const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
-        *(uint4*)(sQ + r * L::LDQ + c) = val;
-    }
+    stage_q<D>(sQ, L::LDQ, q, q0, q1, qbase, Hq, h);
     for (int e = t; e < 256; e += 128) sIdx[e] = (float)(e >> 4);
     __syncthreads();
     FragC idx;

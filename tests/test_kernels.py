@@ -48,12 +48,6 @@ def ops_cublas():
 
 
 @pytest.fixture(scope="module")
-def ops_stacked():
-    from clefcore.backends.cuda import CudaOps
-    return CudaOps(0, gemm="stacked")
-
-
-@pytest.fixture(scope="module")
 def ops_fast():
     from clefcore.backends.cuda import CudaOps
     return {"wmma16": CudaOps(0, gemm="wmma", precision="fp16"), "cublas16": CudaOps(0, gemm="cublas", precision="fp16")}
@@ -125,9 +119,9 @@ def test_norms_strided_view(ops):
 
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000)])
-@pytest.mark.parametrize("path", ["wmma", "cublas", "stacked", "wmma16", "cublas16"])
-def test_linear(ops, ops_cublas, ops_stacked, ops_fast, M, N, K, path):
-    o = {"wmma": ops, "cublas": ops_cublas, "stacked": ops_stacked}.get(path) or ops_fast[path]
+@pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
+def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
+    o = {"wmma": ops, "cublas": ops_cublas}.get(path) or ops_fast[path]
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     W = o.weight(w)
     tol = 4e-3 if path.endswith("16") else SPLIT_TOL     # split: fp32-grade; fp16: one rounding of x
@@ -148,9 +142,9 @@ def test_linear_small_fp32_weight(ops, M, N, K):
 
 
 @pytest.mark.parametrize("M", [1, 65, 300])
-@pytest.mark.parametrize("path", ["wmma", "cublas", "stacked", "wmma16", "cublas16"])
-def test_mlp(ops, ops_cublas, ops_stacked, ops_fast, M, path):
-    o = {"wmma": ops, "cublas": ops_cublas, "stacked": ops_stacked}.get(path) or ops_fast[path]
+@pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
+def test_mlp(ops, ops_cublas, ops_fast, M, path):
+    o = {"wmma": ops, "cublas": ops_cublas}.get(path) or ops_fast[path]
     o.token_block = 128                       # exercise the token blocking
     H, I = 96, 200
     x = r(M, H)

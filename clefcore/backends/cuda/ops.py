@@ -411,7 +411,8 @@ class CudaOps:
 
     def _choose(self, M, N, K, paths: dict, tag=""):
         """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
-        first time the shape is seen and logged; ``gemm`` = wmma / cublas forces that path."""
+        first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
+        path."""
         if self.gemm_mode != "auto":
             return self.gemm_mode
         bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
@@ -419,16 +420,17 @@ class CudaOps:
         got = self.gemm_choice.get(key)
         if got is None:
             cp = self.cp
-            times = {}
-            for name, fn in paths.items():
-                fn()
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record()
-                for _ in range(3):
+            times = {name: math.inf for name in paths}
+            for fn in paths.values():
+                fn()                                   # compile, allocate, warm the clocks
+            for _ in range(5):                         # interleaved, best of 5: a clock ramp or a hiccup during
+                for name, fn in paths.items():         # one candidate's turn does not decide
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record()
                     fn()
-                e1.record()
-                e1.synchronize()
-                times[name] = cp.cuda.get_elapsed_time(e0, e1) / 3
+                    e1.record()
+                    e1.synchronize()
+                    times[name] = min(times[name], cp.cuda.get_elapsed_time(e0, e1))
             got = min(times, key=times.get)
             self.gemm_choice[key] = got
             log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", bucket, N, K, tag,

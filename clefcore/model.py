@@ -28,7 +28,7 @@ FUSED = {
 @dataclass
 class Params:
     """Backend-native weights. ``layers[i]`` maps the checkpoint's per-layer names (without ``layers.{i}.``)
-    to arrays; conv weights are squeezed to [C, K]."""
+    to arrays, a FUSED group under its fused name; conv weights are squeezed to [C, K]."""
 
     text: TextConfig
     head_config: HeadConfig
@@ -49,7 +49,6 @@ class Params:
         else:
             _, i, rest = name.split(".", 2)
             self.layers[int(i)][rest] = w
-
 
 
 def stored_groups(names) -> list[tuple[str, list[str]]]:

@@ -27,7 +27,7 @@ def add_arguments(parser):
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random clef-flash weights)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--packed", default="16x512")
-    parser.add_argument("--precision", default="split", choices=["split", "fp16"])
+    parser.add_argument("--precision", default="split", choices=["split", "split8", "fp16"])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--token-block", type=int, default=4096,
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
@@ -83,6 +83,14 @@ def kernels(cp, ops, out):
         x16 = x.astype(cp.float16)
         tc = _timeit(cp, lambda: ops._cublas(x16, w, o))
         rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
+        ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o))
+        rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
+        if ops.precision == "split8":
+            ops.twin(w)
+            t8 = _timeit(cp, lambda: ops._split8_gemm(ops._split8(x), w, o))
+            rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
+                         f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
+            del ops._twins[w.data.ptr]
         for prec in ("fp16", "split"):
             ops.precision = prec
             tw = _timeit(cp, lambda: ops._wmma(x, w, o))
@@ -131,7 +139,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
 
     def mat(shape, std=0.02):
         if len(shape) == 2 and min(shape) >= 16:
-            return (rs.standard_normal(shape, dtype=cp.float32) * std).astype(cp.float16)
+            return ops.twin((rs.standard_normal(shape, dtype=cp.float32) * std).astype(cp.float16))
         return rs.standard_normal(shape, dtype=cp.float32) * np.float32(std)
 
     layers = [dict() for _ in range(text_cfg.num_layers)]

@@ -34,9 +34,11 @@ def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LE
 
 def gpu_options(p: argparse.ArgumentParser) -> None:
     """CudaOps options shared by every command that loads an engine (left out on the CPU unless given)."""
-    p.add_argument("--precision", choices=("split", "fp16"), default=None,
-                   help="GPU GEMM inputs: split (default; fp32-grade, two tensor-core passes) or fp16 (one rounding "
-                        "of each activation: ~1.5x faster, probabilities move by up to ~1e-2)")
+    p.add_argument("--precision", choices=("split", "split8", "fp16"), default=None,
+                   help="GPU GEMM inputs: split (default; fp32-grade, two fp16 tensor-core passes), split8 (sm_89+: "
+                        "the second pass in fp8 against fp8 weight twins, +1 byte per weight; ~1e-4 on "
+                        "probabilities) or fp16 (one rounding of each activation: ~1.5x faster, probabilities "
+                        "move by up to ~1e-2)")
     p.add_argument("--token-block", type=int, default=None,
                    help="GPU prefill block in tokens (default 4096; smaller = less memory, 0 = whole prompt)")
     p.add_argument("--graph-tokens", type=int, default=None,

@@ -34,6 +34,8 @@ def add_arguments(parser):
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--layer-tol", type=float, default=2e-3, help="max |gpu-cpu| / max |cpu| per layer")
     parser.add_argument("--prob-tol", type=float, default=2e-3, help="max probability difference")
+    parser.add_argument("--precision", choices=("split", "split8", "fp16"), default="split",
+                        help="the GPU precision to check (the one the deployment serves with)")
 
 
 def _softmax(z):
@@ -130,11 +132,11 @@ def run(args) -> int:
     from .checkpoint import Checkpoint
     ck = Checkpoint(args.model)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    gpu = CudaOps(dev)
+    gpu = CudaOps(dev, precision=args.precision)
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_summary():
         print("WARNING:", gpu.fp16_summary())
-    print(f"device: {gpu.device_name}")
+    print(f"device: {gpu.device_name}, precision {gpu.precision}")
     return 0 if compare(ck, gpu, p_gpu, args.layer_tol, args.prob_tol) else 1
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import HAVE_GPU, MARKS  # noqa: E402
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
@@ -25,16 +25,22 @@ RECORDS = [r for r in RECORDS if "input_ids" in r]
 
 
 def _modes():
+    """native build, the compute_70 PTX (Volta code path) where NVRTC 12 is at hand, split8 on fp8 GPUs."""
     from clefcore.backends.cuda import compile as C
-    return ["native"] + (["ptx70"] if C.ptx70_available() else [])
+    fp8 = HAVE_GPU and cupy.cuda.Device(0).compute_capability >= "89"
+    return ["native"] + (["ptx70"] if C.ptx70_available() else []) + (["split8"] if fp8 else [])
 
 
 @pytest.fixture(scope="module", params=_modes())
 def loaded(request):
     from clefcore.backends.cuda import CudaOps
-    ops = CudaOps(0, ptx70=request.param == "ptx70")
+    ops = CudaOps(0, ptx70=request.param == "ptx70", precision="split8" if request.param == "split8" else "split")
     ck = Checkpoint(GOLD / "model")
-    return ops, model.load_params(ck, ops)
+    params = model.load_params(ck, ops)
+    if ops.precision == "split8":      # the fp8 pass must really run (not every matrix falling back to split)
+        print(f"split8: {len(ops._twins)} matrices twinned, {ops.twins_skipped} run split")
+        assert len(ops._twins) > ops.twins_skipped
+    return ops, params
 
 
 def _questions(rec):
@@ -63,7 +69,7 @@ def test_golden_probabilities(loaded):
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
             worst = max(worst, err)
             assert err <= 2e-3, f"{rec['name']} / {q['id']}: probability error {err:.2e}"
-    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}): {worst:.3e}")
+    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.precision}): {worst:.3e}")
 
 
 def test_golden_hidden_states(loaded):

@@ -433,3 +433,83 @@ def test_mlp_cublas_inplace_swiglu(ops_cublas):
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
     got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
     check("mlp cublas split in-place swiglu", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL, o)
+
+
+# ----------------------------------------------------------------------------------------------- split8 (fp8 lo)
+def test_e4m3_rounding(ops):
+    """cuda/fp8.cu's software e4m3 rounding = ml_dtypes' (nearest even; subnormals; every e4m3 value, every
+    midpoint between neighbours and the floats right beside it), on both builds."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    f8 = ml_dtypes.float8_e4m3fn
+    vals = np.arange(256, dtype=np.uint8).view(f8).astype(np.float32)
+    vals = np.unique(vals[np.isfinite(vals)])
+    mids = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+    x = np.concatenate([vals, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        *(r(4097, scale=s) for s in (1e-3, 0.05, 1.0, 40.0))]).astype(np.float32)
+    x = x[np.abs(x) <= 448]
+    y = ops.cp.empty(x.size, dtype=ops.cp.uint8)
+    ops.kernel("fp8.cu", "f32_to_e4m3")(ops._grid1(x.size), (256,), (ops.asarray(x), y, np.int64(x.size)))
+    np.testing.assert_array_equal(ops.to_host(y), x.astype(f8).view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def ops_split8():
+    from clefcore.backends.cuda import CudaOps
+    o = CudaOps(0, gemm="cublas")
+    if o.cc < (8, 9):
+        pytest.skip(f"split8 needs fp8 tensor cores (compute capability 8.9+), this GPU is {o.cc}")
+    return CudaOps(0, gemm="cublas", precision="split8")
+
+
+# split8 keeps ~2^-11 * 2^-4 of each product (numpy emulation of these shapes: 0.7e-5..1.2e-5 of max |ref|);
+# a dropped lo term would show the fp16 rounding, 2.0e-4..2.5e-4: the bound sits between the two
+SPLIT8_TOL = 5e-5
+
+
+@pytest.mark.parametrize("M", [1, 63, 65, 300])
+@pytest.mark.parametrize("N,K", [(16, 64), (1008, 256), (200, 1008), (65, 40)])
+def test_linear_split8(ops_split8, M, N, K):
+    o = ops_split8
+    x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
+    W = o.weight(w)
+    twinned = W.data.ptr in o._twins
+    assert twinned == (N % 4 == 0 and K % 16 == 0)                  # (65, 40) runs split
+    tol = SPLIT8_TOL if twinned else SPLIT_TOL
+    check(f"linear split8 {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), tol, o)
+    check(f"linear+bias split8 {M}x{N}x{K}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
+
+
+@pytest.mark.parametrize("M", [1, 65, 300])
+def test_mlp_split8(ops_split8, M):
+    o = ops_split8
+    o.token_block = 128
+    H, I = 96, 208
+    x = r(M, H)
+    wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
+    got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
+    check(f"mlp split8 M{M}", got, cpu.mlp(x, wg, wu, wd), SPLIT8_TOL, o)
+
+
+def test_split8_weight_twin_scale(ops_split8):
+    """The twin is the weight times a power of two with its largest magnitude in (224, 448], and the stored
+    inverse undoes it."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    o = ops_split8
+    w = h16(r(64, 32, scale=3.0))
+    W = o.weight(w)
+    _, w8, inv = o._twins[W.data.ptr]
+    back = ops_split8.to_host(w8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * float(o.to_host(inv)[0])
+    s = 1.0 / float(o.to_host(inv)[0])
+    assert s == 2.0 ** round(np.log2(s)) and 224 < np.max(np.abs(w)) * s <= 448
+    assert np.max(np.abs(back - w)) <= np.max(np.abs(w)) * 2.0 ** -4
+
+
+def test_split8_weight_row_view(ops_split8):
+    """A view of a twinned weight's first rows starts at the weight's address (the head's attention slices its
+    in-projection so): it must not be taken for the weight; such views run split."""
+    o = ops_split8
+    x, w = r(65, 64), h16(r(192, 64, scale=0.125))
+    W = o.weight(w)
+    assert o._twin_of(W) is not None and o._twin_of(W[:64]) is None
+    for a, b in ((0, 64), (64, 128), (128, 192)):
+        check(f"linear split8 view rows {a}:{b}", o.linear(o.asarray(x), W[a:b]), cpu.linear(x, w[a:b]), SPLIT_TOL, o)

@@ -38,7 +38,9 @@ def add_arguments(parser):
     parser.add_argument("--json", default=None, help="write all numbers here")
 
 
-def _timeit(cp, fn, reps=5, warm=1):
+def _timeit(cp, fn, reps=5, warm=1, inner=1):
+    """Median over ``reps`` of the GPU time per call, ``inner`` calls queued back to back between the events
+    (so that Python's launch overhead, several host calls per split GEMM, does not show as GPU time)."""
     for _ in range(warm):
         fn()
     cp.cuda.Device().synchronize()
@@ -46,10 +48,11 @@ def _timeit(cp, fn, reps=5, warm=1):
     for _ in range(reps):
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record()
-        fn()
+        for _ in range(inner):
+            fn()
         e1.record()
         e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1))
+        ts.append(cp.cuda.get_elapsed_time(e0, e1) / inner)
     return statistics.median(ts)
 
 
@@ -81,19 +84,19 @@ def kernels(cp, ops, out):
         o = cp.empty((M, N), cp.float32)
         fl = 2.0 * M * N * K
         x16 = x.astype(cp.float16)
-        tc = _timeit(cp, lambda: ops._cublas(x16, w, o))
+        tc = _timeit(cp, lambda: ops._cublas(x16, w, o), inner=10)
         rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
-        ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o))
+        ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)
         rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
-        if ops.precision == "split8":
+        if ops._fp8 is not None:                 # precision split8 (ops.precision is switched below)
             ops.twin(w)
-            t8 = _timeit(cp, lambda: ops._split8_gemm(ops._split8(x), w, o))
+            t8 = _timeit(cp, lambda: ops._split8_gemm(ops._split8(x), w, o), inner=10)
             rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                          f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
             del ops._twins[w.data.ptr]
         for prec in ("fp16", "split"):
             ops.precision = prec
-            tw = _timeit(cp, lambda: ops._wmma(x, w, o))
+            tw = _timeit(cp, lambda: ops._wmma(x, w, o), inner=10)
             rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
         del x, w, o, x16
     ops.precision = out.get("precision", "split")

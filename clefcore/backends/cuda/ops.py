@@ -351,13 +351,10 @@ class CudaOps:
         z = self._f32(z)
         if z.shape[-1] != D or z.size != R * D:
             raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
-        if z.ndim > 3:
-            z = z.reshape((-1,) + z.shape[-2:])
-        heads = z.shape[-2] if z.ndim == 3 else 1
-        if not (z.strides[-1] == 4 and (heads == 1 or z.strides[-2] == 4 * D)
-                and (z.ndim < 3 or z.strides[0] % 4 == 0) and z.data.ptr % 4 == 0):
+        z = z.reshape(-1, z.shape[-2] if z.ndim > 1 else 1, D)     # [tokens, heads, d]: a view where it can be
+        if z.strides[2] != 4 or z.strides[1] != 4 * D or z.strides[0] % 4:
             z = self.cp.ascontiguousarray(z)
-        zs = z.strides[0] // 4 if z.ndim >= 2 else D
+        heads, zs = z.shape[1], z.strides[0] // 4
         y = self.cp.empty((R, D), dtype=self.cp.float32)
         g, b = self._row_launch(R)
         self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), np.int32(heads),

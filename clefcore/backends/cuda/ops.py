@@ -93,6 +93,7 @@ class CudaOps:
         self.sm_count = int(props["multiProcessorCount"])
         self._twins = {}             # split8: fp16 weight pointer -> (weight, fp8 twin, inverse scale)
         self.twins_skipped = 0       # matrices left without a twin (shape or memory): they run split
+        self._short_warned = False
         self._fp8 = None
         if precision == "split8":
             from . import cublaslt
@@ -246,7 +247,16 @@ class CudaOps:
             return w16
         cp = self.cp
         N, K = w16.shape
-        if N % 4 or K % 16 or cp.cuda.runtime.memGetInfo()[0] < w16.size + (2 << 30):
+        if N % 4 or K % 16:
+            self.twins_skipped += 1
+            return w16
+        free = cp.cuda.runtime.memGetInfo()[0]
+        if free < w16.size + (2 << 30):
+            if not self._short_warned:
+                log.warning("split8: %.2f GiB free on the device; the fp8 copy of a [%d, %d] weight (and of any "
+                            "later one that does not fit) is left out, those matrices run split", free / 2 ** 30,
+                            N, K)
+                self._short_warned = True
             self.twins_skipped += 1
             return w16
         amax = float(cp.abs(w16).max())

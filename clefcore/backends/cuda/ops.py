@@ -108,10 +108,8 @@ class CudaOps:
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._staged = []            # pinned host buffers of asynchronous uploads still in flight
         self._watched = []
-        # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out, and so
-        # does split8: with graphs holding its cuBLASLt fp8 GEMMs the full GPU test suite crashed (segfault in a
-        # later garbage collection; not reproduced by a process that only captures, replays and drops them)
-        self.graphs = GraphCache(self, graph_tokens if pool is None and precision != "split8" else 0, graphs)
+        # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
+        self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):

@@ -26,9 +26,11 @@ WORKSPACE_BYTES = 32 << 20
 
 
 class _Heuristic(ctypes.Structure):
-    """cublasLtMatmulHeuristicResult_t: the algorithm (64 opaque bytes), its workspace need and status."""
+    """cublasLtMatmulHeuristicResult_t as the CUDA 12 header has it (the algorithm, 64 opaque bytes, first), in a
+    buffer with 1 KB of slack: the library writes one result there, and a library whose struct grew must not
+    write past the buffer (a heap overwrite would surface much later, as a crash far from here)."""
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4), ("slack", ctypes.c_uint8 * 1024)]
 
 
 _lib = None

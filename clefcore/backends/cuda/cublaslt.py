@@ -26,11 +26,10 @@ WORKSPACE_BYTES = 32 << 20
 
 
 class _Heuristic(ctypes.Structure):
-    """cublasLtMatmulHeuristicResult_t as the CUDA 12 header has it (the algorithm, 64 opaque bytes, first), in a
-    buffer with 1 KB of slack: the library writes one result there, and a library whose struct grew must not
-    write past the buffer (a heap overwrite would surface much later, as a crash far from here)."""
+    """cublasLtMatmulHeuristicResult_t (the same 96 bytes in the CUDA 12 and 13.10 headers): the algorithm (64
+    opaque bytes), its workspace need and status."""
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4), ("slack", ctypes.c_uint8 * 1024)]
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 _lib = None

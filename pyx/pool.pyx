@@ -19,6 +19,7 @@ a range runs after every kernel that read the range's previous contents.
 
 from bisect import bisect_left
 
+cimport cython
 import cupy
 
 from clefcore.errors import DeviceError
@@ -26,6 +27,9 @@ from clefcore.errors import DeviceError
 DEF ALIGN = 256
 
 
+# Not tracked by the collector: it holds two lists of integers and so can never be part of a cycle. Were it
+# tracked, a collection could clear its lists (tp_clear) while a dying _Piece still has a range to give back.
+@cython.no_gc
 cdef class FreeList:
     """Free ranges [start, start + size) of a capacity, sorted by start and coalesced; best-fit ``take``."""
 
@@ -109,6 +113,11 @@ cdef class _Piece:
             self.arena.free.give(self.start, self.size)
 
 
+# When an arena dies in a reference cycle (an engine that holds it and arrays cut from it), the collector
+# clears the cycle's objects in no set order. Clearing the arena's ``free`` first made the next _Piece to die
+# call give() on None: a segfault inside gc (seen in the full GPU suite). So the arena keeps its fields until
+# its own dealloc, which cannot come before its last piece's (each piece holds a reference).
+@cython.no_gc_clear
 cdef class Arena:
     cdef readonly FreeList free
     cdef readonly unsigned long long base

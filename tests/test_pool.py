@@ -100,3 +100,27 @@ def test_arena_on_the_gpu():
     want = ref.to_host(model.backbone(ref, pr, ids, cu, pos)[0])
     assert np.max(np.abs(h - want)) <= 1e-5 * np.max(np.abs(want))
     assert 0 < ops.pool.high_water < 256 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
+def test_arena_dying_in_a_cycle_with_live_pieces():
+    """An engine that holds its arena and arrays cut from it dies as one reference cycle, which the collector
+    clears object by object (roughly in creation order, so the arena, made first, tends to go first). The arena
+    must still take its pieces back afterwards: while it had a tp_clear, this was a segfault inside gc. Run in a
+    child process so that a crash fails this test alone."""
+    import subprocess
+    code = (
+        "import gc, cupy\n"
+        "from clefcore import pool\n"
+        "class Engine: pass\n"
+        "for _ in range(20):\n"
+        "    arena = pool.Arena(1 << 20, 0)\n"
+        "    e = Engine(); e.arena, e.me = arena, e\n"
+        "    arena.activate(); e.bufs = [cupy.zeros(1000 + i, cupy.float32) for i in range(8)]; arena.deactivate()\n"
+        "    del arena, e\n"
+        "    assert gc.collect() > 0\n"
+        "print('collected')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "collected", (run.returncode, run.stderr[-2000:])
+    assert "Exception ignored" not in run.stderr, run.stderr[-2000:]

@@ -32,14 +32,16 @@ def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LE
     gpu_options(p)
 
 
-def gpu_options(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    """CudaOps options shared by every command that loads an engine (left out on the CPU unless given). The
-    experimental split8 precision is not offered to ``serve`` (docs/benchmarks.md: an open crash report)."""
-    p.add_argument("--precision", choices=("split", "fp16") if serving else ("split", "split8", "fp16"), default=None,
-                   help="GPU GEMM inputs: split (default; fp32-grade, two fp16 tensor-core passes), fp16 (one "
-                        "rounding of each activation: ~1.5x faster, probabilities move by up to ~1e-2)"
-                        + ("" if serving else ", or split8 (experimental, sm_89+: the second pass in fp8 against "
-                           "fp8 copies of the weights, +1 byte per weight)"))
+def gpu_options(p: argparse.ArgumentParser) -> None:
+    """CudaOps options shared by every command that loads an engine (left out on the CPU unless given)."""
+    p.add_argument("--precision", choices=("split", "split8", "fp16"), default=None,
+                   help="GPU GEMM inputs: split (default; fp32-grade, two fp16 tensor-core passes), split8 (sm_89+: "
+                        "the second pass in fp8 against fp8 copies of the weights: ~10%% faster, +1 byte per "
+                        "weight, still inside the 2e-3 bar) or fp16 (one rounding of each activation: ~1.5x "
+                        "faster, probabilities move by up to ~1e-2)")
+    p.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default=None,
+                   help="GPU GEMM kernels: auto (default; a short per-shape timing at load picks the faster, "
+                        "logged), or always clefcore's wmma kernels or always cuBLAS (to rule one out)")
     p.add_argument("--token-block", type=int, default=None,
                    help="GPU prefill block in tokens (default 4096; smaller = less memory, 0 = whole prompt)")
     p.add_argument("--graph-tokens", type=int, default=None,
@@ -48,7 +50,8 @@ def gpu_options(p: argparse.ArgumentParser, serving: bool = False) -> None:
 
 
 def backend_options(args) -> dict:
-    pairs = (("precision", args.precision), ("token_block", args.token_block), ("graph_tokens", args.graph_tokens))
+    pairs = (("precision", args.precision), ("gemm", args.gemm), ("token_block", args.token_block),
+             ("graph_tokens", args.graph_tokens))
     return {k: v for k, v in pairs if v is not None}
 
 

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
     parser.add_argument("--workers", type=int, default=0,
                         help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU")
-    gpu_options(parser, serving=True)
+    gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
     parser.add_argument("--validation", default="cloudflare", choices=("cloudflare", "reference"),

@@ -1,5 +1,6 @@
-"""One answer to "is there a GPU?" for the test modules: ``HAVE_GPU`` and ``MARKS`` (the ``gpu`` marker plus a
-clean skip without CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)``."""
+"""One answer to "is there a GPU?" for the test modules: ``HAVE_GPU``, ``HAVE_FP8`` (fp8 tensor cores, compute
+capability 8.9+, which the split8 precision needs) and ``MARKS`` (the ``gpu`` marker plus a clean skip without
+CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)``."""
 
 from __future__ import annotations
 
@@ -14,5 +15,11 @@ def _have_gpu() -> bool:
         return False
 
 
+def _have_fp8() -> bool:
+    import cupy
+    return int(cupy.cuda.Device(0).compute_capability) >= 89     # a string such as "90" or "100"
+
+
 HAVE_GPU = _have_gpu()
+HAVE_FP8 = HAVE_GPU and _have_fp8()
 MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]

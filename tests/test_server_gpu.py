@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import HAVE_FP8, MARKS  # noqa: E402
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
@@ -26,10 +26,16 @@ def engine():
     return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
 
 
-def test_gpu_server_answers_like_the_cpu_engine(engine):
+# split8 with every GEMM on cuBLAS(Lt): at the golden model's small shapes the autotune would pick wmma and
+# the fp8 pass would not run
+PRECISIONS = [("split",), ("split8", "--gemm", "cublas")] if HAVE_FP8 else [("split",)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p[0])
+def test_gpu_server_answers_like_the_cpu_engine(engine, precision):
     bodies = [json.loads(line) for line in (GOLDEN / "requests.jsonl").read_text().splitlines()]
     bodies += [ticket(f"Ticket {i}: checkout fails with error {i * 7} in region {i}.") for i in range(16)]
-    with Server("--device", "cuda:0", "--max-batch-requests", "16",
+    with Server("--device", "cuda:0", "--precision", *precision, "--max-batch-requests", "16",
                 env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
         s.wait_ready(timeout=180)
         s.decide(SUPPORT_TICKET)        # keeps the device busy so the next ones queue up together

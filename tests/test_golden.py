@@ -116,12 +116,13 @@ def test_packed_batch_equals_one_by_one(engine):
 
 
 def test_gpu_options_are_refused_on_the_cpu(tmp_path):
-    """--precision / --token-block tune the CUDA backend; on the CPU they would be silently ignored, so the
+    """--precision / --gemm / --token-block tune the CUDA backend; on the CPU they would be silently ignored, so the
     engine refuses them with a message naming them."""
     req = tmp_path / "request.json"
     req.write_bytes(REQUESTS[EXPECTED[0]["index"]])
     cmd = clefcore_command() + ["decide", "--model", str(MODEL), "--device", "cpu", "--precision", "fp16",
-                                "--token-block", "64", str(req)]
+                                "--gemm", "cublas", "--token-block", "64", str(req)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert json.loads(proc.stdout)["error"]["message"] == "precision, token_block: GPU-only options (device is 'cpu')"
+    assert json.loads(proc.stdout)["error"]["message"] == ("gemm, precision, token_block: GPU-only options "
+                                                         "(device is 'cpu')")

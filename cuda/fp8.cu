@@ -32,16 +32,11 @@ __device__ __forceinline__ float e4m3_scale(float m) {
 
 __device__ __forceinline__ float lo_abs(float v) { return fabsf(v - h2f(f2h(v))); }
 
-// amax[0] = max |x - fp16(x)| over n4 float4s (as fp32 bits: non-negative floats order like their bits; amax
-// starts at 0). A few blocks per SM, reduced in the block first: one atomic per block, not per warp (a
-// per-warp atomic on one address took longer than the pass itself).
-extern "C" __global__ void lo_amax(const float4* __restrict__ x, long long n4, unsigned* __restrict__ amax) {
+// amax[0] = max over the block's threads of m (as fp32 bits: non-negative floats order like their bits; amax
+// starts at 0), reduced in the block first: one atomic per block, not per warp (a per-warp atomic on one
+// address took longer than the pass itself).
+__device__ __forceinline__ void block_amax(float m, unsigned* __restrict__ amax) {
     __shared__ float red[32];
-    float m = 0.f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
-        const float4 v = x[i];
-        m = fmaxf(fmaxf(lo_abs(v.x), lo_abs(v.y)), fmaxf(fmaxf(lo_abs(v.z), lo_abs(v.w)), m));
-    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -53,6 +48,32 @@ extern "C" __global__ void lo_amax(const float4* __restrict__ x, long long n4, u
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         if (lane == 0) atomicMax(amax, __float_as_uint(m));
     }
+}
+
+__device__ __forceinline__ float lo_amax4(const float4 v, float m) {
+    return fmaxf(fmaxf(lo_abs(v.x), lo_abs(v.y)), fmaxf(fmaxf(lo_abs(v.z), lo_abs(v.w)), m));
+}
+
+// amax[0] = max |x - fp16(x)| over n4 float4s; a few blocks per SM (grid-stride).
+extern "C" __global__ void lo_amax(const float4* __restrict__ x, long long n4, unsigned* __restrict__ amax) {
+    float m = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x)
+        m = lo_amax4(x[i], m);
+    block_amax(m, amax);
+}
+
+// The MLP's hidden activation for the split8 down projection: g <- silu(g) * u in place, and
+// amax[0] = max |h - fp16(h)| from the same pass, so that split_fp8 follows without lo_amax's second read of h.
+extern "C" __global__ void swiglu_amax(const float4* __restrict__ u, float4* __restrict__ g, long long n4,
+                                       unsigned* __restrict__ amax) {
+    float m = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        const float4 a = g[i], b = u[i];
+        const float4 h = make_float4(silu_f(a.x) * b.x, silu_f(a.y) * b.y, silu_f(a.z) * b.z, silu_f(a.w) * b.w);
+        g[i] = h;
+        m = lo_amax4(h, m);
+    }
+    block_amax(m, amax);
 }
 
 // hi = fp16(x); lo8 = e4m3((x - hi) * s) with s = e4m3_scale(amax); inv[0] = 1 / s (cuBLASLt's scale for lo8).

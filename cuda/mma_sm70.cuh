@@ -24,6 +24,8 @@ __device__ __forceinline__ unsigned pack2h(float a, float b) {   // a in the low
 }
 // bf16 bits -> fp32 (exact)
 __device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+// SiLU as every fused SwiGLU computes it (gemm.cu epilogues, fp8.cu swiglu_amax)
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + __expf(-x)); }
 
 struct FragA { unsigned x[8]; };
 struct FragB { unsigned x[8]; };

@@ -1,87 +1,128 @@
-// Row normalisations, one warp per row, fp32 math throughout.
+// Row normalisations, one thread group (a warp, or a block for wide rows) per row, fp32 math throughout.
 //
 // numpy twins: clefcore/backends/cpu.py::rmsnorm (zero-centred, x / rms * (1 + w)),
 //              clefcore/backends/cpu.py::add_rmsnorm (residual add fused: s = x + d, y = rmsnorm(s)),
 //              clefcore/backends/cpu.py::gated_rmsnorm (x / rms * w * silu(z)),
 //              clefcore/backends/cpu.py::layernorm, clefcore/backends/cpu.py::l2norm.
 //
-// A warp owns a row; lanes stride over it (coalesced), the sum is a shuffle reduction; the second pass
-// re-reads the row from L1/L2. Input rows may have a stride (q/k views of a [T, H, 2, D] projection), the
-// output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
+// A row belongs to a group of G threads, chosen by the host per launch: G = 32 (a warp; narrow rows,
+// 8 rows per 256-thread block) or G = 256 (one block per wide row: a warp per 4096-wide row left the
+// GPU a quarter occupied at 2048 rows and reached a third of the copy rate). The group's lanes stride over
+// the row (coalesced); sums are shuffle reductions, across the block's warps through shared memory; the
+// second pass re-reads the row from L1/L2. Input rows may have a stride (q/k views of a [T, H, 2, D]
+// projection), the output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
 #include "mma_sm70.cuh"
 
-// the row this warp owns (blockDim.x / 32 rows per block)
-__device__ __forceinline__ int warp_row() { return blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+// Each kernel's body is a template on G (compile-time divisions); the entry point picks G = 32 or 256.
+#define NORM_ENTRY(name, params, args) \
+    extern "C" __global__ void __launch_bounds__(256) name params { \
+        if (G == 32) name##_g<32> args; else name##_g<256> args; \
+    }
 
-// sum of squares of one row, reduced over the warp (every lane gets it)
+template <int G> __device__ __forceinline__ int group_row() { return blockIdx.x * (256 / G) + threadIdx.x / G; }
+
+// the sum of v over the row's group (every thread gets it, in the same order)
+template <int G>
+__device__ __forceinline__ float group_sum(float v) {
+    __shared__ float part[G / 32];
+    v = warp_sum(v);
+    if (G == 32) return v;
+    __syncthreads();                             // a previous group_sum may still read part[]
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < G / 32; ++i) t += part[i];
+    return t;
+}
+
+// sum of squares of one row over its group
+template <int G>
 __device__ __forceinline__ float row_sumsq(const float* __restrict__ xr, int D) {
     float ss = 0.f;
-    for (int i = threadIdx.x & 31; i < D; i += 32) { const float v = xr[i]; ss += v * v; }
-    return warp_sum(ss);
+    for (int i = threadIdx.x % G; i < D; i += G) { const float v = xr[i]; ss += v * v; }
+    return group_sum<G>(ss);
 }
 
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ w,
-                                        float* __restrict__ y, int R, int D, float eps) {
-    const int row = warp_row(), lane = threadIdx.x & 31;
+template <int G>
+__device__ __forceinline__ void rmsnorm_rows_g(const float* __restrict__ x, long long xs, const float* __restrict__ w,
+                                               float* __restrict__ y, int R, int D, float eps) {
+    const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
-    const float inv = 1.f / sqrtf(row_sumsq(xr, D) / (float)D + eps);
+    const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
-    for (int i = lane; i < D; i += 32) yr[i] = xr[i] * inv * (1.f + w[i]);
+    for (int i = lane; i < D; i += G) yr[i] = xr[i] * inv * (1.f + w[i]);
 }
+NORM_ENTRY(rmsnorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ w,
+                          float* __restrict__ y, int R, int D, int G, float eps), (x, xs, w, y, R, D, eps))
 
-extern "C" __global__ void add_rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ d,
-                                            const float* __restrict__ w, float* __restrict__ s,
-                                            float* __restrict__ y, int R, int D, float eps) {
-    const int row = warp_row(), lane = threadIdx.x & 31;
+template <int G>
+__device__ __forceinline__ void add_rmsnorm_rows_g(const float* __restrict__ x, const float* __restrict__ d,
+                                                   const float* __restrict__ w, float* __restrict__ s,
+                                                   float* __restrict__ y, int R, int D, float eps) {
+    const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const long long o = (long long)row * D;
     float ss = 0.f;
-    for (int i = lane; i < D; i += 32) { float v = x[o + i] + d[o + i]; s[o + i] = v; ss += v * v; }
-    ss = warp_sum(ss);
-    const float inv = 1.f / sqrtf(ss / (float)D + eps);
-    __syncwarp();
-    for (int i = lane; i < D; i += 32) y[o + i] = s[o + i] * inv * (1.f + w[i]);
+    for (int i = lane; i < D; i += G) { float v = x[o + i] + d[o + i]; s[o + i] = v; ss += v * v; }
+    const float inv = 1.f / sqrtf(group_sum<G>(ss) / (float)D + eps);
+    for (int i = lane; i < D; i += G) y[o + i] = s[o + i] * inv * (1.f + w[i]);
 }
+NORM_ENTRY(add_rmsnorm_rows, (const float* __restrict__ x, const float* __restrict__ d, const float* __restrict__ w,
+                              float* __restrict__ s, float* __restrict__ y, int R, int D, int G, float eps),
+           (x, d, w, s, y, R, D, eps))
 
 // z row r = head r % zh of token r / zh, token rows zs apart (z may be a column slice of the fused projection)
-extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ z,
-                                              long long zs, int zh, const float* __restrict__ w,
-                                              float* __restrict__ y, int R, int D, float eps) {
-    const int row = warp_row(), lane = threadIdx.x & 31;
+template <int G>
+__device__ __forceinline__ void gated_rmsnorm_rows_g(const float* __restrict__ x, long long xs,
+                                                     const float* __restrict__ z, long long zs, int zh,
+                                                     const float* __restrict__ w, float* __restrict__ y, int R,
+                                                     int D, float eps) {
+    const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
     const float* zr = z + (long long)(row / zh) * zs + (long long)(row % zh) * D;
-    const float inv = 1.f / sqrtf(row_sumsq(xr, D) / (float)D + eps);
+    const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
-    for (int i = lane; i < D; i += 32) {
+    for (int i = lane; i < D; i += G) {
         float zz = zr[i];
         yr[i] = (xr[i] * inv) * w[i] * (zz / (1.f + expf(-zz)));
     }
 }
+NORM_ENTRY(gated_rmsnorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ z, long long zs,
+                                int zh, const float* __restrict__ w, float* __restrict__ y, int R, int D, int G,
+                                float eps), (x, xs, z, zs, zh, w, y, R, D, eps))
 
-extern "C" __global__ void layernorm_rows(const float* __restrict__ x, long long xs, const float* __restrict__ w,
-                                          const float* __restrict__ b, float* __restrict__ y, int R, int D,
-                                          float eps) {
-    const int row = warp_row(), lane = threadIdx.x & 31;
+template <int G>
+__device__ __forceinline__ void layernorm_rows_g(const float* __restrict__ x, long long xs,
+                                                 const float* __restrict__ w, const float* __restrict__ b,
+                                                 float* __restrict__ y, int R, int D, float eps) {
+    const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
     float sm = 0.f;
-    for (int i = lane; i < D; i += 32) sm += xr[i];
-    const float mu = warp_sum(sm) / (float)D;
+    for (int i = lane; i < D; i += G) sm += xr[i];
+    const float mu = group_sum<G>(sm) / (float)D;
     float sv = 0.f;
-    for (int i = lane; i < D; i += 32) { float c = xr[i] - mu; sv += c * c; }
-    const float inv = 1.f / sqrtf(warp_sum(sv) / (float)D + eps);
+    for (int i = lane; i < D; i += G) { float c = xr[i] - mu; sv += c * c; }
+    const float inv = 1.f / sqrtf(group_sum<G>(sv) / (float)D + eps);
     float* yr = y + (long long)row * D;
-    for (int i = lane; i < D; i += 32) yr[i] = (xr[i] - mu) * inv * w[i] + b[i];
+    for (int i = lane; i < D; i += G) yr[i] = (xr[i] - mu) * inv * w[i] + b[i];
 }
+NORM_ENTRY(layernorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ w,
+                            const float* __restrict__ b, float* __restrict__ y, int R, int D, int G, float eps),
+           (x, xs, w, b, y, R, D, eps))
 
-extern "C" __global__ void l2norm_rows(const float* __restrict__ x, long long xs, float* __restrict__ y, int R,
-                                       int D, float eps, float scale) {
-    const int row = warp_row(), lane = threadIdx.x & 31;
+template <int G>
+__device__ __forceinline__ void l2norm_rows_g(const float* __restrict__ x, long long xs, float* __restrict__ y, int R,
+                                              int D, float eps, float scale) {
+    const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = x + (long long)row * xs;
-    const float f = scale / sqrtf(row_sumsq(xr, D) + eps);
+    const float f = scale / sqrtf(row_sumsq<G>(xr, D) + eps);
     float* yr = y + (long long)row * D;
-    for (int i = lane; i < D; i += 32) yr[i] = xr[i] * f;
+    for (int i = lane; i < D; i += G) yr[i] = xr[i] * f;
 }
+NORM_ENTRY(l2norm_rows, (const float* __restrict__ x, long long xs, float* __restrict__ y, int R, int D, int G,
+                         float eps, float scale), (x, xs, y, R, D, eps, scale))

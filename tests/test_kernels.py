@@ -425,14 +425,57 @@ def test_conv1d_prev_rows(ops, block):
     check(f"conv1d prev block{block}", np.concatenate(got), ref, 1e-5)
 
 
-def test_mlp_cublas_inplace_swiglu(ops_cublas):
-    """The cuBLAS split path writes silu(g) * u over g (no third [M, I] buffer)."""
+@pytest.mark.parametrize("M,I", [(63, 201), (300, 200)])
+def test_mlp_cublas_split(ops_cublas, M, I):
+    """The cuBLAS split path (silu(g) * u written over g, then split for the down GEMM) at an odd hidden width
+    (to_half_split's one-wide loop) and a multiple of 4 (its four-wide loop)."""
     o = ops_cublas
-    H, I = 96, 200
-    x = r(300, H)
+    H = 96
+    x = r(M, H)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
     got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
-    check("mlp cublas split in-place swiglu", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL, o)
+    check(f"mlp cublas split M{M} I{I}", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL, o)
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+@pytest.mark.parametrize("n", [1, 63, 65, 4096, 4099])
+def test_to_half_split(ops, n):
+    """gemm.cu's split operand, both builds, both loops (n % 4 == 0 or not): hi = fp16(x), lo = fp16(x - hi)
+    bit for bit."""
+    x = r(n, scale=3.0)
+    hl = ops.cp.empty((2, n), ops.cp.float16)
+    ops.kernel("gemm.cu", "to_half_split")(ops._grid1(n), (256,), (ops.asarray(x), hl[0], hl[1], np.int64(n)))
+    hi = x.astype(np.float16)
+    np.testing.assert_array_equal(_bits(ops.to_host(hl[0])), _bits(hi))
+    np.testing.assert_array_equal(_bits(ops.to_host(hl[1])), _bits((x - hi.astype(np.float32)).astype(np.float16)))
+
+
+@pytest.mark.parametrize("n", [4, 64, 4100, 1 << 20])
+def test_lo_amax_kernels(ops, n):
+    """fp8.cu's scale inputs, both builds: lo_amax = max |x - fp16(x)| exactly; swiglu_amax writes
+    silu(g) * u over g (numpy's to fp32 rounding) and the same maximum of what it wrote, bit for bit."""
+    cp = ops.cp
+    n4 = n // 4
+
+    def host_amax(v):
+        v = np.asarray(v, np.float32)
+        return np.float32(np.max(np.abs(v - v.astype(np.float16).astype(np.float32))))
+
+    x = r(n, scale=2.0)
+    amax = cp.zeros(1, cp.uint32)
+    ops.kernel("fp8.cu", "lo_amax")(ops._amax_grid(n4), (256,), (ops.asarray(x), np.int64(n4), amax))
+    assert ops.to_host(amax).view(np.float32)[0] == host_amax(x)
+
+    g, u = r(n, scale=4.0), r(n)
+    gd = ops.asarray(g)
+    amax = cp.zeros(1, cp.uint32)
+    ops.kernel("fp8.cu", "swiglu_amax")(ops._amax_grid(n4), (256,), (ops.asarray(u), gd, np.int64(n4), amax))
+    h = ops.to_host(gd)
+    check(f"swiglu_amax h n{n}", h, cpu.silu(g) * u, 1e-6)
+    assert ops.to_host(amax).view(np.float32)[0] == host_amax(h) > 0
 
 
 # ----------------------------------------------------------------------------------------------- split8 (fp8 lo)

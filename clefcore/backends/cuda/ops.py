@@ -331,14 +331,18 @@ class CudaOps:
         return _silu_k()(self._f32(x))
 
     # -------------------------------------------------------------------------------------- norms
-    def _row_launch(self, R):
-        return (max(1, -(-R // 8)),), (256,)
+    def _row_launch(self, R, D):
+        """norms.cu launch for R rows of D: (grid, block, G threads per row). A block per row from 1024 values
+        on (a warp per 4096-wide row left the GPU a quarter occupied at 2048 rows); a warp per narrower row."""
+        if D >= 1024:
+            return (max(1, R),), (256,), np.int32(256)
+        return (max(1, -(-R // 8)),), (256,), np.int32(32)
 
     def rmsnorm(self, x, w, eps):
         x, R, D, rs = self._rows(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
-        g, b = self._row_launch(R)
-        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, np.int64(rs), self._c(w), y, np.int32(R), np.int32(D),
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, np.int64(rs), self._c(w), y, np.int32(R), np.int32(D), G,
                                                        np.float32(eps)))
         return y
 
@@ -348,8 +352,8 @@ class CudaOps:
         R = x.size // D
         s = self.cp.empty(x.shape, dtype=self.cp.float32)
         y = self.cp.empty(x.shape, dtype=self.cp.float32)
-        g, b = self._row_launch(R)
-        self.kernel("norms.cu", "add_rmsnorm_rows")(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D),
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "add_rmsnorm_rows")(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D), G,
                                                            np.float32(eps)))
         return s, y
 
@@ -366,25 +370,25 @@ class CudaOps:
             z = self.cp.ascontiguousarray(z)
         heads, zs = z.shape[1], z.strides[0] // 4
         y = self.cp.empty((R, D), dtype=self.cp.float32)
-        g, b = self._row_launch(R)
+        g, b, G = self._row_launch(R, D)
         self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), np.int32(heads),
-                                                             self._c(w), y, np.int32(R), np.int32(D),
+                                                             self._c(w), y, np.int32(R), np.int32(D), G,
                                                              np.float32(eps)))
         return y.reshape(shape)
 
     def layernorm(self, x, w, b, eps=1e-5):
         x, R, D, xs = self._rows(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
-        g, bl = self._row_launch(R)
+        g, bl, G = self._row_launch(R, D)
         self.kernel("norms.cu", "layernorm_rows")(g, bl, (x, np.int64(xs), self._c(w), self._c(b), y,
-                                                          np.int32(R), np.int32(D), np.float32(eps)))
+                                                          np.int32(R), np.int32(D), G, np.float32(eps)))
         return y
 
     def l2norm(self, x, eps, scale=1.0):
         x, R, D, xs = self._rows(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
-        g, b = self._row_launch(R)
-        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, np.int64(xs), y, np.int32(R), np.int32(D),
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, np.int64(xs), y, np.int32(R), np.int32(D), G,
                                                       np.float32(eps), np.float32(scale)))
         return y
 
@@ -416,20 +420,24 @@ class CudaOps:
         self._cublas(hl[0], w, out)
         return self._cublas(hl[1], w, out, accumulate=True)
 
-    def _split8(self, x):
+    def _amax_grid(self, n4):
+        return (min(self._grid1(n4)[0], 4 * self.sm_count),)   # a few blocks per SM: one atomic per block
+
+    def _split8(self, x, amax=None):
         """x fp32 [M, K] -> (hi fp16 [M, K], lo e4m3 [M, K] scaled by a power of two, its inverse scale [1]):
-        the scale comes from max |lo| on the device, so nothing waits for the host."""
+        the scale comes from max |lo| on the device, so nothing waits for the host. ``amax``: that maximum,
+        already made by x's producer (fp8.cu swiglu_amax); otherwise lo_amax reads x for it."""
         cp = self.cp
         x = self._c(x)
         if x.size % 4 or x.data.ptr % 16:     # the kernels read float4s (twinned weights have K % 16 == 0)
             raise errors.DeviceError(f"split8 operand of {x.size} values at {x.data.ptr:#x} is not float4-aligned")
-        amax = cp.zeros(1, dtype=cp.uint32)
         inv = cp.empty(1, dtype=cp.float32)
         hi = cp.empty(x.shape, dtype=cp.float16)
         lo8 = cp.empty(x.shape, dtype=cp.uint8)
         n4 = x.size // 4
-        self.kernel("fp8.cu", "lo_amax")((min(self._grid1(n4)[0], 4 * self.sm_count),), (_ELEM_THREADS,),
-                                         (x, np.int64(n4), amax))
+        if amax is None:
+            amax = cp.zeros(1, dtype=cp.uint32)
+            self.kernel("fp8.cu", "lo_amax")(self._amax_grid(n4), (_ELEM_THREADS,), (x, np.int64(n4), amax))
         self.kernel("fp8.cu", "split_fp8")(self._grid1(n4), (_ELEM_THREADS,), (x, hi, lo8, np.int64(n4), amax, inv))
         return hi, lo8, inv
 
@@ -532,7 +540,9 @@ class CudaOps:
 
     def mlp(self, x, w_gate, w_up, w_down):
         """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small (model.backbone
-        already hands it blocks of ``token_block`` rows; direct callers get the same bound)."""
+        already hands it blocks of ``token_block`` rows; direct callers get the same bound). Two paths per
+        block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM) and
+        cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale)."""
         cp = self.cp
         x = self._c(x)
         T, H = x.shape
@@ -551,34 +561,43 @@ class CudaOps:
                 name = "gemm_swiglu_f32a_split" if split else "gemm_swiglu_f32a"
                 self.kernel("gemm.cu", name)(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M), np.int32(I),
                                                             np.int32(H)))
-                return hb
+                self._gemm(hb, w_down, ob)            # its own autotune (wmma or cuBLAS)
 
-            def run_c():
+            def run_c():                              # every GEMM on cuBLAS(Lt)
                 gb = cp.empty((M, I), dtype=cp.float32)
                 ub = cp.empty((M, I), dtype=cp.float32)
-                if split:
-                    if self._has_twin(M, w_gate, w_up):
-                        hl, gemm = self._split8(xb), self._split8_gemm
-                    else:
-                        hl, gemm = self._split(xb), self._split_gemm
-                    gemm(hl, w_gate, gb)
-                    gemm(hl, w_up, ub)
-                    del hl
-                    _swiglu_inplace_k()(ub, gb)           # gb = silu(gb) * ub: no third [M, I] buffer
-                    return gb
-                a16 = self._half(xb)
-                self._cublas(a16, w_gate, gb)
-                self._cublas(a16, w_up, ub)
-                del a16
-                hb = cp.empty((M, I), dtype=cp.float16)
-                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                      (gb, ub, hb, np.int64(gb.size)))
-                return hb
+                if not split:
+                    a16 = self._half(xb)
+                    self._cublas(a16, w_gate, gb)
+                    self._cublas(a16, w_up, ub)
+                    del a16
+                    hb = cp.empty((M, I), dtype=cp.float16)
+                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                          (gb, ub, hb, np.int64(gb.size)))
+                    del gb, ub
+                    self._cublas(hb, w_down, ob)
+                    return
+                if self._has_twin(M, w_gate, w_up):
+                    hl, gemm = self._split8(xb), self._split8_gemm
+                else:
+                    hl, gemm = self._split(xb), self._split_gemm
+                gemm(hl, w_gate, gb)
+                gemm(hl, w_up, ub)
+                del hl
+                if self._has_twin(M, w_down):         # gb <- silu(gb) * ub and its lo amax in one pass
+                    amax = cp.zeros(1, dtype=cp.uint32)
+                    n4 = gb.size // 4
+                    self.kernel("fp8.cu", "swiglu_amax")(self._amax_grid(n4), (_ELEM_THREADS,),
+                                                         (ub, gb, np.int64(n4), amax))
+                    del ub
+                    self._split8_gemm(self._split8(gb, amax), w_down, ob)
+                else:                                 # gb <- silu(gb) * ub: no third [M, I] buffer
+                    _swiglu_inplace_k()(ub, gb)
+                    del ub
+                    self._split_gemm(self._split(gb), w_down, ob)
 
             paths = {"wmma": run_w, "cublas": run_c}
-            hb = paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
-            self._gemm(hb, w_down, ob)
-            del hb
+            paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
         return out
 
     # ------------------------------------------------------------------------------- attention path
@@ -905,7 +924,7 @@ def _sigmoid_gate_k():
 
 
 def _swiglu_inplace_k():
-    # same formula as gemm.cu's SWIGLU epilogue (silu_f uses __expf), written in place into g
+    # g <- silu(g) * u, the formula of gemm.cu's silu_f (__expf)
     return _ek("clef_swiglu_inplace", "float32 u", "float32 g", "g = g / (1.f + __expf(-g)) * u")
 
 

@@ -17,6 +17,8 @@
 // fp32-grade (~2^-22; dropping lo*hi measured 3.5e-4 relative error on the output, over the 2e-4 test bound).
 // Tail chunks are zero-padded (k = v = beta = g = 0), which is exact. Only non-positive numbers are exponentiated.
 // Fragments are loaded with .shared addressing (mma_sm70.cuh: ldmatrix on sm_75+).
+// Each kernel is one template body on (dk, dv): the plain entry takes them at run time (any multiple of 16 up
+// to 128), the _d128 entry fixes both at 128, the model's size, so index arithmetic and loop bounds fold.
 // sm_70: wmma m16n16k16 only, <= 96 KB shared memory per block (gdn_prep: 95 KB at dk = dv = 128).
 #include "mma_sm70.cuh"
 
@@ -169,12 +171,14 @@ __device__ __forceinline__ void prep_fold(unsigned sK, unsigned sX, unsigned sP,
 // chunks[c] = (start token, length, -, -). Workspace slot base = c * hv + h:
 //   out rows of the chunk <- O';  Nw [base][dk/16][dv/16][256] fp32 (raw accumulator tiles);
 //   Mw [base][hi/lo][dk][dk];  Qw [base][hi/lo][GC][dk] (first used as fp32 scratch for W, see below).
-extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(
+template <int DK, int DV>
+__device__ __forceinline__ void gdn_prep_body(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, long long vs,
     const float* __restrict__ g, const float* __restrict__ beta, const int4* __restrict__ chunks, int hk, int hv,
-    int dk, int dv, float* __restrict__ out, float* __restrict__ Nw, half_t* __restrict__ Mw,
+    int dk_, int dv_, float* __restrict__ out, float* __restrict__ Nw, half_t* __restrict__ Mw,
     half_t* __restrict__ Qw) {
     extern __shared__ __align__(128) unsigned char smem[];
+    const int dk = DK ? DK : dk_, dv = DV ? DV : dv_;
     const int LK = dk + 8, LX = max(dk, dv) + 8;
     const int oX = 4 * GC * LK, oP = oX + max(4 * GC * LX, 4 * GC * LA), oST = oP + 4 * GC * LP, oV = oST + 8192;
     half_t* Kh = (half_t*)smem;
@@ -328,6 +332,18 @@ extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(
     prep_fold<true>(sK, sX, sP, stage, gam, eg, LK, LX, q, t0, n, hk, kh, hv, h, dk, dv, base, out, Nw, Mw, Qw);
 }
 
+#define GDN_PREP_ARGS                                                                                           \
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, long long vs,         \
+        const float* __restrict__ g, const float* __restrict__ beta, const int4* __restrict__ chunks, int hk,    \
+        int hv, int dk, int dv, float* __restrict__ out, float* __restrict__ Nw, half_t* __restrict__ Mw,        \
+        half_t* __restrict__ Qw
+extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(GDN_PREP_ARGS) {
+    gdn_prep_body<0, 0>(q, k, v, vs, g, beta, chunks, hk, hv, dk, dv, out, Nw, Mw, Qw);
+}
+extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep_d128(GDN_PREP_ARGS) {
+    gdn_prep_body<128, 128>(q, k, v, vs, g, beta, chunks, hk, hv, dk, dv, out, Nw, Mw, Qw);
+}
+
 // ------------------------------------------------------------------------------------------------- gdn_scan
 // seqs[b] = (first chunk, end chunk, zero_state, state slot); grid (hv, dv / BV, nseq), BV = 16 or 32.
 // Warp w < dk/16 owns state rows [16w, 16w + 16) x BV columns: fp32 accumulators for the whole sequence.
@@ -335,10 +351,12 @@ extern "C" __global__ void __launch_bounds__(GTH, PREP_BLOCKS) gdn_prep(
 // shared memory; M' of the next chunk travels through registers (coalesced 16-byte loads issued a chunk ahead).
 // The state entering each chunk also goes to Hw (hi/lo) for gdn_out.
 // Shared memory: M' hi/lo 4 * dk * (dk + 8) + S hi/lo 4 * dk * (BV + 8) + 8 KB staging = 96 KB at dk = 128, BV = 32.
-extern "C" __global__ void __launch_bounds__(GTH, 1) gdn_scan(
-    const int4* __restrict__ seqs, int hv, int dk, int dv, int BV, const float* __restrict__ Nw,
+template <int DK, int DV>
+__device__ __forceinline__ void gdn_scan_body(
+    const int4* __restrict__ seqs, int hv, int dk_, int dv_, int BV, const float* __restrict__ Nw,
     const half_t* __restrict__ Mw, float* __restrict__ state, half_t* __restrict__ Hw) {
     extern __shared__ __align__(128) unsigned char smem[];
+    const int dk = DK ? DK : dk_, dv = DV ? DV : dv_;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, rr = lane >> 1, c0 = (lane & 1) * 8;
     const int LM = dk + 8, LS = BV + 8, NK = dk / 16, NB = BV / 16;
     half_t* Ms = (half_t*)smem;                               // [hi, lo][dk][LM]
@@ -433,14 +451,26 @@ extern "C" __global__ void __launch_bounds__(GTH, 1) gdn_scan(
     }
 }
 
+#define GDN_SCAN_ARGS                                                                                           \
+    const int4* __restrict__ seqs, int hv, int dk, int dv, int BV, const float* __restrict__ Nw,                \
+        const half_t* __restrict__ Mw, float* __restrict__ state, half_t* __restrict__ Hw
+extern "C" __global__ void __launch_bounds__(GTH, 1) gdn_scan(GDN_SCAN_ARGS) {
+    gdn_scan_body<0, 0>(seqs, hv, dk, dv, BV, Nw, Mw, state, Hw);
+}
+extern "C" __global__ void __launch_bounds__(GTH, 1) gdn_scan_d128(GDN_SCAN_ARGS) {
+    gdn_scan_body<128, 128>(seqs, hv, dk, dv, BV, Nw, Mw, state, Hw);
+}
+
 // -------------------------------------------------------------------------------------------------- gdn_out
 // out rows (< n) of chunk c += Q'_c S_c; grid (chunks, hv, ceil(dv / 64)). Q' hi/lo [GC][dk] and the block's 64
 // columns of S_c hi/lo [dk][64] are staged in shared memory; warp w computes row block w & 3 x two column tiles.
 // Shared memory: 4 * GC * (dk + 8) + 4 * dk * 72 halves + 8 KB staging (80 KB at dk = 128).
-extern "C" __global__ void __launch_bounds__(GTH) gdn_out(
-    const int4* __restrict__ chunks, int hv, int dk, int dv, const half_t* __restrict__ Qw,
+template <int DK, int DV>
+__device__ __forceinline__ void gdn_out_body(
+    const int4* __restrict__ chunks, int hv, int dk_, int dv_, const half_t* __restrict__ Qw,
     const half_t* __restrict__ Hw, float* __restrict__ out) {
     extern __shared__ __align__(128) unsigned char smem[];
+    const int dk = DK ? DK : dk_, dv = DV ? DV : dv_;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int LQ = dk + 8, LH = 72, c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * 64;
     const int ncol = min(64, dv - j0);
@@ -494,4 +524,13 @@ extern "C" __global__ void __launch_bounds__(GTH) gdn_out(
             o[1] = make_float4(b.x + x[4], b.y + x[5], b.z + x[6], b.w + x[7]);
         }
     }
+}
+#define GDN_OUT_ARGS                                                                                            \
+    const int4* __restrict__ chunks, int hv, int dk, int dv, const half_t* __restrict__ Qw,                     \
+        const half_t* __restrict__ Hw, float* __restrict__ out
+extern "C" __global__ void __launch_bounds__(GTH) gdn_out(GDN_OUT_ARGS) {
+    gdn_out_body<0, 0>(chunks, hv, dk, dv, Qw, Hw, out);
+}
+extern "C" __global__ void __launch_bounds__(GTH) gdn_out_d128(GDN_OUT_ARGS) {
+    gdn_out_body<128, 128>(chunks, hv, dk, dv, Qw, Hw, out);
 }

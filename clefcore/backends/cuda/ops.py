@@ -741,9 +741,10 @@ class CudaOps:
         bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
-        prep = self.kernel("gated_delta.cu", "gdn_prep", prep_smem)
-        scan = self.kernel("gated_delta.cu", "gdn_scan", scan_smem)
-        outk = self.kernel("gated_delta.cu", "gdn_out", out_smem)
+        sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
+        prep = self.kernel("gated_delta.cu", "gdn_prep" + sfx, prep_smem)
+        scan = self.kernel("gated_delta.cu", "gdn_scan" + sfx, scan_smem)
+        outk = self.kernel("gated_delta.cu", "gdn_out" + sfx, out_smem)
         # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
         # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
         per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)

@@ -749,6 +749,8 @@ class CudaOps:
         # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
         per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)
         ncap = max(1, min(self.gdn_block_chunks, len(chunks), (256 << 20) // per))
+        # groups of equal size (64 chunks: 32 + 32, not 36 + 28): gdn_prep's grid then ends in fewer part-full waves
+        ncap = -(-len(chunks) // -(-len(chunks) // ncap))
         Nw = cp.empty((ncap, hv, dk, dv), dtype=cp.float32)
         Mw = cp.empty((ncap, hv, 2, dk, dk), dtype=cp.float16)
         Qw = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)

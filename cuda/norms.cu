@@ -9,8 +9,10 @@
 // 8 rows per 256-thread block) or G = 256 (one block per wide row: a warp per 4096-wide row left the
 // GPU a quarter occupied at 2048 rows and reached a third of the copy rate). The group's lanes stride over
 // the row (coalesced); sums are shuffle reductions, across the block's warps through shared memory; the
-// second pass re-reads the row from L1/L2. Input rows may have a stride (q/k views of a [T, H, 2, D]
-// projection), the output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
+// second pass re-reads the row from L1/L2. Input rows follow a row map (xs, xh, xhs): row r starts at
+// (r / xh) * xs + (r % xh) * xhs, so one uniform stride (xh = 1: q/k views of a [T, H, 2, D] projection) or a
+// token stride and a head stride (the q/k column slices of the conv output viewed [T, H, D]) are read in
+// place; the output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
 #include "mma_sm70.cuh"
 
 // Each kernel's body is a template on G (compile-time divisions); the entry point picks G = 32 or 256.
@@ -18,6 +20,11 @@
     extern "C" __global__ void __launch_bounds__(256) name params { \
         if (G == 32) name##_g<32> args; else name##_g<256> args; \
     }
+
+#define ROW_MAP const float* __restrict__ x, long long xs, int xh, long long xhs   // an input with a row map
+__device__ __forceinline__ const float* map_row(ROW_MAP, int row) {
+    return x + (long long)(row / xh) * xs + (long long)(row % xh) * xhs;
+}
 
 template <int G> __device__ __forceinline__ int group_row() { return blockIdx.x * (256 / G) + threadIdx.x / G; }
 
@@ -45,17 +52,17 @@ __device__ __forceinline__ float row_sumsq(const float* __restrict__ xr, int D) 
 }
 
 template <int G>
-__device__ __forceinline__ void rmsnorm_rows_g(const float* __restrict__ x, long long xs, const float* __restrict__ w,
-                                               float* __restrict__ y, int R, int D, float eps) {
+__device__ __forceinline__ void rmsnorm_rows_g(ROW_MAP, const float* __restrict__ w, float* __restrict__ y, int R,
+                                               int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
-    const float* xr = x + (long long)row * xs;
+    const float* xr = map_row(x, xs, xh, xhs, row);
     const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) yr[i] = xr[i] * inv * (1.f + w[i]);
 }
-NORM_ENTRY(rmsnorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ w,
-                          float* __restrict__ y, int R, int D, int G, float eps), (x, xs, w, y, R, D, eps))
+NORM_ENTRY(rmsnorm_rows, (ROW_MAP, const float* __restrict__ w, float* __restrict__ y, int R, int D, int G, float eps),
+           (x, xs, xh, xhs, w, y, R, D, eps))
 
 template <int G>
 __device__ __forceinline__ void add_rmsnorm_rows_g(const float* __restrict__ x, const float* __restrict__ d,
@@ -73,16 +80,16 @@ NORM_ENTRY(add_rmsnorm_rows, (const float* __restrict__ x, const float* __restri
                               float* __restrict__ s, float* __restrict__ y, int R, int D, int G, float eps),
            (x, d, w, s, y, R, D, eps))
 
-// z row r = head r % zh of token r / zh, token rows zs apart (z may be a column slice of the fused projection)
+// z row r = head r % zh of token r / zh, token rows zs apart, heads D apart (z may be a column slice of the
+// fused projection)
 template <int G>
-__device__ __forceinline__ void gated_rmsnorm_rows_g(const float* __restrict__ x, long long xs,
-                                                     const float* __restrict__ z, long long zs, int zh,
+__device__ __forceinline__ void gated_rmsnorm_rows_g(ROW_MAP, const float* __restrict__ z, long long zs, int zh,
                                                      const float* __restrict__ w, float* __restrict__ y, int R,
                                                      int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
-    const float* xr = x + (long long)row * xs;
-    const float* zr = z + (long long)(row / zh) * zs + (long long)(row % zh) * D;
+    const float* xr = map_row(x, xs, xh, xhs, row);
+    const float* zr = map_row(z, zs, zh, D, row);
     const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) {
@@ -90,17 +97,16 @@ __device__ __forceinline__ void gated_rmsnorm_rows_g(const float* __restrict__ x
         yr[i] = (xr[i] * inv) * w[i] * (zz / (1.f + expf(-zz)));
     }
 }
-NORM_ENTRY(gated_rmsnorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ z, long long zs,
-                                int zh, const float* __restrict__ w, float* __restrict__ y, int R, int D, int G,
-                                float eps), (x, xs, z, zs, zh, w, y, R, D, eps))
+NORM_ENTRY(gated_rmsnorm_rows, (ROW_MAP, const float* __restrict__ z, long long zs, int zh,
+                                const float* __restrict__ w, float* __restrict__ y, int R, int D, int G, float eps),
+           (x, xs, xh, xhs, z, zs, zh, w, y, R, D, eps))
 
 template <int G>
-__device__ __forceinline__ void layernorm_rows_g(const float* __restrict__ x, long long xs,
-                                                 const float* __restrict__ w, const float* __restrict__ b,
+__device__ __forceinline__ void layernorm_rows_g(ROW_MAP, const float* __restrict__ w, const float* __restrict__ b,
                                                  float* __restrict__ y, int R, int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
-    const float* xr = x + (long long)row * xs;
+    const float* xr = map_row(x, xs, xh, xhs, row);
     float sm = 0.f;
     for (int i = lane; i < D; i += G) sm += xr[i];
     const float mu = group_sum<G>(sm) / (float)D;
@@ -110,19 +116,18 @@ __device__ __forceinline__ void layernorm_rows_g(const float* __restrict__ x, lo
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) yr[i] = (xr[i] - mu) * inv * w[i] + b[i];
 }
-NORM_ENTRY(layernorm_rows, (const float* __restrict__ x, long long xs, const float* __restrict__ w,
-                            const float* __restrict__ b, float* __restrict__ y, int R, int D, int G, float eps),
-           (x, xs, w, b, y, R, D, eps))
+NORM_ENTRY(layernorm_rows, (ROW_MAP, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ y,
+                            int R, int D, int G, float eps),
+           (x, xs, xh, xhs, w, b, y, R, D, eps))
 
 template <int G>
-__device__ __forceinline__ void l2norm_rows_g(const float* __restrict__ x, long long xs, float* __restrict__ y, int R,
-                                              int D, float eps, float scale) {
+__device__ __forceinline__ void l2norm_rows_g(ROW_MAP, float* __restrict__ y, int R, int D, float eps, float scale) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
-    const float* xr = x + (long long)row * xs;
+    const float* xr = map_row(x, xs, xh, xhs, row);
     const float f = scale / sqrtf(row_sumsq<G>(xr, D) + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) yr[i] = xr[i] * f;
 }
-NORM_ENTRY(l2norm_rows, (const float* __restrict__ x, long long xs, float* __restrict__ y, int R, int D, int G,
-                         float eps, float scale), (x, xs, y, R, D, eps, scale))
+NORM_ENTRY(l2norm_rows, (ROW_MAP, float* __restrict__ y, int R, int D, int G, float eps, float scale),
+           (x, xs, xh, xhs, y, R, D, eps, scale))

@@ -117,6 +117,24 @@ def test_norms_strided_view(ops):
     check("l2norm strided", got, cpu.l2norm(qg[:, :, 1], 1e-6), 2e-5, ops)
 
 
+@pytest.mark.parametrize("T,H,D", [(1, 3, 32), (65, 3, 32), (33, 2, 1024)])
+def test_norms_head_view_of_a_slice(ops, T, H, D):
+    """The q/k columns of the conv output viewed [T, H, D]: no single row stride, so the norms read them through
+    a token stride and a head stride (norms.cu's row map), in place, on the warp and the block path."""
+    proj, w, b = r(T, 5 + H * D + 7), r(D, scale=0.1), r(D)
+    x = proj[:, 5:5 + H * D].reshape(T, H, D)
+    xd = ops.asarray(proj)[:, 5:5 + H * D].reshape(T, H, D)
+    _, _, _, _, heads, _ = ops._row_map(xd)
+    assert T == 1 or heads == H, "the view was copied instead of read in place"
+    check(f"l2norm head view T{T}", ops.l2norm(xd, 1e-6, 0.5), cpu.l2norm(x, 1e-6, 0.5), 2e-5, ops)
+    check(f"rmsnorm head view T{T}", ops.rmsnorm(xd, ops.asarray(w), 1e-6), cpu.rmsnorm(x, w, 1e-6), 2e-5, ops)
+    check(f"layernorm head view T{T}", ops.layernorm(xd, ops.asarray(w), ops.asarray(b)), cpu.layernorm(x, w, b),
+          2e-5, ops)
+    z = r(T, H, D)
+    check(f"gated_rmsnorm head view T{T}", ops.gated_rmsnorm(xd, ops.asarray(z), ops.asarray(w), 1e-6),
+          cpu.gated_rmsnorm(x, z, w, 1e-6), 2e-5, ops)
+
+
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000)])
 @pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])

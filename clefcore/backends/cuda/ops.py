@@ -145,8 +145,10 @@ class CudaOps:
                 x = x.copy()
         return x
 
-    def _rows(self, x):
-        """View x [..., D] as R rows of D with one uniform row stride (elements); copies if it cannot."""
+    def _row_map(self, x):
+        """View x [..., D] as R rows of D, row r starting (r // heads) * rs + (r % heads) * hs elements in: one
+        uniform row stride (heads = 1, hs = 0), or for [T, H, D] a token stride and a head stride (e.g. the q
+        columns of the conv output viewed per head); copies if neither fits. -> (x, R, D, rs, heads, hs)"""
         x = self._f32(x)
         D = x.shape[-1]
         R = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim > 1 else 1
@@ -170,9 +172,25 @@ class CudaOps:
             if ok:
                 rs = (stride if stride is not None else D * it) // it
                 if (stride is None or stride % it == 0) and rs >= D:
-                    return x, R, D, rs
+                    return x, R, D, rs, 1, 0
+            if (x.ndim == 3 and x.strides[-1] == it and x.strides[0] % it == 0 and x.strides[1] % it == 0
+                    and x.strides[1] >= D * it and x.strides[0] > 0):
+                return x, R, D, x.strides[0] // it, x.shape[1], x.strides[1] // it
         x = self.cp.ascontiguousarray(x)
-        return x, R, D, D
+        return x, R, D, D, 1, 0
+
+    @staticmethod
+    def _map_args(rs, heads, hs):
+        """norms.cu's row map arguments (xs, xh, xhs) for _row_map's (rs, heads, hs)."""
+        return np.int64(rs), np.int32(heads), np.int64(hs)
+
+    def _rows(self, x):
+        """View x [..., D] as R rows of D with one uniform row stride (elements); copies if it cannot."""
+        x, R, D, rs, heads, _ = self._row_map(x)
+        if heads > 1:
+            x = self.cp.ascontiguousarray(x)
+            rs = D
+        return x, R, D, rs
 
     def _upload(self, a: np.ndarray):
         """A small host index table (tiles, chunks, row starts) on the device, memoised by content: every layer
@@ -339,11 +357,11 @@ class CudaOps:
         return (max(1, -(-R // 8)),), (256,), np.int32(32)
 
     def rmsnorm(self, x, w, eps):
-        x, R, D, rs = self._rows(x)
+        x, R, D, *rmap = self._row_map(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, np.int64(rs), self._c(w), y, np.int32(R), np.int32(D), G,
-                                                       np.float32(eps)))
+        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), self._c(w), y, np.int32(R),
+                                                       np.int32(D), G, np.float32(eps)))
         return y
 
     def add_rmsnorm(self, x, delta, w, eps):
@@ -361,7 +379,7 @@ class CudaOps:
         """x, z [..., heads, d]; z may be a column slice of a wider projection (its token rows have their own
         stride: row r of z is token r // heads, head r % heads)."""
         shape = x.shape
-        x, R, D, xs = self._rows(x)
+        x, R, D, *rmap = self._row_map(x)
         z = self._f32(z)
         if z.shape[-1] != D or z.size != R * D:
             raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
@@ -371,24 +389,24 @@ class CudaOps:
         heads, zs = z.shape[1], z.strides[0] // 4
         y = self.cp.empty((R, D), dtype=self.cp.float32)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, np.int64(xs), z, np.int64(zs), np.int32(heads),
-                                                             self._c(w), y, np.int32(R), np.int32(D), G,
-                                                             np.float32(eps)))
+        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), z, np.int64(zs),
+                                                             np.int32(heads), self._c(w), y, np.int32(R),
+                                                             np.int32(D), G, np.float32(eps)))
         return y.reshape(shape)
 
     def layernorm(self, x, w, b, eps=1e-5):
-        x, R, D, xs = self._rows(x)
+        x, R, D, *rmap = self._row_map(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
         g, bl, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "layernorm_rows")(g, bl, (x, np.int64(xs), self._c(w), self._c(b), y,
+        self.kernel("norms.cu", "layernorm_rows")(g, bl, (x, *self._map_args(*rmap), self._c(w), self._c(b), y,
                                                           np.int32(R), np.int32(D), G, np.float32(eps)))
         return y
 
     def l2norm(self, x, eps, scale=1.0):
-        x, R, D, xs = self._rows(x)
+        x, R, D, *rmap = self._row_map(x)
         y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, np.int64(xs), y, np.int32(R), np.int32(D), G,
+        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, *self._map_args(*rmap), y, np.int32(R), np.int32(D), G,
                                                       np.float32(eps), np.float32(scale)))
         return y
 

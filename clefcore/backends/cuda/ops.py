@@ -32,6 +32,36 @@ _NULL = np.uint64(0)     # a NULL device pointer passed by value
 _CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
 
 
+def row_map(shape, strides, itemsize):
+    """How a kernel walks x [..., D] (its shape and byte strides) as R rows of D in place: row r starts
+    (r // heads) * rs + (r % heads) * hs elements in. (rs, 1, 0) when every leading axis collapses onto one row
+    stride; (token stride, H, head stride) for a [T, H, D] view whose rows do not (the q columns of the conv
+    output viewed per head); None when neither fits (the caller copies)."""
+    if not shape:
+        return None
+    D = shape[-1]
+    if strides[-1] != itemsize and D != 1:
+        return None
+    stride, expect, uniform = None, None, True
+    for n, s in reversed(list(zip(shape[:-1], strides[:-1]))):   # leading axes, innermost first
+        if n == 1:
+            continue
+        if expect is None:
+            stride = s
+        elif s != expect:
+            uniform = False
+            break
+        expect = s * n
+    if uniform:
+        rs = (stride if stride is not None else D * itemsize) // itemsize
+        if (stride is None or stride % itemsize == 0) and rs >= D:
+            return rs, 1, 0
+    if (len(shape) == 3 and strides[-1] == itemsize and strides[0] % itemsize == 0 and strides[1] % itemsize == 0
+            and strides[1] >= D * itemsize and strides[0] > 0):
+        return strides[0] // itemsize, shape[1], strides[1] // itemsize
+    return None
+
+
 class HostTable:
     """A vocabulary table left in host memory: bf16 bits (uint16) or fp32, gathered row by row."""
 
@@ -146,38 +176,16 @@ class CudaOps:
         return x
 
     def _row_map(self, x):
-        """View x [..., D] as R rows of D, row r starting (r // heads) * rs + (r % heads) * hs elements in: one
-        uniform row stride (heads = 1, hs = 0), or for [T, H, D] a token stride and a head stride (e.g. the q
-        columns of the conv output viewed per head); copies if neither fits. -> (x, R, D, rs, heads, hs)"""
+        """x [..., D] as R rows of D read in place where ``row_map`` allows, else a contiguous copy.
+        -> (x, R, D, rs, heads, hs)"""
         x = self._f32(x)
         D = x.shape[-1]
         R = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim > 1 else 1
-        it = x.itemsize
-        if x.ndim >= 1 and (x.strides[-1] == it or D == 1):
-            # every leading axis must collapse onto one stride
-            stride = None
-            ok = True
-            expect = None
-            for n, s in reversed(list(zip(x.shape[:-1], x.strides[:-1]))):
-                if n == 1:
-                    continue
-                if expect is None:
-                    stride = s
-                    expect = s * n
-                elif s != expect:
-                    ok = False
-                    break
-                else:
-                    expect = s * n
-            if ok:
-                rs = (stride if stride is not None else D * it) // it
-                if (stride is None or stride % it == 0) and rs >= D:
-                    return x, R, D, rs, 1, 0
-            if (x.ndim == 3 and x.strides[-1] == it and x.strides[0] % it == 0 and x.strides[1] % it == 0
-                    and x.strides[1] >= D * it and x.strides[0] > 0):
-                return x, R, D, x.strides[0] // it, x.shape[1], x.strides[1] // it
-        x = self.cp.ascontiguousarray(x)
-        return x, R, D, D, 1, 0
+        m = row_map(x.shape, x.strides, x.itemsize)
+        if m is None:
+            x = self.cp.ascontiguousarray(x)
+            m = (D, 1, 0)
+        return (x, R, D) + m
 
     @staticmethod
     def _map_args(rs, heads, hs):

@@ -86,7 +86,6 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
     }
 }
 
-
 // N here is the number of OUTPUT columns; in SWIGLU mode Wg and Wu both have N rows.
 template <bool AH, bool SWIGLU, bool SPLIT>
 __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half_t* __restrict__ Wg,

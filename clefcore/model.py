@@ -18,10 +18,12 @@ from .config import HeadConfig, TextConfig
 
 
 # Projections that read the same input are stacked by rows at load and run as one GEMM: one pass over the
-# input instead of four (two of them only num_v_heads rows wide). gated_deltanet slices the product.
+# input instead of four or three (the narrow ones, num_v_heads or kv heads wide, use the tensor cores badly
+# alone). gated_deltanet and full_attention slice the product; the norms read the slices in place.
 FUSED = {
     "linear_attn.in_proj.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                                    "linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight"),
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
 }
 
 
@@ -227,11 +229,13 @@ def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin, t0: int
     With ``cache`` = (K, V) of the whole stream, this block's keys/values are written at rows t0.. and its
     queries attend to the keys of their sequence up to themselves; without it, h is the whole stream."""
     n, D = h.shape[0], c.head_dim
+    nq, nk = 2 * c.num_heads * D, c.num_kv_heads * D
+    qkv = ops.linear(h, L["self_attn.qkv_proj.weight"])           # [n, q_proj | k_proj | v_proj] (FUSED)
     # q_proj rows are per head [query_h ; gate_h], not [all queries ; all gates]
-    qg = ops.linear(h, L["self_attn.q_proj.weight"]).reshape(n, c.num_heads, 2, D)
+    qg = qkv[:, :nq].reshape(n, c.num_heads, 2, D)
     q, gate = qg[:, :, 0], qg[:, :, 1]
-    k = ops.linear(h, L["self_attn.k_proj.weight"]).reshape(n, c.num_kv_heads, D)
-    v = ops.linear(h, L["self_attn.v_proj.weight"]).reshape(n, c.num_kv_heads, D)
+    k = qkv[:, nq:nq + nk].reshape(n, c.num_kv_heads, D)
+    v = qkv[:, nq + nk:].reshape(n, c.num_kv_heads, D)
     q = ops.rotary(ops.rmsnorm(q, L["self_attn.q_norm.weight"], c.rms_eps), cos, sin)
     k = ops.rotary(ops.rmsnorm(k, L["self_attn.k_norm.weight"], c.rms_eps), cos, sin)
     if cache is not None:
@@ -241,7 +245,7 @@ def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin, t0: int
     o = ops.attention(q, k, v, cu_seqlens, 1.0 / math.sqrt(D), q_offset=t0)
     del q, k, v
     o = ops.sigmoid_gate(o, gate)
-    del qg, gate
+    del qkv, qg, gate
     return ops.linear(o.reshape(n, c.num_heads * D), L["self_attn.o_proj.weight"])
 
 

@@ -3,9 +3,10 @@
 // numpy twin: clefcore/backends/cpu.py::attention (q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]).
 //
 // Two bodies behind one entry point: sm_80+ compiles the mma.sync path below (known fragment layouts), every
-// other target (sm_70 first) the wmma path. Shared by both: a block owns 64 query rows of one query head (4 warps x 16 rows) and
-// walks the key/value tiles of its sequence up to its last query (causal), BC = 64 keys per tile (32 when
-// D = 256, to stay under Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB).
+// other target (sm_70 first) the wmma path. Shared by both: a block owns 16 NW query rows of one query head (NW
+// warps x 16 rows) and walks the key/value tiles of its sequence up to its last query (causal), BC keys per
+// tile. NW = 4, BC = 64, except at D = 256 (ATTN_NW256 / ATTN_BC256 below; on sm_70 4 x 32, to stay under
+// Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB).
 // Q K^T and P V run on the tensor cores (fp16 operands, fp32 accumulate); scores, the running max m, the
 // running sum l and the rescaling stay fp32; P is rounded to fp16 for P V.
 // wmma path: the O accumulator lives in wmma fragments (D/16 of them per warp); their opaque element -> row
@@ -20,17 +21,25 @@
 // the host to the block's end, so rows of the cache not yet written for this layer are never read.
 #include "mma_sm70.cuh"
 
-// Keys per tile at head dim 256: 32 fits Volta's 96 KB per block (two blocks per SM on newer GPUs).
-#ifndef ATTN_BC256
+// Head dim 256: warps per block (NW, 16 query rows each) and keys per tile (BC). sm_90 (227 KB of shared memory
+// per block): 128 query rows share each 64-key tile, 198 KB, one block per SM; measured on the H200 at 8192 /
+// 24,576 tokens 165 / 190 TFLOP/s against 156 / 177 for 4 warps x 32 keys (which 8 x 32 and 4 x 64 did not
+// beat: every variant holds 239 registers per thread, the O accumulator alone 128). Elsewhere 4 x 32: 81 KB in
+// the wmma body (under sm_70's 96 KB), 99 KB in the mma.sync body (sm_86/89's limit; two blocks per SM on sm_80).
+#if __CUDA_ARCH__ >= 900
+#define ATTN_NW256 8
+#define ATTN_BC256 64
+#else
+#define ATTN_NW256 4
 #define ATTN_BC256 32
 #endif
 
-// the block's 64 query rows of head h (zeros from q1 on) -> shared memory, rows ld halves apart (both bodies)
-template <int D>
+// the block's 16 NW query rows of head h (zeros from q1 on) -> shared memory, rows ld halves apart (both bodies)
+template <int D, int NW>
 __device__ __forceinline__ void stage_q(half_t* sQ, int ld, const half_t* __restrict__ q, int q0, int q1,
                                         int qbase, int Hq, int h) {
     constexpr int V8 = D / 8;   // 16-byte pieces per row
-    for (int e = threadIdx.x; e < 64 * V8; e += 128) {
+    for (int e = threadIdx.x; e < 16 * NW * V8; e += 32 * NW) {
         const int r = e / V8, c = (e % V8) * 8, qi = q0 + r;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (qi < q1) val = *(const uint4*)(q + ((long long)(qi - qbase) * Hq + h) * D + c);
@@ -58,20 +67,20 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int by
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes));
 }
 
-template <int D, int BC>
+template <int D, int BC, int NW>
 struct AttnSmem {
     static constexpr int LD = D + 8;            // halves: 16-byte rows, conflict-free ldmatrix
-    static constexpr int Q = 64 * LD * 2;
+    static constexpr int Q = 16 * NW * LD * 2;
     static constexpr int KV = BC * LD * 2;      // one K (or V) tile
     static constexpr int total = Q + 4 * KV;    // K and V, two buffers each
 };
 
-template <int D, int BC>
+template <int D, int BC, int NW>
 __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
                                           const half_t* __restrict__ v, float* __restrict__ out,
                                           const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
                                           int qbase) {
-    typedef AttnSmem<D, BC> L;
+    typedef AttnSmem<D, BC, NW> L;
     extern __shared__ __align__(128) unsigned char smem[];
     half_t* sQ = (half_t*)smem;
     const unsigned aQ = sa(smem), aKV = aQ + L::Q;   // buffer b: K at aKV + 2 b KV, V right after it
@@ -81,10 +90,10 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, tq = lane & 3;
     constexpr int V8 = D / 8;   // 16-byte pieces per row
 
-    stage_q<D>(sQ, L::LD, q, q0, q1, qbase, Hq, h);
+    stage_q<D, NW>(sQ, L::LD, q, q0, q1, qbase, Hq, h);
     auto load_kv = [&](int j0, int buf) {     // rows past the sequence are zero-filled (finite for P V)
         const unsigned dK = aKV + 2 * buf * L::KV;
-        for (int e = t; e < BC * V8; e += 128) {
+        for (int e = t; e < BC * V8; e += 32 * NW) {
             const int r = e / V8, c = (e % V8) * 8, kj = j0 + r;
             const bool in = kj < s1;
             const long long off = ((long long)(in ? kj : s0) * Hkv + kh) * D + c;
@@ -200,26 +209,26 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     }
 }
 #else
-template <int D, int BC>
+template <int D, int BC, int NW>
 struct AttnSmem {
     static constexpr int LDQ = D + 8;           // halves
     static constexpr int LDS = BC + 4;          // floats
     static constexpr int LDP = BC + 8;          // halves
-    static constexpr int Q = 64 * LDQ * 2;
+    static constexpr int Q = 16 * NW * LDQ * 2;
     static constexpr int K = BC * LDQ * 2;
-    static constexpr int S = 4 * 16 * LDS * 4;
-    static constexpr int P = 4 * 16 * LDP * 2;
+    static constexpr int S = NW * 16 * LDS * 4;
+    static constexpr int P = NW * 16 * LDP * 2;
     static constexpr int IDX = 256 * 4;
-    static constexpr int ST = 4 * 16 * 4;
+    static constexpr int ST = NW * 16 * 4;
     static constexpr int total = Q + 2 * K + S + P + IDX + ST;
 };
 
-template <int D, int BC>
+template <int D, int BC, int NW>
 __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
                                           const half_t* __restrict__ v, float* __restrict__ out,
                                           const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
                                           int qbase) {
-    typedef AttnSmem<D, BC> L;
+    typedef AttnSmem<D, BC, NW> L;
     extern __shared__ __align__(128) unsigned char smem[];
     half_t* sQ = (half_t*)smem;
     half_t* sK = (half_t*)(smem + L::Q);
@@ -235,8 +244,8 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     constexpr int V8 = D / 8;   // uint4 (8 halves) per row
 
-    stage_q<D>(sQ, L::LDQ, q, q0, q1, qbase, Hq, h);
-    for (int e = t; e < 256; e += 128) sIdx[e] = (float)(e >> 4);
+    stage_q<D, NW>(sQ, L::LDQ, q, q0, q1, qbase, Hq, h);
+    for (int e = t; e < 256; e += 32 * NW) sIdx[e] = (float)(e >> 4);
     __syncthreads();
     FragC idx;
     load_c_row(idx, sIdx, 16);
@@ -255,7 +264,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
 
     for (int j0 = s0; j0 < q1; j0 += BC) {
         __syncthreads();
-        for (int e = t; e < BC * V8; e += 128) {
+        for (int e = t; e < BC * V8; e += 32 * NW) {
             const int r = e / V8, c = (e % V8) * 8, kj = j0 + r;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
             if (kj < s1) {
@@ -363,17 +372,22 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
 
 #endif
 
-#define CLEF_ATTN(D, BC)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_d##D(const half_t* q, const half_t* k,        \
-                                                                   const half_t* v, float* out,              \
-                                                                   const int4* tiles, int Hq, int Hkv,       \
-                                                                   float scale, int qbase) {                 \
-        attn_body<D, BC>(q, k, v, out, tiles, Hq, Hkv, scale, qbase);                                      \
+// attn_launch_d{D}: what the host needs to launch attn_fwd_d{D} as compiled for this device: n[0] = dynamic
+// shared memory bytes, n[1] = warps per block (the block's query rows are 16 per warp)
+#define CLEF_ATTN(D, BC, NW)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * NW) attn_fwd_d##D(const half_t* q, const half_t* k,   \
+                                                                        const half_t* v, float* out,         \
+                                                                        const int4* tiles, int Hq, int Hkv,  \
+                                                                        float scale, int qbase) {            \
+        attn_body<D, BC, NW>(q, k, v, out, tiles, Hq, Hkv, scale, qbase);                                  \
     }                                                                                                      \
-    extern "C" __global__ void attn_smem_d##D(int* n) { *n = AttnSmem<D, BC>::total; }
-CLEF_ATTN(16, 64)
-CLEF_ATTN(32, 64)
-CLEF_ATTN(64, 64)
-CLEF_ATTN(128, 64)
-CLEF_ATTN(256, ATTN_BC256)
+    extern "C" __global__ void attn_launch_d##D(int* n) {                                                  \
+        n[0] = AttnSmem<D, BC, NW>::total;                                                                 \
+        n[1] = NW;                                                                                         \
+    }
+CLEF_ATTN(16, 64, 4)
+CLEF_ATTN(32, 64, 4)
+CLEF_ATTN(64, 64, 4)
+CLEF_ATTN(128, 64, 4)
+CLEF_ATTN(256, ATTN_BC256, ATTN_NW256)
 #undef CLEF_ATTN

@@ -241,6 +241,11 @@ extern "C" __global__ void swiglu_half(const float* __restrict__ g, const float*
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = f2h(silu_f(g[i]) * u[i]);
 }
+// g <- silu(g) * u in place (the split MLP's hidden activation; no third [M, I] buffer)
+extern "C" __global__ void swiglu_inplace(const float* __restrict__ u, float* __restrict__ g, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        g[i] = silu_f(g[i]) * u[i];
+}
 // checkpoint weights -> fp16, counting values whose magnitude does not fit fp16 (|x| > 65504: saturated) and
 // nonzero values that flush to zero (|x| < 2^-24). Sources: fp32, or bf16 bits (widened exactly first).
 __device__ __forceinline__ float widen(float v) { return v; }

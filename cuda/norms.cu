@@ -84,12 +84,12 @@ NORM_ENTRY(add_rmsnorm_rows, (const float* __restrict__ x, const float* __restri
 // fused projection)
 template <int G>
 __device__ __forceinline__ void gated_rmsnorm_rows_g(ROW_MAP, const float* __restrict__ z, long long zs, int zh,
-                                                     const float* __restrict__ w, float* __restrict__ y, int R,
-                                                     int D, float eps) {
+                                                     long long zhs, const float* __restrict__ w,
+                                                     float* __restrict__ y, int R, int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = map_row(x, xs, xh, xhs, row);
-    const float* zr = map_row(z, zs, zh, D, row);
+    const float* zr = map_row(z, zs, zh, zhs, row);
     const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) {
@@ -97,9 +97,9 @@ __device__ __forceinline__ void gated_rmsnorm_rows_g(ROW_MAP, const float* __res
         yr[i] = (xr[i] * inv) * w[i] * (zz / (1.f + expf(-zz)));
     }
 }
-NORM_ENTRY(gated_rmsnorm_rows, (ROW_MAP, const float* __restrict__ z, long long zs, int zh,
+NORM_ENTRY(gated_rmsnorm_rows, (ROW_MAP, const float* __restrict__ z, long long zs, int zh, long long zhs,
                                 const float* __restrict__ w, float* __restrict__ y, int R, int D, int G, float eps),
-           (x, xs, xh, xhs, z, zs, zh, w, y, R, D, eps))
+           (x, xs, xh, xhs, z, zs, zh, zhs, w, y, R, D, eps))
 
 template <int G>
 __device__ __forceinline__ void layernorm_rows_g(ROW_MAP, const float* __restrict__ w, const float* __restrict__ b,

@@ -171,15 +171,19 @@ def test_fused_projections_are_stacked_at_load():
     from clefcore.checkpoint import stack_refs
     ck = Checkpoint(GOLDEN_MODEL)
     p = model.load_params(ck, cpu)
-    (fused, parts), = model.FUSED.items()
-    gdn = [i for i, t in enumerate(ck.text.layer_types) if t == "linear_attention"]
-    assert gdn
-    for i, L in enumerate(p.layers):
-        assert not any(q in L for q in parts)
-        assert (fused in L) == (i in gdn)
-    i = gdn[0]
+    kinds = {"linear_attn.in_proj.weight": "linear_attention", "self_attn.qkv_proj.weight": "full_attention"}
+    assert set(model.FUSED) == set(kinds)
+    for fused, parts in model.FUSED.items():
+        owners = [i for i, t in enumerate(ck.text.layer_types) if t == kinds[fused]]
+        assert owners
+        for i, L in enumerate(p.layers):
+            assert not any(q in L for q in parts)
+            assert (fused in L) == (i in owners)
+        want = np.concatenate([ck.text_f32(f"layers.{owners[0]}.{q}") for q in parts])
+        assert np.array_equal(p.layers[owners[0]][fused], want)
+    parts = model.FUSED["linear_attn.in_proj.weight"]
+    i = [i for i, t in enumerate(ck.text.layer_types) if t == "linear_attention"][0]
     want = np.concatenate([ck.text_f32(f"layers.{i}.{q}") for q in parts])
-    assert np.array_equal(p.layers[i][fused], want)
     # mixed dtypes widen to fp32; one ref passes through unchanged
     refs = [ck.text_tensors[f"layers.{i}.{q}"] for q in parts[:2]]
     wide = ck.text_f32(f"layers.{i}.{parts[1]}")

@@ -102,7 +102,9 @@ def test_gated_rmsnorm_on_a_projection_slice(ops, T):
     H, D = 3, 32
     proj, x, w = r(T, 7 + H * D + 5), r(T, H, D), r(D, scale=0.1)
     z = proj[:, 7:7 + H * D].reshape(T, H, D)
-    got = ops.gated_rmsnorm(ops.asarray(x), ops.asarray(proj)[:, 7:7 + H * D].reshape(T, H, D), ops.asarray(w), 1e-6)
+    zd = ops.asarray(proj)[:, 7:7 + H * D].reshape(T, H, D)
+    assert T == 1 or ops._row_map(zd)[4] == H, "z was copied instead of read in place"
+    got = ops.gated_rmsnorm(ops.asarray(x), zd, ops.asarray(w), 1e-6)
     assert got.shape == (T, H, D)
     check(f"gated_rmsnorm slice T{T}", got, cpu.gated_rmsnorm(x, z, w, 1e-6), 2e-5, ops)
 
@@ -402,6 +404,20 @@ def test_check_finite(ops):
     with pytest.raises(DeviceError, match="watched big: 37 of"):
         ops.check_watched()
     ops.check_watched()                                     # the flags were consumed
+
+
+@pytest.mark.parametrize("n", [1, 63, 65])
+def test_kv_write_from_a_projection_slice(ops, n):
+    """v as the model passes it (the last columns of the fused q|k|v projection, viewed [n, heads, D]): written
+    into rows t0.. of the fp16 cache, rounded to nearest like numpy's float16 cast, other rows untouched."""
+    hkv, D, t0 = 2, 40, 3
+    qkv = r(n, 5 + hkv * D, scale=100.0)
+    cache = ops.kv_cache(n + 7, hkv, D)
+    cache.fill(7.0)
+    ops.kv_write(cache, t0, ops.asarray(qkv)[:, 5:].reshape(n, hkv, D))
+    got = ops.to_host(cache)
+    assert np.array_equal(got[t0:t0 + n], qkv[:, 5:].reshape(n, hkv, D).astype(np.float16))
+    assert (got[:t0] == 7).all() and (got[t0 + n:] == 7).all()
 
 
 # ------------------------------------------------------------------- token-blocked prefill (model.backbone)

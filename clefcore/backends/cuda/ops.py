@@ -133,7 +133,7 @@ class CudaOps:
             self._fp8 = cublaslt.Fp8Gemm(cupy)
         self._fn = {}
         self._smem_set = {}
-        self._attn_smem_bytes = {}
+        self._attn_launch = {}
         self._uploads = {}
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._staged = []            # pinned host buffers of asynchronous uploads still in flight
@@ -384,22 +384,17 @@ class CudaOps:
         return s, y
 
     def gated_rmsnorm(self, x, z, w, eps):
-        """x, z [..., heads, d]; z may be a column slice of a wider projection (its token rows have their own
-        stride: row r of z is token r // heads, head r % heads)."""
+        """x, z [..., heads, d]; both read through a row map (z is a per-head view of a wider projection)."""
         shape = x.shape
         x, R, D, *rmap = self._row_map(x)
-        z = self._f32(z)
-        if z.shape[-1] != D or z.size != R * D:
+        z, Rz, Dz, *zmap = self._row_map(z)
+        if (Rz, Dz) != (R, D):
             raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
-        z = z.reshape(-1, z.shape[-2] if z.ndim > 1 else 1, D)     # [tokens, heads, d]: a view where it can be
-        if z.strides[2] != 4 or z.strides[1] != 4 * D or z.strides[0] % 4:
-            z = self.cp.ascontiguousarray(z)
-        heads, zs = z.shape[1], z.strides[0] // 4
         y = self.cp.empty((R, D), dtype=self.cp.float32)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), z, np.int64(zs),
-                                                             np.int32(heads), self._c(w), y, np.int32(R),
-                                                             np.int32(D), G, np.float32(eps)))
+        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), z, *self._map_args(*zmap),
+                                                             self._c(w), y, np.int32(R), np.int32(D), G,
+                                                             np.float32(eps)))
         return y.reshape(shape)
 
     def layernorm(self, x, w, b, eps=1e-5):
@@ -618,7 +613,8 @@ class CudaOps:
                     del ub
                     self._split8_gemm(self._split8(gb, amax), w_down, ob)
                 else:                                 # gb <- silu(gb) * ub: no third [M, I] buffer
-                    _swiglu_inplace_k()(ub, gb)
+                    self.kernel("gemm.cu", "swiglu_inplace")(self._grid1(gb.size), (_ELEM_THREADS,),
+                                                             (ub, gb, np.int64(gb.size)))
                     del ub
                     self._split_gemm(self._split(gb), w_down, ob)
 
@@ -649,13 +645,9 @@ class CudaOps:
         return self.cp.empty((T, heads, D), dtype=self.cp.float16)
 
     def kv_write(self, cache, t0, x):
-        """cache[t0:t0 + n] = x [n, heads, D] (fp32 -> fp16 in one pass)."""
-        x = self._c(x)
-        dst = cache[t0:t0 + x.shape[0]]
-        if cache.dtype == self.cp.float16:
-            self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, dst, np.int64(x.size)))
-        else:
-            dst[...] = x
+        """cache[t0:t0 + n] = x [n, heads, D], rounded to the cache's fp16 in one pass. x may be a strided view
+        (v is a column slice of the fused q|k|v projection): CuPy's casting copy walks its strides."""
+        self.cp.copyto(cache[t0:t0 + x.shape[0]], self._f32(x), casting="same_kind")
 
     def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
         """q [n, Hq, D] = query rows [q_offset, q_offset + n) of the packed stream; k/v [>= q_offset + n, Hkv, D]
@@ -668,12 +660,14 @@ class CudaOps:
         t0 = int(q_offset)
         t1 = t0 + n
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        smem, warps = self._attn_shape(D)
+        rows = 16 * warps
         tiles = []
         for s0, s1 in zip(cu[:-1], cu[1:]):
             a, e = max(int(s0), t0), min(int(s1), t1)
             # keys end at the block's end: cache rows past it are not written yet for this layer
-            for q0 in range(a, e, 64):
-                tiles.append((int(s0), e, q0, min(q0 + 64, e)))
+            for q0 in range(a, e, rows):
+                tiles.append((int(s0), e, q0, min(q0 + rows, e)))
         out = cp.empty((n, hq, D), dtype=cp.float32)
         if not tiles:
             return out
@@ -684,20 +678,19 @@ class CudaOps:
         v16 = v if v.dtype == cp.float16 else self._half(v[:t1])
         if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
             k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
-        smem = self._attn_smem(D)
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
-        fn((len(tiles), hq), (128,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv), np.float32(scale),
-                                      np.int32(t0)), shared_mem=smem)
+        fn((len(tiles), hq), (32 * warps,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv),
+                                             np.float32(scale), np.int32(t0)), shared_mem=smem)
         return out
 
-    def _attn_smem(self, D):
-        """Shared-memory bytes of attn_fwd_d{D}, as compiled for this device (its key tile size is chosen in
-        attention.cu): asked once from the module's attn_smem_d{D}."""
-        got = self._attn_smem_bytes.get(D)
+    def _attn_shape(self, D):
+        """(shared-memory bytes, warps per block) of attn_fwd_d{D} as compiled for this device (attention.cu
+        chooses both per architecture): asked once from the module's attn_launch_d{D}."""
+        got = self._attn_launch.get(D)
         if got is None:
-            n = self.cp.zeros(1, dtype=self.cp.int32)
-            self.kernel("attention.cu", f"attn_smem_d{D}")((1,), (1,), (n,))
-            got = self._attn_smem_bytes[D] = int(n.get()[0])
+            n = self.cp.zeros(2, dtype=self.cp.int32)
+            self.kernel("attention.cu", f"attn_launch_d{D}")((1,), (1,), (n,))
+            got = self._attn_launch[D] = tuple(int(v) for v in n.get())
         return got
 
     # ------------------------------------------------------------------------------------ GDN path
@@ -950,11 +943,6 @@ def _silu_k():
 def _sigmoid_gate_k():
     # numpy twin: clefcore/backends/cpu.py::sigmoid_gate
     return _ek("clef_sigmoid_gate", "float32 o, float32 g", "float32 y", "y = o / (1.0f + expf(-g))")
-
-
-def _swiglu_inplace_k():
-    # g <- silu(g) * u, the formula of gemm.cu's silu_f (__expf)
-    return _ek("clef_swiglu_inplace", "float32 u", "float32 g", "g = g / (1.f + __expf(-g)) * u")
 
 
 def _gelu_k():

@@ -208,6 +208,11 @@ def _device_used(cp):
     return total - free
 
 
+def _spread(ts) -> str:
+    """The timed runs' range, printed beside their median: a wide range flags a disturbed measurement."""
+    return f"{min(ts):.1f}-{max(ts):.1f} ms"
+
+
 def end_to_end(cp, ops, params, lengths, packed, reps, out):
     """Times per case and GPU memory beyond the weights, three ways (GiB):
     peak_in_use: high-water of the CuPy default pool's in-use bytes during one untimed forward (after the
@@ -259,11 +264,13 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
             ts.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(ts)
         graphed = graphs is not None and graphs.launches > l0
-        res.append(dict(case=label, tokens=T, ms=ms, tok_s=T / ms * 1e3, token_block=getattr(ops, "token_block", 0),
+        res.append(dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3,
+                        token_block=getattr(ops, "token_block", 0),
                         cuda_graph=graphed, graph_pools_gib=(graphs.nbytes() if graphs is not None else 0) / 2 ** 30,
                         peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30,
                         device_gib=dev / 2 ** 30))
         print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
+              f"(runs {_spread(ts)})  "
               f"beyond weights: peak in use "
               f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
         pool.free_all_blocks()
@@ -318,8 +325,9 @@ def transformers_side(text_cfg, lengths, packed, reps, out):
                     torch.cuda.synchronize()
                     ts.append((time.perf_counter() - t0) * 1e3)
             ms = statistics.median(ts)
-            res.append(dict(case=label, ms=ms, tok_s=B * L / ms * 1e3))
-            print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  ({fla_v})")
+            res.append(dict(case=label, ms=ms, runs_ms=ts, tok_s=B * L / ms * 1e3))
+            print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  (runs {_spread(ts)}; "
+                  f"{fla_v})")
         out["transformers"] = dict(version=transformers.__version__, variant=fla_v, results=res)
         del m
         torch.cuda.empty_cache()

@@ -80,8 +80,7 @@ NORM_ENTRY(add_rmsnorm_rows, (const float* __restrict__ x, const float* __restri
                               float* __restrict__ s, float* __restrict__ y, int R, int D, int G, float eps),
            (x, d, w, s, y, R, D, eps))
 
-// z row r = head r % zh of token r / zh, token rows zs apart, heads D apart (z may be a column slice of the
-// fused projection)
+// z follows its own row map (zs, zh, zhs): a per-head view of the GDN's fused projection is read in place
 template <int G>
 __device__ __forceinline__ void gated_rmsnorm_rows_g(ROW_MAP, const float* __restrict__ z, long long zs, int zh,
                                                      long long zhs, const float* __restrict__ w,

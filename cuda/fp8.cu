@@ -62,18 +62,26 @@ extern "C" __global__ void lo_amax(const float4* __restrict__ x, long long n4, u
     block_amax(m, amax);
 }
 
-// The MLP's hidden activation for the split8 down projection: g <- silu(g) * u in place, and
-// amax[0] = max |h - fp16(h)| from the same pass, so that split_fp8 follows without lo_amax's second read of h.
-extern "C" __global__ void swiglu_amax(const float4* __restrict__ u, float4* __restrict__ g, long long n4,
-                                       unsigned* __restrict__ amax) {
+// The MLP's hidden activation on the split paths: g <- silu(g) * u in place (no third [M, I] buffer). With amax
+// (split8's down projection) also amax[0] = max |h - fp16(h)| from the same pass, so that split_fp8 follows
+// without lo_amax's second read of h; amax null: the split path, nothing reduced. Float4s, then a scalar tail
+// (any n; 16-byte aligned arrays).
+extern "C" __global__ void swiglu_inplace(const float* __restrict__ u, float* __restrict__ g, long long n,
+                                          unsigned* __restrict__ amax) {
     float m = 0.f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
-        const float4 a = g[i], b = u[i];
+    const long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    for (long long i = i0; i < n / 4; i += step) {
+        const float4 a = ((const float4*)g)[i], b = ((const float4*)u)[i];
         const float4 h = make_float4(silu_f(a.x) * b.x, silu_f(a.y) * b.y, silu_f(a.z) * b.z, silu_f(a.w) * b.w);
-        g[i] = h;
+        ((float4*)g)[i] = h;
         m = lo_amax4(h, m);
     }
-    block_amax(m, amax);
+    for (long long i = n / 4 * 4 + i0; i < n; i += step) {
+        const float h = silu_f(g[i]) * u[i];
+        g[i] = h;
+        m = fmaxf(m, lo_abs(h));
+    }
+    if (amax) block_amax(m, amax);   // uniform over the block: its __syncthreads is safe
 }
 
 // hi = fp16(x); lo8 = e4m3((x - hi) * s) with s = e4m3_scale(amax); inv[0] = 1 / s (cuBLASLt's scale for lo8).

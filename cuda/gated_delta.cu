@@ -60,15 +60,16 @@ __device__ __forceinline__ void store4_hl(half_t* hi, half_t* lo, float4 x) {
     *(uint2*)hi = make_uint2(h0, h1);
     *(uint2*)lo = make_uint2(l0, l1);
 }
-// accumulator registers <-> 32 bytes per lane (layout private to the fragment type: written and read only so)
+// accumulator registers <-> 32 bytes per lane (layout private to the fragment type: written and read only so);
+// registers 0-3 of all lanes first, then 4-7, so that each 16-byte access of the warp is one contiguous 512 bytes
 __device__ __forceinline__ void frag_raw_store(float* p, const FragC& c) {
-    float4* q = (float4*)p + 2 * (threadIdx.x & 31);
+    float4* q = (float4*)p + (threadIdx.x & 31);
     q[0] = make_float4(c.x[0], c.x[1], c.x[2], c.x[3]);
-    q[1] = make_float4(c.x[4], c.x[5], c.x[6], c.x[7]);
+    q[32] = make_float4(c.x[4], c.x[5], c.x[6], c.x[7]);
 }
 __device__ __forceinline__ void frag_raw_load(FragC& c, const float* p) {
-    const float4* q = (const float4*)p + 2 * (threadIdx.x & 31);
-    const float4 a = q[0], b = q[1];
+    const float4* q = (const float4*)p + (threadIdx.x & 31);
+    const float4 a = q[0], b = q[32];
     c.x[0] = a.x; c.x[1] = a.y; c.x[2] = a.z; c.x[3] = a.w; c.x[4] = b.x; c.x[5] = b.y; c.x[6] = b.z; c.x[7] = b.w;
 }
 // an accumulator tile through the warp's 16x16 fp32 staging: the lane gets row lane/2, columns 8*(lane&1) + 0..7

@@ -231,7 +231,8 @@ extern "C" __global__ void to_half_split(const float* __restrict__ x, half_t* __
         }
     }
 }
-// fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path).
+// fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path; the split paths' in-place
+// SwiGLU is fp8.cu's swiglu_inplace).
 extern "C" __global__ void to_half(const float* __restrict__ x, half_t* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = f2h(x[i]);
@@ -240,11 +241,6 @@ extern "C" __global__ void swiglu_half(const float* __restrict__ g, const float*
                                        half_t* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = f2h(silu_f(g[i]) * u[i]);
-}
-// g <- silu(g) * u in place (the split MLP's hidden activation; no third [M, I] buffer)
-extern "C" __global__ void swiglu_inplace(const float* __restrict__ u, float* __restrict__ g, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        g[i] = silu_f(g[i]) * u[i];
 }
 // checkpoint weights -> fp16, counting values whose magnitude does not fit fp16 (|x| > 65504: saturated) and
 // nonzero values that flush to zero (|x| < 2^-24). Sources: fp32, or bf16 bits (widened exactly first).

@@ -487,29 +487,35 @@ def test_to_half_split(ops, n):
     np.testing.assert_array_equal(_bits(ops.to_host(hl[1])), _bits((x - hi.astype(np.float32)).astype(np.float16)))
 
 
+def _host_lo_amax(v):
+    v = np.asarray(v, np.float32)
+    return np.float32(np.max(np.abs(v - v.astype(np.float16).astype(np.float32))))
+
+
 @pytest.mark.parametrize("n", [4, 64, 4100, 1 << 20])
-def test_lo_amax_kernels(ops, n):
-    """fp8.cu's scale inputs, both builds: lo_amax = max |x - fp16(x)| exactly; swiglu_amax writes
-    silu(g) * u over g (numpy's to fp32 rounding) and the same maximum of what it wrote, bit for bit."""
-    cp = ops.cp
-    n4 = n // 4
-
-    def host_amax(v):
-        v = np.asarray(v, np.float32)
-        return np.float32(np.max(np.abs(v - v.astype(np.float16).astype(np.float32))))
-
+def test_lo_amax(ops, n):
+    """fp8.cu's scale input, both builds: lo_amax = max |x - fp16(x)| over n / 4 float4s, exactly."""
     x = r(n, scale=2.0)
-    amax = cp.zeros(1, cp.uint32)
-    ops.kernel("fp8.cu", "lo_amax")(ops._amax_grid(n4), (256,), (ops.asarray(x), np.int64(n4), amax))
-    assert ops.to_host(amax).view(np.float32)[0] == host_amax(x)
+    amax = ops.cp.zeros(1, ops.cp.uint32)
+    ops.kernel("fp8.cu", "lo_amax")(ops._amax_grid(n // 4), (256,), (ops.asarray(x), np.int64(n // 4), amax))
+    assert ops.to_host(amax).view(np.float32)[0] == _host_lo_amax(x)
 
+
+@pytest.mark.parametrize("with_amax", [True, False])
+@pytest.mark.parametrize("n", [1, 63, 65, 4099, 4100, 1 << 20])
+def test_swiglu_inplace(ops, n, with_amax):
+    """fp8.cu's in-place SwiGLU, both builds, float4 body and scalar tail: g <- silu(g) * u (numpy's to fp32
+    rounding), u untouched; with amax also max |h - fp16(h)| of what it wrote, bit for bit; without, no write."""
+    cp = ops.cp
     g, u = r(n, scale=4.0), r(n)
-    gd = ops.asarray(g)
-    amax = cp.zeros(1, cp.uint32)
-    ops.kernel("fp8.cu", "swiglu_amax")(ops._amax_grid(n4), (256,), (ops.asarray(u), gd, np.int64(n4), amax))
+    gd, ud = ops.asarray(g), ops.asarray(u)
+    amax = cp.zeros(1, cp.uint32) if with_amax else np.uint64(0)
+    ops.kernel("fp8.cu", "swiglu_inplace")(ops._amax_grid(-(-n // 4)), (256,), (ud, gd, np.int64(n), amax))
     h = ops.to_host(gd)
-    check(f"swiglu_amax h n{n}", h, cpu.silu(g) * u, 1e-6)
-    assert ops.to_host(amax).view(np.float32)[0] == host_amax(h) > 0
+    check(f"swiglu_inplace n{n}", h, cpu.silu(g) * u, 1e-6)
+    np.testing.assert_array_equal(ops.to_host(ud), u)
+    if with_amax:
+        assert ops.to_host(amax).view(np.float32)[0] == _host_lo_amax(h) > 0
 
 
 # ----------------------------------------------------------------------------------------------- split8 (fp8 lo)

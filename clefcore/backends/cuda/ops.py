@@ -447,7 +447,7 @@ class CudaOps:
     def _split8(self, x, amax=None):
         """x fp32 [M, K] -> (hi fp16 [M, K], lo e4m3 [M, K] scaled by a power of two, its inverse scale [1]):
         the scale comes from max |lo| on the device, so nothing waits for the host. ``amax``: that maximum,
-        already made by x's producer (fp8.cu swiglu_amax); otherwise lo_amax reads x for it."""
+        already made by x's producer (fp8.cu swiglu_inplace); otherwise lo_amax reads x for it."""
         cp = self.cp
         x = self._c(x)
         if x.size % 4 or x.data.ptr % 16:     # the kernels read float4s (twinned weights have K % 16 == 0)
@@ -605,17 +605,15 @@ class CudaOps:
                 gemm(hl, w_gate, gb)
                 gemm(hl, w_up, ub)
                 del hl
-                if self._has_twin(M, w_down):         # gb <- silu(gb) * ub and its lo amax in one pass
-                    amax = cp.zeros(1, dtype=cp.uint32)
-                    n4 = gb.size // 4
-                    self.kernel("fp8.cu", "swiglu_amax")(self._amax_grid(n4), (_ELEM_THREADS,),
-                                                         (ub, gb, np.int64(n4), amax))
-                    del ub
+                # gb <- silu(gb) * ub in place; for split8's down GEMM the same pass yields gb's lo amax
+                twin = self._has_twin(M, w_down)
+                amax = cp.zeros(1, dtype=cp.uint32) if twin else _NULL
+                self.kernel("fp8.cu", "swiglu_inplace")(self._amax_grid(-(-gb.size // 4)), (_ELEM_THREADS,),
+                                                        (ub, gb, np.int64(gb.size), amax))
+                del ub
+                if twin:
                     self._split8_gemm(self._split8(gb, amax), w_down, ob)
-                else:                                 # gb <- silu(gb) * ub: no third [M, I] buffer
-                    self.kernel("gemm.cu", "swiglu_inplace")(self._grid1(gb.size), (_ELEM_THREADS,),
-                                                             (ub, gb, np.int64(gb.size)))
-                    del ub
+                else:
                     self._split_gemm(self._split(gb), w_down, ob)
 
             paths = {"wmma": run_w, "cublas": run_c}

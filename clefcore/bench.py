@@ -100,6 +100,17 @@ def kernels(cp, ops, out):
             rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
         del x, w, o, x16
     ops.precision = out.get("precision", "split")
+    M, N, K = 11, 4096, 1024                                  # a joint-head GEMM: one row per option
+    x = cp.random.standard_normal((M, K), dtype=cp.float32)
+    w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
+    o = cp.empty((M, N), cp.float32)
+    tr = _timeit(cp, lambda: ops._gemm_rows(x, w, o), inner=10)
+    tw = _timeit(cp, lambda: ops._wmma(x, w, o), inner=10)
+    ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)
+    rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores)", tr,
+                 f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
+    rows.append(("wmma / cuBLAS split, same shape", tw, f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / "
+                 f"{ts / tr:.1f}x faster"))
     for T in (2048, 8192):
         for D, hq, hkv in ((256, 16, 4),):
             q = cp.random.standard_normal((T, hq, D), dtype=cp.float32)

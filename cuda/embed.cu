@@ -21,9 +21,10 @@ extern "C" __global__ void gather_bf16_rows(const unsigned short* __restrict__ t
 }
 
 // NaN/Inf/all-zero guard: flags[0] += non-finite count, flags[1] += nonzero count.
-// numpy twin: clefcore/backends/cpu.py::check_finite. Counts are reduced per warp first: one atomic per thread
-// on the same two addresses serialises (it made the per-layer guard cost more than the layers).
+// numpy twin: clefcore/backends/cpu.py::check_finite. Counts are reduced in the block first, one atomic per block:
+// same-address atomics serialise, and even one per warp (16K per call) cost more than reading the layer.
 extern "C" __global__ void finite_check(const float* __restrict__ x, long long n, unsigned long long* __restrict__ flags) {
+    __shared__ unsigned long long red[2][32];
     unsigned long long bad = 0, nz = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i];
@@ -31,11 +32,23 @@ extern "C" __global__ void finite_check(const float* __restrict__ x, long long n
         if (v != 0.f) nz++;
     }
     for (int o = 16; o > 0; o >>= 1) {
-        bad += __shfl_down_sync(0xffffffffu, bad, o);
-        nz += __shfl_down_sync(0xffffffffu, nz, o);
+        bad += __shfl_xor_sync(0xffffffffu, bad, o);
+        nz += __shfl_xor_sync(0xffffffffu, nz, o);
     }
-    if ((threadIdx.x & 31) == 0) {
-        if (bad) atomicAdd(flags, bad);
-        if (nz) atomicAdd(flags + 1, nz);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        red[0][warp] = bad;
+        red[1][warp] = nz;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bad = lane < nw ? red[0][lane] : 0;
+        nz = lane < nw ? red[1][lane] : 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            bad += __shfl_xor_sync(0xffffffffu, bad, o);
+            nz += __shfl_xor_sync(0xffffffffu, nz, o);
+        }
+        if (lane == 0 && bad) atomicAdd(flags, bad);
+        if (lane == 0 && nz) atomicAdd(flags + 1, nz);
     }
 }

@@ -20,9 +20,10 @@ FILES = [p.name for p in C.kernel_files()]
 HOT = {
     "sm_70": ["gemm_f32a", "gemm_f16a", "gemm_swiglu_f32a", "attn_fwd_d128", "attn_fwd_d256", "gdn_prep",
               "gdn_scan", "gdn_out", "gdn_prep_d128", "gdn_scan_d128", "gdn_out_d128", "rmsnorm_rows",
-              "add_rmsnorm_rows", "conv1d_silu_k"],
+              "add_rmsnorm_rows", "conv1d_silu_k", "gemm_rows"],
     "sm_90": ["gemm_f32a", "gemm_f16a", "gemm_swiglu_f32a", "attn_fwd_d128", "gdn_prep", "gdn_scan", "gdn_out",
-              "gdn_prep_d128", "gdn_scan_d128", "gdn_out_d128", "rmsnorm_rows", "add_rmsnorm_rows", "conv1d_silu_k"],
+              "gdn_prep_d128", "gdn_scan_d128", "gdn_out_d128", "rmsnorm_rows", "add_rmsnorm_rows", "conv1d_silu_k",
+              "gemm_rows"],
 }
 
 

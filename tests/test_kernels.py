@@ -61,16 +61,18 @@ def h16(a):
     return a.astype(np.float16).astype(np.float32)
 
 
-def rel(got, ref):
+def rel(got, ref, floor=0.0):
+    """max |got - ref| over max |ref|; ``floor``: the least denominator, for outputs whose size can cancel far
+    below that of the operands (fp32-grade error is relative to the operands, not to a cancelled result)."""
     got = np.asarray(got, np.float64)
     ref = np.asarray(ref, np.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)
     assert np.all(np.isfinite(got)), "non-finite output"
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30)) if ref.size else 0.0
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
 
 
-def check(name, got, ref, tol, ops=None):
-    e = rel(ops.to_host(got) if ops else got, ref)
+def check(name, got, ref, tol, ops=None, floor=0.0):
+    e = rel(ops.to_host(got) if ops else got, ref, floor)
     print(f"ERR {name} {e:.3e}")
     assert e <= tol, f"{name}: max rel error {e:.3e} > {tol}"
 
@@ -147,6 +149,31 @@ def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
     tol = 4e-3 if path.endswith("16") else SPLIT_TOL     # split: fp32-grade; fp16: one rounding of x
     check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), tol, o)
     check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 63, 64])
+@pytest.mark.parametrize("N,K", [(1, 8), (63, 1024), (65, 40), (130, 63), (1000, 256)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_gemm_rows(ops, M, N, K, aligned):
+    """gemm_rows.cu (the few-row GEMM on the CUDA cores), both builds: fp32 products, so fp32-grade against numpy
+    in every precision mode; the 16-byte loads (K % 8 == 0, aligned operands) and the element loop (K % 8 != 0, or
+    operands starting mid-way into a 16-byte word); rows past 16 run in further grid rows; the bias is optional;
+    every output is written (it starts as NaN)."""
+    cp = ops.cp
+    x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
+    w16 = w.astype(np.float16)
+    if aligned:
+        xd, W = ops.asarray(x), cp.asarray(w16)
+    else:                                  # contiguous operands that start mid-way into a 16-byte word
+        xd = cp.zeros(M * K + 1, dtype=cp.float32)[1:].reshape(M, K)
+        xd[...] = ops.asarray(x)
+        W = cp.zeros(N * K + 1, dtype=cp.float16)[1:].reshape(N, K)
+        W[...] = cp.asarray(w16)
+        assert xd.data.ptr % 16 and W.data.ptr % 16
+    out = cp.full((M, N), np.nan, dtype=cp.float32)
+    check(f"gemm_rows {M}x{N}x{K}", ops._gemm_rows(xd, W, out), cpu.linear(x, w), 1e-5, ops)
+    out[...] = np.nan
+    check(f"gemm_rows+bias {M}x{N}x{K}", ops._gemm_rows(xd, W, out, ops.asarray(b)), cpu.linear(x, w, b), 1e-5, ops)
 
 
 @pytest.mark.parametrize("M", [1, 63, 65])
@@ -254,17 +281,26 @@ def _gdn_inputs(T, hk, hv, dk, dv):
     return q, k, v, g, beta
 
 
+def _gdn_floor(q, k, v, beta):
+    """The size one token's output would have with q parallel to k: beta |q| |k| max |v|. At a single token the
+    output is beta (q . k) v, and q . k of random directions may cancel to ~1e-5 of |q| |k| (its rounding error
+    stays ~1e-7 of |q| |k|), so the error is measured against this, not against the cancelled result."""
+    return float(np.max(beta) * np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1)) *
+                 np.max(np.abs(v)))
+
+
 @pytest.mark.parametrize("cu", CU)
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 32, 64)])
 def test_gated_delta_rule(ops, cu, hk, hv, dk, dv):
     q, k, v, g, beta = _gdn_inputs(cu[-1], hk, hv, dk, dv)
+    floor = _gdn_floor(q, k, v, beta)
     ga, gb = ops.gdn_gates(*(ops.asarray(a) for a in (r(3, hv), r(3, hv), r(hv), r(hv))))
     assert ga.shape == (3, hv)
     ref = cpu.gated_delta_rule(q, k, v, g, beta, np.array(cu))
     for blk in (128, 1):                      # 1: every chunk its own block (state carried between launches)
         ops.gdn_block_chunks = blk
         got = ops.gated_delta_rule(*(ops.asarray(a) for a in (q, k, v, g, beta)), np.array(cu))
-        check(f"gdn cu{cu} dk{dk} dv{dv} blk{blk}", got, ref, 2e-4, ops)
+        check(f"gdn cu{cu} dk{dk} dv{dv} blk{blk}", got, ref, 2e-4, ops, floor)
     ops.gdn_block_chunks = 128
 
 
@@ -378,6 +414,10 @@ def test_mha_groups(ops, nq, nk):
     got = ops.mha(ops.asarray(xq), ops.asarray(xkv), ops.weight(in_w), ops.asarray(in_b), ops.weight(out_w),
                   ops.asarray(out_b), heads, (gq, gk))
     check(f"mha groups {nq}/{nk}", got, want, 4e-3, ops)
+    xd = ops.asarray(xq)                  # self-attention: one array as queries and keys (one [q | k | v] GEMM)
+    want = cpu.mha(xq, xq, in_w, in_b, out_w, out_b, heads, (gq, gq))
+    got = ops.mha(xd, xd, ops.weight(in_w), ops.asarray(in_b), ops.weight(out_w), ops.asarray(out_b), heads, (gq, gq))
+    check(f"mha self groups {nq}", got, want, 4e-3, ops)
 
 
 def test_check_finite(ops):

@@ -29,6 +29,7 @@ log = logging.getLogger("clefcore.cuda")
 
 _ELEM_THREADS = 256
 _NULL = np.uint64(0)     # a NULL device pointer passed by value
+ROWS_MAX_M = 64          # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
 _CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
 
 
@@ -500,7 +501,18 @@ class CudaOps:
                 out.__iadd__(bias)
 
         paths = {"wmma": lambda: self._wmma(x, w, out, bias), "cublas": cublas}
+        if M <= ROWS_MAX_M and x.dtype == self.cp.float32:
+            paths["rows"] = lambda: self._gemm_rows(x, w, out, bias)
         paths[self._choose(M, N, K, paths, str(x.dtype))]()
+        return out
+
+    def _gemm_rows(self, a, w16, out, bias=None):
+        """gemm_rows.cu: the few-row GEMM on the CUDA cores (fp32 products; the head's questions and options)."""
+        M, K = a.shape
+        N = w16.shape[0]
+        self.kernel("gemm_rows.cu", "gemm_rows")((-(-N // 16), -(-M // 16)), (256,),
+                                                 (a, w16, _NULL if bias is None else bias, out, np.int32(M),
+                                                  np.int32(N), np.int32(K)))
         return out
 
     def _wmma(self, a, w16, out, bias=None, res=None):
@@ -809,9 +821,16 @@ class CudaOps:
         check_groups(groups)
         W = xq.shape[-1]
         d = W // heads
-        q = self.linear(xq, in_w[:W], in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
-        k = self.linear(xkv, in_w[W:2 * W], in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
-        v = self.linear(xkv, in_w[2 * W:], in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
+        # one GEMM per distinct input: [q | k | v] for self-attention, [k | v] of the memory for cross-attention
+        # (wider products fill more of the GPU; the head's GEMMs are small)
+        if xkv is xq:
+            qkv = self.linear(xq, in_w, in_b)
+            q, kv = qkv[:, :W], qkv[:, W:]
+        else:
+            q, kv = self.linear(xq, in_w[:W], in_b[:W]), self.linear(xkv, in_w[W:], in_b[W:])
+        q = q.reshape(-1, heads, d).transpose(1, 0, 2)
+        k = kv[:, :W].reshape(-1, heads, d).transpose(1, 2, 0)
+        v = kv[:, W:].reshape(-1, heads, d).transpose(1, 0, 2)
         n, m = q.shape[1], v.shape[1]
         o = cp.empty((heads, n, d), dtype=cp.float32)
         rows = n if groups is None else max(1, (16 << 20) // max(1, heads * m))

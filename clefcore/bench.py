@@ -56,6 +56,30 @@ def _timeit(cp, fn, reps=5, warm=1, inner=1):
     return statistics.median(ts)
 
 
+def _timeit_graph(cp, fn, n=20, reps=5):
+    """Median GPU time per call of ``fn`` (one or more kernel launches, no host sync) replayed ``n`` times from one
+    CUDA graph: for kernels of a few microseconds, where even queued Python launches would set the time."""
+    fn()
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for _ in range(n):
+            fn()
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        g.launch(s)
+        e1.record(s)
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1) / n)
+    return statistics.median(ts)
+
+
 def _commit():
     """HEAD, with "+dirty" when the tree differs from it (numbers from uncommitted code must say so)."""
     try:
@@ -104,13 +128,13 @@ def kernels(cp, ops, out):
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
     w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
     o = cp.empty((M, N), cp.float32)
-    tr = _timeit(cp, lambda: ops._gemm_rows(x, w, o), inner=10)
-    tw = _timeit(cp, lambda: ops._wmma(x, w, o), inner=10)
-    ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)
-    rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores)", tr,
+    tr = _timeit_graph(cp, lambda: ops._gemm_rows(x, w, o))
+    tw = _timeit_graph(cp, lambda: ops._wmma(x, w, o))
+    ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)   # cuBLAS via CuPy: not capturable
+    rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
-    rows.append(("wmma / cuBLAS split, same shape", tw, f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / "
-                 f"{ts / tr:.1f}x faster"))
+    rows.append(("wmma split, same shape (graph) / cuBLAS split (queued)", tw,
+                 f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / {ts / tr:.1f}x faster"))
     for T in (2048, 8192):
         for D, hq, hkv in ((256, 16, 4),):
             q = cp.random.standard_normal((T, hq, D), dtype=cp.float32)

@@ -510,6 +510,7 @@ class CudaOps:
         """gemm_rows.cu: the few-row GEMM on the CUDA cores (fp32 products; the head's questions and options)."""
         M, K = a.shape
         N = w16.shape[0]
+        # a block: 16 weight rows (8 warps x NC = 2) against 16 activation rows (RG); gemm_rows.cu's constants
         self.kernel("gemm_rows.cu", "gemm_rows")((-(-N // 16), -(-M // 16)), (256,),
                                                  (a, w16, _NULL if bias is None else bias, out, np.int32(M),
                                                   np.int32(N), np.int32(K)))

@@ -57,27 +57,17 @@ def _timeit(cp, fn, reps=5, warm=1, inner=1):
 
 
 def _timeit_graph(cp, fn, n=20, reps=5):
-    """Median GPU time per call of ``fn`` (one or more kernel launches, no host sync) replayed ``n`` times from one
-    CUDA graph: for kernels of a few microseconds, where even queued Python launches would set the time."""
+    """_timeit of ``fn`` (kernel launches, no host sync) replayed ``n`` times from one CUDA graph, per call: for
+    kernels of a few microseconds, where even queued Python launches would set the time."""
     fn()
     cp.cuda.Device().synchronize()
     s = cp.cuda.Stream(non_blocking=True)
-    with s:
+    with s:                                   # captured, then timed, on s (events record on the current stream)
         s.begin_capture()
         for _ in range(n):
             fn()
         g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        g.launch(s)
-        e1.record(s)
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) / n)
-    return statistics.median(ts)
+        return _timeit(cp, lambda: g.launch(s), reps=reps) / n
 
 
 def _commit():

@@ -29,7 +29,7 @@ log = logging.getLogger("clefcore.cuda")
 
 _ELEM_THREADS = 256
 _NULL = np.uint64(0)     # a NULL device pointer passed by value
-ROWS_MAX_M = 64          # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
+_ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
 _CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
 
 
@@ -501,7 +501,7 @@ class CudaOps:
                 out.__iadd__(bias)
 
         paths = {"wmma": lambda: self._wmma(x, w, out, bias), "cublas": cublas}
-        if M <= ROWS_MAX_M and x.dtype == self.cp.float32:
+        if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
             paths["rows"] = lambda: self._gemm_rows(x, w, out, bias)
         paths[self._choose(M, N, K, paths, str(x.dtype))]()
         return out

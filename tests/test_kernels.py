@@ -152,13 +152,15 @@ def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 63, 64])
-@pytest.mark.parametrize("N,K", [(1, 8), (63, 1024), (65, 40), (130, 63), (1000, 256), (17, 1000), (5, 4100)])
+@pytest.mark.parametrize("N,K", [(1, 8), (63, 1024), (65, 40), (130, 63), (1000, 256), (17, 1000), (5, 1500),
+                                 (5, 4100)])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_gemm_rows(ops, M, N, K, aligned):
     """gemm_rows.cu (the few-row GEMM on the CUDA cores), both builds: fp32 products, so fp32-grade against numpy
     in every precision mode; the 16-byte loads (K % 8 == 0, aligned operands) and the element loop (K % 8 != 0, or
-    operands starting mid-way into a 16-byte word); K over several 1024-wide passes, the last one partial (4100);
-    rows past 16 run in further grid rows; the bias is optional; every output is written (it starts as NaN)."""
+    operands starting mid-way into a 16-byte word); K over several 512-wide passes, the last one partial (1000,
+    1500, 4100); rows past 16 run in further grid rows; the bias is optional; every output is written (it starts as
+    NaN)."""
     cp = ops.cp
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     w16 = w.astype(np.float16)

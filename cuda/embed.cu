@@ -24,31 +24,14 @@ extern "C" __global__ void gather_bf16_rows(const unsigned short* __restrict__ t
 // numpy twin: clefcore/backends/cpu.py::check_finite. Counts are reduced in the block first, one atomic per block:
 // same-address atomics serialise, and even one per warp (16K per call) cost more than reading the layer.
 extern "C" __global__ void finite_check(const float* __restrict__ x, long long n, unsigned long long* __restrict__ flags) {
-    __shared__ unsigned long long red[2][32];
     unsigned long long bad = 0, nz = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i];
         if (!(fabsf(v) <= 3.402823466e38f)) bad++;
         if (v != 0.f) nz++;
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        bad += __shfl_xor_sync(0xffffffffu, bad, o);
-        nz += __shfl_xor_sync(0xffffffffu, nz, o);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (lane == 0) {
-        red[0][warp] = bad;
-        red[1][warp] = nz;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        bad = lane < nw ? red[0][lane] : 0;
-        nz = lane < nw ? red[1][lane] : 0;
-        for (int o = 16; o > 0; o >>= 1) {
-            bad += __shfl_xor_sync(0xffffffffu, bad, o);
-            nz += __shfl_xor_sync(0xffffffffu, nz, o);
-        }
-        if (lane == 0 && bad) atomicAdd(flags, bad);
-        if (lane == 0 && nz) atomicAdd(flags + 1, nz);
-    }
+    bad = block_reduce(bad, OpAdd());
+    nz = block_reduce(nz, OpAdd());
+    if (threadIdx.x == 0 && bad) atomicAdd(flags, bad);
+    if (threadIdx.x == 0 && nz) atomicAdd(flags + 1, nz);
 }

@@ -36,18 +36,8 @@ __device__ __forceinline__ float lo_abs(float v) { return fabsf(v - h2f(f2h(v)))
 // starts at 0), reduced in the block first: one atomic per block, not per warp (a per-warp atomic on one
 // address took longer than the pass itself).
 __device__ __forceinline__ void block_amax(float m, unsigned* __restrict__ amax) {
-    __shared__ float red[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) atomicMax(amax, __float_as_uint(m));
-    }
+    m = block_reduce(m, OpMax());
+    if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
 }
 
 __device__ __forceinline__ float lo_amax4(const float4 v, float m) {

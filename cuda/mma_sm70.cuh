@@ -1,4 +1,5 @@
-// Minimal fp16 tensor-core fragments for sm_70+ written directly in PTX (wmma.* m16n16k16).
+// Minimal fp16 tensor-core fragments for sm_70+ written directly in PTX (wmma.* m16n16k16), and the warp / block
+// reductions the kernels share.
 //
 // No numpy twin: this is the building block of gemm.cu and attention.cu. NVRTC from pip ships neither
 // <mma.h> nor <cuda_fp16.h>, so everything here is inline PTX that every architecture from sm_70 on accepts.
@@ -117,5 +118,27 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// v combined over the block (blockDim.x a multiple of 32) by op, a sum or a max with 0 as its identity (counts,
+// amax of magnitudes); the result is in every lane of warp 0, which the callers use for one atomic per block.
+// Ends with a barrier so that a second call may reuse red[]: call it from every thread of the block.
+struct OpAdd { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
+struct OpMax { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op) {
+    __shared__ T red[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? red[lane] : T(0);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    __syncthreads();
     return v;
 }

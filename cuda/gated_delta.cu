@@ -60,6 +60,12 @@ __device__ __forceinline__ void store4_hl(half_t* hi, half_t* lo, float4 x) {
     *(uint2*)hi = make_uint2(h0, h1);
     *(uint2*)lo = make_uint2(l0, l1);
 }
+// row r (< 64) of a chunk's rows at p (row stride ld floats) as a float4; rows past n (>= 1) read row n - 1 and
+// give zeros, so the load needs no branch and the loads of an unrolled loop are issued together
+__device__ __forceinline__ float4 chunk_row4(const float* p, int r, int n, int ld) {
+    const float4 v = *(const float4*)(p + min(r, n - 1) * ld);
+    return r < n ? v : make_float4(0.f, 0.f, 0.f, 0.f);
+}
 // accumulator registers <-> 32 bytes per lane (layout private to the fragment type: written and read only so);
 // registers 0-3 of all lanes first, then 4-7, so that each 16-byte access of the warp is one contiguous 512 bytes
 __device__ __forceinline__ void frag_raw_store(float* p, const FragC& c) {
@@ -215,10 +221,9 @@ __device__ __forceinline__ void gdn_prep_body(
 #pragma unroll 4
     for (int e = tid; e < GC * dk / 4; e += GTH) {     // K, Q rows -> hi/lo (Q in RX with row stride LK)
         const int r = e / (dk / 4), d = (e % (dk / 4)) * 4;
-        const long long off = ((long long)(t0 + r) * hk + kh) * dk + d;
-        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-        store4_hl(Kh + r * LK + d, Kl + r * LK + d, r < n ? *(const float4*)(k + off) : z);
-        store4_hl(Xh + r * LK + d, Xh + GC * LK + r * LK + d, r < n ? *(const float4*)(q + off) : z);
+        const long long off = ((long long)t0 * hk + kh) * dk + d;
+        store4_hl(Kh + r * LK + d, Kl + r * LK + d, chunk_row4(k + off, r, n, hk * dk));
+        store4_hl(Xh + r * LK + d, Xh + GC * LK + r * LK + d, chunk_row4(q + off, r, n, hk * dk));
     }
     __syncthreads();
     if (tid < GC) {
@@ -277,12 +282,16 @@ __device__ __forceinline__ void gdn_prep_body(
     // (I + A) X = [beta V | beta Gamma K]: thread j owns column j of X in registers
     const bool isv = tid < dv, col = tid < dv + dk;
     float x[GC];
-    {
-        const float* p = isv ? v + (long long)h * dv + tid : k + (long long)kh * dk + (tid - dv);
-        const long long st = isv ? vs : (long long)hk * dk;
+    {   // all 64 loads are issued before the first is used: rows past the chunk read its last row (n >= 1), then
+        // zeroed; threads past dv + dk read column 0 (their x is never used). Loads guarded per row were a branch
+        // each, and each waited for the previous one (a third of the kernel's stall samples at 2048 tokens).
+        const float* p = (isv ? v + (long long)h * dv + tid : k + (long long)kh * dk + (col ? tid - dv : 0));
+        const int st = isv ? (int)vs : hk * dk;   // a row stride: 32 bits (offsets within the chunk)
+        p += (long long)t0 * st;
 #pragma unroll
-        for (int r = 0; r < GC; ++r)
-            x[r] = col && r < n ? p[(long long)(t0 + r) * st] * (isv ? bet[r] : bet[r] * eg[r]) : 0.f;
+        for (int r = 0; r < GC; ++r) x[r] = p[min(r, n - 1) * st];
+#pragma unroll
+        for (int r = 0; r < GC; ++r) x[r] = r < n ? x[r] * (isv ? bet[r] : bet[r] * eg[r]) : 0.f;
     }
     __syncthreads();   // A^T complete
     const float4* At4 = (const float4*)(smem + oX);
@@ -307,7 +316,7 @@ __device__ __forceinline__ void gdn_prep_body(
 #pragma unroll 4
     for (int e = tid; e < GC * dk / 4; e += GTH) {
         const int r = e / (dk / 4), d = (e % (dk / 4)) * 4;
-        float4 kv = r < n ? *(const float4*)(k + ((long long)(t0 + r) * hk + kh) * dk + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 kv = chunk_row4(k + ((long long)t0 * hk + kh) * dk + d, r, n, hk * dk);
         const float f = ed[r];
         kv.x *= f; kv.y *= f; kv.z *= f; kv.w *= f;
         store4_hl(Kh + r * LK + d, Kl + r * LK + d, kv);

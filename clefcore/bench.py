@@ -81,59 +81,104 @@ def _commit():
     return (head or "?") + ("+dirty" if dirty else "")
 
 
-def kernels(cp, ops, out):
-    """Per-kernel times with achieved rates next to the ceilings measured here."""
-    from .backends import cpu  # noqa: F401
-    rows = []
-    n = 1 << 28                                               # 1 GiB fp32
-    a = cp.random.standard_normal(n, dtype=cp.float32)
+GEMM_SHAPES = ((2048, 12288, 4096), (2048, 4096, 12288), (346, 12288, 4096), (8192, 8192, 4096))
+HEAD_GEMM = (11, 4096, 1024)          # a joint-head GEMM: one row per option
+SEQ_LENS = (2048, 8192)
+# max |got - ref| / max |ref| allowed when a timed op is checked against numpy (the kernel tests' bounds)
+TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
+
+
+def _copy_rate(cp):
+    """device-to-device copy of 1 GiB: (ms, GB/s), the bandwidth ceiling"""
+    a = cp.random.standard_normal(1 << 28, dtype=cp.float32)
     b = cp.empty_like(a)
     t = _timeit(cp, lambda: b.__setitem__(slice(None), a))
-    copy_gbs = 2 * a.nbytes / t / 1e6
+    return t, 2 * a.nbytes / t / 1e6
+
+
+def _check(name, got, ref, tol, checks):
+    """``got`` (host array) against the numpy ``ref`` before ``name`` is timed: a wrong kernel must not be
+    reported as a fast one. Raises DeviceError beyond ``tol``; the error is kept for the JSON."""
+    from .errors import DeviceError
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    err = float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+    if not np.isfinite(err) or err > tol:
+        raise DeviceError(f"bench check: {name}: max |got - ref| / max |ref| = {err:.3e} against numpy, "
+                          f"more than {tol:.0e}; nothing is timed")
+    checks[name] = err
+
+
+def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=SEQ_LENS):
+    """Per-kernel times with achieved rates next to the ceilings measured here. Each op runs once first and its
+    output is checked against the numpy path (GEMMs on a few rows, attention on the last queries, the other
+    ops whole); the errors go to ``out["checks"]``."""
+    from .backends import cpu
+    rows, checks = [], {}
+    host = ops.to_host
+    t, copy_gbs = _copy_rate(cp)
     rows.append(("d2d copy (ceiling)", t, f"{copy_gbs:.0f} GB/s"))
-    del a, b
-    for M, N, K in ((2048, 12288, 4096), (2048, 4096, 12288), (346, 12288, 4096), (8192, 8192, 4096)):
+
+    def gemm_ref(x, w):
+        """rows checked of a GEMM x @ w.T (its first, middle and last) and their float64 numpy values"""
+        idx = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
+        return idx, host(x[idx]).astype(np.float64) @ host(w).astype(np.float64).T
+
+    def gemm(name, fn, o, ref, tol, timer=_timeit, **kw):
+        """fn() writes the GEMM into o: run once, its rows checked against ref, then timed"""
+        fn()
+        _check(name, host(o[ref[0]]), ref[1], tol, checks)
+        return timer(cp, fn, **kw)
+
+    for M, N, K in gemm_shapes:
         x = cp.random.standard_normal((M, K), dtype=cp.float32)
         w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
         o = cp.empty((M, N), cp.float32)
         fl = 2.0 * M * N * K
         x16 = x.astype(cp.float16)
-        tc = _timeit(cp, lambda: ops._cublas(x16, w, o), inner=10)
+        ref = gemm_ref(x, w)
+        tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", lambda: ops._cublas(x16, w, o), o, ref, TOL_FP16, inner=10)
         rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
-        ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)
+        ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref, TOL_SPLIT,
+                  inner=10)
         rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
-        if ops._fp8 is not None:                 # precision split8 (ops.precision is switched below)
-            ops.twin(w)
-            t8 = _timeit(cp, lambda: ops._split8_gemm(ops._split8(x), w, o), inner=10)
+        if ops._fp8 is not None and ops._has_twin(M, ops.twin(w)):   # precision split8 (switched below)
+            t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", lambda: ops._split8_gemm(ops._split8(x), w, o), o, ref,
+                      TOL_SPLIT8, inner=10)
             rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                          f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
-            del ops._twins[w.data.ptr]
+        ops._twins.pop(w.data.ptr, None)
         for prec in ("fp16", "split"):
             ops.precision = prec
-            tw = _timeit(cp, lambda: ops._wmma(x, w, o), inner=10)
+            tw = gemm(f"wmma {prec} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
+                      TOL_FP16 if prec == "fp16" else TOL_SPLIT, inner=10)
             rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
-        del x, w, o, x16
     ops.precision = out.get("precision", "split")
-    M, N, K = 11, 4096, 1024                                  # a joint-head GEMM: one row per option
+    M, N, K = head_gemm
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
     w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
     o = cp.empty((M, N), cp.float32)
-    tr = _timeit_graph(cp, lambda: ops._gemm_rows(x, w, o))
-    tw = _timeit_graph(cp, lambda: ops._wmma(x, w, o))
-    ts = _timeit(cp, lambda: ops._split_gemm(ops._split(x), w, o), inner=10)   # cuBLAS via CuPy: not capturable
+    ref = gemm_ref(x, w)
+    tr = gemm(f"gemm_rows {M}x{N}x{K}", lambda: ops._gemm_rows(x, w, o), o, ref, TOL_FP32, timer=_timeit_graph)
+    tw = gemm(f"wmma {ops.precision} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
+              TOL_FP16 if ops.precision == "fp16" else TOL_SPLIT, timer=_timeit_graph)
+    ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref, TOL_SPLIT,
+              inner=10)                                       # cuBLAS via CuPy: not capturable
     rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
     rows.append(("wmma split, same shape (graph) / cuBLAS split (queued)", tw,
                  f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / {ts / tr:.1f}x faster"))
-    for T in (2048, 8192):
-        for D, hq, hkv in ((256, 16, 4),):
-            q = cp.random.standard_normal((T, hq, D), dtype=cp.float32)
-            k = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
-            v = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
-            cu = np.array([0, T])
-            ta = _timeit(cp, lambda: ops.attention(q, k, v, cu, 1 / 16))
-            fl = 4.0 * hq * D * T * T / 2
-            rows.append((f"attention T={T} D={D} 16q/4kv (incl. fp16 casts)", ta, f"{fl / ta / 1e9:.0f} TFLOP/s"))
+    for T in seq_lens:
+        cu = np.array([0, T])
+        D, hq, hkv = 256, 16, 4
+        q = cp.random.standard_normal((T, hq, D), dtype=cp.float32)
+        k = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
+        v = cp.random.standard_normal((T, hkv, D), dtype=cp.float32)
+        last = min(T, 8)                                      # the queries that see the most keys
+        _check(f"attention T={T}", host(ops.attention(q, k, v, cu, 1 / 16))[T - last:],
+               cpu.attention(host(q[T - last:]), host(k), host(v), cu, 1 / 16, q_offset=T - last), TOL_FP16, checks)
+        ta = _timeit(cp, lambda: ops.attention(q, k, v, cu, 1 / 16))
+        fl = 4.0 * hq * D * T * T / 2
+        rows.append((f"attention T={T} D={D} 16q/4kv (incl. fp16 casts)", ta, f"{fl / ta / 1e9:.0f} TFLOP/s"))
         hk, hv, dk, dv = 16, 32, 128, 128
         qq = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6, dk ** -0.5)
         kk = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6)
@@ -141,20 +186,32 @@ def kernels(cp, ops, out):
         g, beta = ops.gdn_gates(cp.random.standard_normal((T, hv), dtype=cp.float32),
                                 cp.random.standard_normal((T, hv), dtype=cp.float32),
                                 cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
-        tg = _timeit(cp, lambda: ops.gated_delta_rule(qq, kk, vv, g, beta, np.array([0, T])))
-        fl = T * hv * 0.18e6 / 32 * 32
-        rows.append((f"gated delta rule T={T} 16k/32v heads d=128", tg, f"{fl / tg / 1e9:.1f} TFLOP/s (fp16 hi+lo tensor cores)"))
+        gdn_args = (qq, kk, vv, g, beta, cu)
+        _check(f"gated delta rule T={T}", host(ops.gated_delta_rule(*gdn_args)),
+               cpu.gated_delta_rule(*map(host, gdn_args[:5]), cu), 2e-4, checks)
+        tg = _timeit(cp, lambda: ops.gated_delta_rule(*gdn_args))
+        fl = T * hv * 0.18e6
+        rows.append((f"gated delta rule T={T} 16k/32v heads d=128", tg,
+                     f"{fl / tg / 1e9:.1f} TFLOP/s (fp16 hi+lo tensor cores)"))
         x = cp.random.standard_normal((T, 4096), dtype=cp.float32)
-        w = cp.zeros(4096, cp.float32)
+        w = cp.random.standard_normal(4096, dtype=cp.float32)
+        s, y = ops.add_rmsnorm(x, x, w, 1e-6)
+        _check(f"add_rmsnorm T={T}", np.concatenate([host(s), host(y)]),
+               np.concatenate(cpu.add_rmsnorm(host(x), host(x), host(w), 1e-6)), TOL_SPLIT, checks)
         tr = _timeit(cp, lambda: ops.add_rmsnorm(x, x, w, 1e-6))
         rows.append((f"add_rmsnorm T={T} H=4096", tr, f"{4 * x.nbytes / tr / 1e6:.0f} GB/s"))
         xc = cp.random.standard_normal((T, 8192), dtype=cp.float32)
         wc = cp.random.standard_normal((8192, 4), dtype=cp.float32)
-        tcv = _timeit(cp, lambda: ops.conv1d_silu(xc, wc, np.array([0, T])))
+        _check(f"conv1d+silu T={T}", host(ops.conv1d_silu(xc, wc, cu)), cpu.conv1d_silu(host(xc), host(wc), cu),
+               TOL_FP32, checks)
+        tcv = _timeit(cp, lambda: ops.conv1d_silu(xc, wc, cu))
         rows.append((f"conv1d+silu T={T} C=8192", tcv, f"{2 * xc.nbytes / tcv / 1e6:.0f} GB/s"))
     out["kernels"] = [dict(name=r[0], ms=r[1], rate=r[2]) for r in rows]
+    out["checks"] = checks
     for r in rows:
         print(f"  {r[0]:55s} {r[1]:9.3f} ms  {r[2]}")
+    print(f"  every timed op matched numpy first ({len(checks)} checks, worst relative error per tolerance class "
+          f"in the JSON's \"checks\")")
     return rows
 
 

@@ -88,6 +88,13 @@ SEQ_LENS = (2048, 8192)
 TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
 
 
+def tol_k(tol, K):
+    """A split / split8 bound for a GEMM over K terms: their error is the fp32 accumulation's (tensor cores add
+    with truncation), which grows with K; the bounds above hold up to K = 4096 (wmma split at K = 12,288
+    measured 2.8e-5 on the H200). fp16 operands' error is their rounding, not the sum's: no scaling there."""
+    return tol * max(1.0, K / 4096)
+
+
 def _copy_rate(cp):
     """device-to-device copy of 1 GiB: (ms, GB/s), the bandwidth ceiling"""
     a = cp.random.standard_normal(1 << 28, dtype=cp.float32)
@@ -138,19 +145,19 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
         ref = gemm_ref(x, w)
         tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", lambda: ops._cublas(x16, w, o), o, ref, TOL_FP16, inner=10)
         rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
-        ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref, TOL_SPLIT,
-                  inner=10)
+        ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
+                  tol_k(TOL_SPLIT, K), inner=10)
         rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
         if ops._fp8 is not None and ops._has_twin(M, ops.twin(w)):   # precision split8 (switched below)
             t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", lambda: ops._split8_gemm(ops._split8(x), w, o), o, ref,
-                      TOL_SPLIT8, inner=10)
+                      tol_k(TOL_SPLIT8, K), inner=10)
             rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                          f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
         ops._twins.pop(w.data.ptr, None)
         for prec in ("fp16", "split"):
             ops.precision = prec
             tw = gemm(f"wmma {prec} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
-                      TOL_FP16 if prec == "fp16" else TOL_SPLIT, inner=10)
+                      TOL_FP16 if prec == "fp16" else tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
     ops.precision = out.get("precision", "split")
     M, N, K = head_gemm
@@ -160,9 +167,9 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
     ref = gemm_ref(x, w)
     tr = gemm(f"gemm_rows {M}x{N}x{K}", lambda: ops._gemm_rows(x, w, o), o, ref, TOL_FP32, timer=_timeit_graph)
     tw = gemm(f"wmma {ops.precision} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
-              TOL_FP16 if ops.precision == "fp16" else TOL_SPLIT, timer=_timeit_graph)
-    ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref, TOL_SPLIT,
-              inner=10)                                       # cuBLAS via CuPy: not capturable
+              TOL_FP16 if ops.precision == "fp16" else tol_k(TOL_SPLIT, K), timer=_timeit_graph)
+    ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
+              tol_k(TOL_SPLIT, K), inner=10)                  # cuBLAS via CuPy: not capturable
     rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
     rows.append(("wmma split, same shape (graph) / cuBLAS split (queued)", tw,
@@ -197,7 +204,7 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
         w = cp.random.standard_normal(4096, dtype=cp.float32)
         s, y = ops.add_rmsnorm(x, x, w, 1e-6)
         _check(f"add_rmsnorm T={T}", np.concatenate([host(s), host(y)]),
-               np.concatenate(cpu.add_rmsnorm(host(x), host(x), host(w), 1e-6)), TOL_SPLIT, checks)
+               np.concatenate(cpu.add_rmsnorm(host(x), host(x), host(w), 1e-6)), 2e-5, checks)
         tr = _timeit(cp, lambda: ops.add_rmsnorm(x, x, w, 1e-6))
         rows.append((f"add_rmsnorm T={T} H=4096", tr, f"{4 * x.nbytes / tr / 1e6:.0f} GB/s"))
         xc = cp.random.standard_normal((T, 8192), dtype=cp.float32)

@@ -1,12 +1,13 @@
-"""`clefcore bench`'s kernel table checks every op against numpy before timing it: at small, awkward shapes the
-whole table runs and each check is recorded; a kernel that writes wrong values stops the bench instead of being
-reported as fast."""
+"""`clefcore bench`'s kernel table checks every op against numpy before timing it: the check itself (no GPU),
+then on a GPU the whole table at small, awkward shapes with each check recorded, and a kernel that writes wrong
+values stopping the bench instead of being reported as fast."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -15,8 +16,27 @@ from gpu_only import HAVE_FP8, MARKS  # noqa: E402
 from clefcore import bench  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 
-pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
+
+
+def gpu(test):
+    for mark in MARKS:
+        test = mark(test)
+    return test
+
+
+def test_check_records_within_the_bound_and_stops_beyond_it():
+    ref = np.array([[1.0, -2.0], [0.5, 4.0]])
+    checks = {}
+    bench._check("close", ref + 1e-6, ref, 1e-6, checks)       # 1e-6 of a max |ref| of 4
+    assert checks == {"close": pytest.approx(2.5e-7)}
+    with pytest.raises(DeviceError, match=r"far: max .* = 2\.500e-01 against numpy, more than 1e-03"):
+        bench._check("far", ref + np.array([[0.0, 0.0], [0.0, 1.0]]), ref, 1e-3, checks)
+    with pytest.raises(DeviceError, match="nan"):
+        bench._check("nan", np.where(ref > 3, np.nan, ref), ref, 1e-3, checks)
+    assert list(checks) == ["close"]
+    assert bench.tol_k(2e-5, 1000) == 2e-5 and bench.tol_k(2e-5, 12288) == pytest.approx(6e-5)
+
 
 SMALL = dict(gemm_shapes=((65, 144, 256), (1, 48, 512)), head_gemm=(3, 130, 1024), seq_lens=(130,))
 
@@ -27,6 +47,7 @@ def ops():
     return CudaOps(0, precision="split8" if HAVE_FP8 else "split")
 
 
+@gpu
 def test_kernel_table_checks_every_timed_op(ops):
     out = {"precision": ops.precision}
     rows = bench.kernels(cupy, ops, out, **SMALL)
@@ -43,6 +64,7 @@ def test_kernel_table_checks_every_timed_op(ops):
     assert len(rows) == len(out["kernels"]) and all(r["ms"] > 0 for r in out["kernels"])
 
 
+@gpu
 def test_a_wrong_kernel_stops_the_bench(ops, monkeypatch):
     monkeypatch.setattr(ops, "_gemm_rows", lambda x, w, o, bias=None: o.fill(0))
     with pytest.raises(DeviceError, match="gemm_rows 3x130x1024: max .* = 1.000e\\+00"):

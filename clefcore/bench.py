@@ -10,12 +10,14 @@ same shapes (bf16, sdpa) runs the same lengths in the same process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import statistics
 import subprocess
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 
@@ -70,15 +72,39 @@ def _timeit_graph(cp, fn, n=20, reps=5):
         return _timeit(cp, lambda: g.launch(s), reps=reps) / n
 
 
-def _commit():
-    """HEAD, with "+dirty" when the tree differs from it (numbers from uncommitted code must say so)."""
+def _commit(where: Path) -> str:
+    """The git commit of the checkout that holds ``where`` (this package), with "+dirty" when its tree differs;
+    "?" when the package is not a tracked file of a checkout (an installed wheel)."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(where), *a], capture_output=True, text=True)
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
+            return "?"
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except OSError:
         return "?"
     return (head or "?") + ("+dirty" if dirty else "")
+
+
+def _fingerprint(files) -> str:
+    """12 hex digits of sha256 over (name, bytes) pairs in name order: the same sources give the same value"""
+    h = hashlib.sha256()
+    for name, path in sorted(files):
+        h.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def provenance() -> dict:
+    """What ran: the package version, a fingerprint of its Python modules and kernel sources (it names the code
+    where git cannot: an installed wheel, or a copied tree whose .git lags behind it) and the git commit of the
+    checkout the package was imported from. The server is left out: it does not run in the bench."""
+    from . import __version__
+    from .backends.cuda.compile import kernel_dir
+    pkg = Path(__file__).resolve().parent
+    files = [(p.relative_to(pkg).as_posix(), p) for p in pkg.rglob("*.py") if "server" not in p.relative_to(pkg).parts]
+    files += [(f"cuda/{p.name}", p) for p in kernel_dir().glob("*.cu*")]
+    return dict(version=__version__, sources=_fingerprint(files), commit=_commit(pkg))
 
 
 GEMM_SHAPES = ((2048, 12288, 4096), (2048, 4096, 12288), (346, 12288, 4096), (8192, 8192, 4096))
@@ -434,10 +460,11 @@ def run(args) -> int:
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     ops = CudaOps(dev, precision=args.precision, tables="device", token_block=args.token_block,
                   graph_tokens=args.graph_tokens)
-    out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), commit=_commit(), host=platform.node(),
+    out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), **provenance(), host=platform.node(),
                precision=args.precision, graph_tokens=args.graph_tokens)
-    print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}), commit {out['commit']}, "
-          f"precision {args.precision}, token block {args.token_block}, CUDA graphs up to {args.graph_tokens} tokens")
+    print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
+          f"{out['sources']}, commit {out['commit']}; precision {args.precision}, token block {args.token_block}, "
+          f"CUDA graphs up to {args.graph_tokens} tokens")
     if not args.no_kernels:
         print("kernels:")
         kernels(cp, ops, out)

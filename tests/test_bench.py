@@ -4,6 +4,7 @@ values stopping the bench instead of being reported as fast."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,22 @@ def test_check_records_within_the_bound_and_stops_beyond_it():
         bench._check("nan", np.where(ref > 3, np.nan, ref), ref, 1e-3, checks)
     assert list(checks) == ["close"]
     assert bench.tol_k(2e-5, 1000) == 2e-5 and bench.tol_k(2e-5, 12288) == pytest.approx(6e-5)
+
+
+
+def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
+    import clefcore
+    p = bench.provenance()
+    assert p["version"] == clefcore.__version__ and re.fullmatch("[0-9a-f]{12}", p["sources"]), p
+    monkeypatch.chdir(tmp_path)                  # git is asked about the package's own checkout, not the cwd's
+    assert bench.provenance() == p
+    a, b = tmp_path / "a.cu", tmp_path / "b.cu"
+    a.write_text("x = 1;")
+    b.write_text("y = 2;")
+    before = bench._fingerprint([("a.cu", a), ("b.cu", b)])
+    assert bench._fingerprint([("b.cu", b), ("a.cu", a)]) == before            # order of listing does not matter
+    a.write_text("x = 3;")
+    assert bench._fingerprint([("a.cu", a), ("b.cu", b)]) != before            # one changed byte does
 
 
 SMALL = dict(gemm_shapes=((65, 144, 256), (1, 48, 512)), head_gemm=(3, 130, 1024), seq_lens=(130,))

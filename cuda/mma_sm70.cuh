@@ -110,35 +110,28 @@ __device__ __forceinline__ void stc_row(unsigned a, const FragC& c, unsigned ld)
                     "f"(c.x[6]), "f"(c.x[7]), "r"(ld) : "memory");
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+// reduction ops for warp_reduce / block_reduce
+struct OpAdd { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
+struct OpMax { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
 
+// v combined over the 32 lanes of a warp by op (a butterfly: every lane ends with the result)
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
 // v combined over the block (blockDim.x a multiple of 32) by op, a sum or a max with 0 as its identity (counts,
 // amax of magnitudes); the result is in every lane of warp 0, which the callers use for one atomic per block.
 // Ends with a barrier so that a second call may reuse red[]: call it from every thread of the block.
-struct OpAdd { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
-struct OpMax { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } };
 template <typename T, typename Op>
 __device__ __forceinline__ T block_reduce(T v, Op op) {
     __shared__ T red[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_reduce(v, op);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) red[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? red[lane] : T(0);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-    }
+    if (warp == 0) v = warp_reduce(lane < (int)(blockDim.x >> 5) ? red[lane] : T(0), op);
     __syncthreads();
     return v;
 }

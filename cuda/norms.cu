@@ -32,7 +32,7 @@ template <int G> __device__ __forceinline__ int group_row() { return blockIdx.x 
 template <int G>
 __device__ __forceinline__ float group_sum(float v) {
     __shared__ float part[G / 32];
-    v = warp_sum(v);
+    v = warp_reduce(v, OpAdd());
     if (G == 32) return v;
     __syncthreads();                             // a previous group_sum may still read part[]
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;

@@ -36,6 +36,9 @@ def add_arguments(parser):
     parser.add_argument("--prob-tol", type=float, default=2e-3, help="max probability difference")
     parser.add_argument("--precision", choices=("split", "split8", "fp16"), default="split",
                         help="the GPU precision to check (the one the deployment serves with)")
+    parser.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default="auto",
+                        help="GEMM kernels to check: auto (as served), or only clefcore's wmma kernels (the path a "
+                             "V100 takes where cuBLAS is slower) or only cuBLAS")
 
 
 def _softmax(z):
@@ -132,11 +135,11 @@ def run(args) -> int:
     from .checkpoint import Checkpoint
     ck = Checkpoint(args.model)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    gpu = CudaOps(dev, precision=args.precision)
+    gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_summary():
         print("WARNING:", gpu.fp16_summary())
-    print(f"device: {gpu.device_name}, precision {gpu.precision}")
+    print(f"device: {gpu.device_name}, precision {gpu.precision}, gemm {gpu.gemm_mode}")
     return 0 if compare(ck, gpu, p_gpu, args.layer_tol, args.prob_tol) else 1
 
 

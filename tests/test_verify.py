@@ -1,5 +1,5 @@
 """`clefcore verify`'s comparison on the golden tiny checkpoint: it passes when the two paths agree, flags the
-layer a broken weight touches, and (on a GPU) passes for the CUDA backend through the command line."""
+layer a broken weight touches, and (on a GPU) passes for the CUDA backend through the command line with each GEMM choice."""
 
 from __future__ import annotations
 
@@ -51,10 +51,12 @@ def test_compare_flags_a_perturbed_layer():
     assert flagged and flagged[0].split()[0] == str(layer)
 
 
+@pytest.mark.parametrize("gemm", ["auto", "wmma", "cublas"])
 @pytest.mark.parametrize("device", [pytest.param("cuda:0", marks=MARKS)])
-def test_verify_command_on_gpu(device):
-    r = subprocess.run([sys.executable, "-m", "clefcore.verify", "--model", str(MODEL), "--device", device],
-                       capture_output=True, text=True, timeout=600)
+def test_verify_command_on_gpu(device, gemm):
+    r = subprocess.run([sys.executable, "-m", "clefcore.verify", "--model", str(MODEL), "--device", device,
+                        "--gemm", gemm], capture_output=True, text=True, timeout=600)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"gemm {gemm}" in r.stdout
     assert "verify: PASS" in r.stdout and "beyond tolerance" not in r.stdout

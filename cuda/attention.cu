@@ -8,10 +8,13 @@
 // tile. NW = 4, BC = 64, except at D = 256 (ATTN_NW256 / ATTN_BC256 below; on sm_70 4 x 32, to stay under
 // Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB).
 // Q K^T and P V run on the tensor cores (fp16 operands, fp32 accumulate); scores, the running max m, the
-// running sum l and the rescaling stay fp32; P is rounded to fp16 for P V.
+// running sum l and the rescaling stay fp32; P is rounded to fp16 for P V. Scores are scaled by scale * log2(e)
+// (scale2) so that each probability is one exp2; only tiles that reach past a warp's first row are masked.
+// Blocks run heads fastest over tiles sorted longest first (the host's order), so every head's longest causal
+// ranges start in the first wave rather than the last head's at the end.
 // wmma path: the O accumulator lives in wmma fragments (D/16 of them per warp); their opaque element -> row
 // map is read once from a fragment loaded from a matrix of row numbers, which is how each element finds its
-// row's rescale factor alpha = exp(m_old - m_new). Scores go through shared memory for the softmax.
+// row's rescale factor alpha = exp2(m_old - m_new). Scores go through shared memory for the softmax.
 // mma.sync path (sm_80+): m16n8k16 with the PTX-documented layouts, so the softmax runs in registers (a quad of
 // lanes shares a row), P is repacked from the score accumulators straight into A fragments (no shared-memory
 // round trip), fragments come from ldmatrix, and the K/V tiles are double-buffered with cp.async.
@@ -78,15 +81,15 @@ struct AttnSmem {
 template <int D, int BC, int NW>
 __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
                                           const half_t* __restrict__ v, float* __restrict__ out,
-                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
+                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale2,
                                           int qbase) {
     typedef AttnSmem<D, BC, NW> L;
     extern __shared__ __align__(128) unsigned char smem[];
     half_t* sQ = (half_t*)smem;
     const unsigned aQ = sa(smem), aKV = aQ + L::Q;   // buffer b: K at aKV + 2 b KV, V right after it
-    const int4 tile = tiles[blockIdx.x];
+    const int4 tile = tiles[blockIdx.y];
     const int s0 = tile.x, s1 = tile.y, q0 = tile.z, q1 = tile.w;
-    const int h = blockIdx.y, kh = h / (Hq / Hkv);
+    const int h = blockIdx.x, kh = h / (Hq / Hkv);
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, tq = lane & 3;
     constexpr int V8 = D / 8;   // 16-byte pieces per row
 
@@ -139,13 +142,14 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
                 }
             }
             float mx[2] = {m[0], m[1]};
+            const bool diag = j0 + BC - 1 > q0 + warp * 16;   // keys past the warp's first row (or past s1)
 #pragma unroll
             for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int kj = j0 + nt * 8 + 2 * tq + (e & 1);
-                    float sv = s[nt][e] * scale;
-                    if (kj > r0 + (e >> 1) * 8 || kj >= s1) sv = -CLEF_INF;
+                    float sv = s[nt][e] * scale2;
+                    if (diag && (kj > r0 + (e >> 1) * 8 || kj >= s1)) sv = -CLEF_INF;
                     s[nt][e] = sv;
                     mx[e >> 1] = fmaxf(mx[e >> 1], sv);
                 }
@@ -155,7 +159,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
                 mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
                 muse[i] = mx[i] == -CLEF_INF ? 0.f : mx[i];
-                alpha[i] = m[i] == -CLEF_INF ? 0.f : expf(m[i] - muse[i]);
+                alpha[i] = exp2f(m[i] - muse[i]);   // 0 while m is -inf
                 m[i] = mx[i];
                 l[i] *= alpha[i];
             }
@@ -164,7 +168,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
             for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = s[nt][e] == -CLEF_INF ? 0.f : expf(s[nt][e] - muse[e >> 1]);
+                    const float p = exp2f(s[nt][e] - muse[e >> 1]);   // masked: exp2(-inf) = 0
                     l[e >> 1] += p;
                     s[nt][e] = p;
                 }
@@ -226,7 +230,7 @@ struct AttnSmem {
 template <int D, int BC, int NW>
 __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const half_t* __restrict__ k,
                                           const half_t* __restrict__ v, float* __restrict__ out,
-                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale,
+                                          const int4* __restrict__ tiles, int Hq, int Hkv, float scale2,
                                           int qbase) {
     typedef AttnSmem<D, BC, NW> L;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -238,9 +242,9 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
     float* sIdx = (float*)(smem + L::Q + 2 * L::K + L::S + L::P);
     float* sAl = (float*)(smem + L::Q + 2 * L::K + L::S + L::P + L::IDX);
 
-    const int4 tile = tiles[blockIdx.x];
+    const int4 tile = tiles[blockIdx.y];
     const int s0 = tile.x, s1 = tile.y, q0 = tile.z, q1 = tile.w;
-    const int h = blockIdx.y, kh = h / (Hq / Hkv);
+    const int h = blockIdx.x, kh = h / (Hq / Hkv);
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     constexpr int V8 = D / 8;   // uint4 (8 halves) per row
 
@@ -298,21 +302,22 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         __syncwarp();
         // online softmax on this lane's half row
         float mx = -CLEF_INF;
+        const bool diag = j0 + BC - 1 > q0 + warp * 16;     // keys past the warp's first row (or past s1)
         for (int c = 0; c < BC / 2; ++c) {
             const int kj = j0 + colh + c;
-            float sv = sSw[myrow * L::LDS + colh + c] * scale;
-            if (kj > qi || kj >= s1) sv = -CLEF_INF;
+            float sv = sSw[myrow * L::LDS + colh + c] * scale2;
+            if (diag && (kj > qi || kj >= s1)) sv = -CLEF_INF;
             sSw[myrow * L::LDS + colh + c] = sv;
             mx = fmaxf(mx, sv);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         const float mnew = fmaxf(m, mx);
         const float muse = mnew == -CLEF_INF ? 0.f : mnew;
-        const float alpha = m == -CLEF_INF ? 0.f : expf(m - muse);
+        const float alpha = exp2f(m - muse);                // 0 while m is -inf
         float ps = 0.f;
         for (int c = 0; c < BC / 2; ++c) {
             const float sv = sSw[myrow * L::LDS + colh + c];
-            const float p = sv == -CLEF_INF ? 0.f : expf(sv - muse);
+            const float p = exp2f(sv - muse);                  // masked: exp2(-inf) = 0
             const half_t ph = f2h(p);
             ps += p;
             sPw[myrow * L::LDP + colh + c] = ph;
@@ -379,7 +384,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
                                                                         const half_t* v, float* out,         \
                                                                         const int4* tiles, int Hq, int Hkv,  \
                                                                         float scale, int qbase) {            \
-        attn_body<D, BC, NW>(q, k, v, out, tiles, Hq, Hkv, scale, qbase);                                  \
+        attn_body<D, BC, NW>(q, k, v, out, tiles, Hq, Hkv, scale * 1.4426950408889634f, qbase);            \
     }                                                                                                      \
     extern "C" __global__ void attn_launch_d##D(int* n) {                                                  \
         n[0] = AttnSmem<D, BC, NW>::total;                                                                 \

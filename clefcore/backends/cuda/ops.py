@@ -682,7 +682,7 @@ class CudaOps:
         out = cp.empty((n, hq, D), dtype=cp.float32)
         if not tiles:
             return out
-        tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first
+        tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first (heads vary fastest in the grid)
         tl = self._upload(np.array(tiles, dtype=np.int32))
         q16 = self._half(q)
         k16 = k if k.dtype == cp.float16 else self._half(k[:t1])
@@ -690,7 +690,7 @@ class CudaOps:
         if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
             k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
-        fn((len(tiles), hq), (32 * warps,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv),
+        fn((hq, len(tiles)), (32 * warps,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv),
                                              np.float32(scale), np.int32(t0)), shared_mem=smem)
         return out
 

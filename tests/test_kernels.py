@@ -280,6 +280,16 @@ def test_attention_long(ops):
     check("attention long", got, cpu.attention(q, k, v, cu, 1 / 16), 4e-3, ops)
 
 
+def test_attention_more_tiles_than_grid_y(ops):
+    """65,537 one-token sequences: more query tiles than a grid's y dimension takes (65,535), so the kernel runs
+    in two launches. A lone key gets all the weight: each output row is its value row (fp16-rounded)."""
+    T, hq, hkv = 65537, 2, 1
+    q, k, v = r(T, hq, 16), r(T, hkv, 16), r(T, hkv, 16)
+    got = ops.attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.arange(T + 1), 0.25)
+    want = np.repeat(h16(v), hq, axis=1)
+    check("attention 65,537 sequences", got, want, 1e-6, ops)
+
+
 @pytest.mark.parametrize("cu", CU)
 @pytest.mark.parametrize("K", [1, 4, 8])
 def test_conv1d(ops, cu, K):

@@ -690,8 +690,10 @@ class CudaOps:
         if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
             k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
-        fn((hq, len(tiles)), (32 * warps,), (q16, k16, v16, out, tl, np.int32(hq), np.int32(hkv),
-                                             np.float32(scale), np.int32(t0)), shared_mem=smem)
+        for i in range(0, len(tiles), 65535):     # gridDim.y's limit (65,535 one-token sequences in one block)
+            fn((hq, min(65535, len(tiles) - i)), (32 * warps,), (q16, k16, v16, out, tl[i:], np.int32(hq),
+                                                                 np.int32(hkv), np.float32(scale), np.int32(t0)),
+               shared_mem=smem)
         return out
 
     def _attn_shape(self, D):

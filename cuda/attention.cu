@@ -27,7 +27,8 @@
 // Head dim 256: warps per block (NW, 16 query rows each) and keys per tile (BC). sm_90 (227 KB of shared memory
 // per block): 128 query rows share each 64-key tile, 198 KB, one block per SM; measured on the H200 at 8192 /
 // 24,576 tokens 165 / 190 TFLOP/s against 156 / 177 for 4 warps x 32 keys (which 8 x 32 and 4 x 64 did not
-// beat: every variant holds 239 registers per thread, the O accumulator alone 128). Elsewhere 4 x 32: 81 KB in
+// beat: every variant holds 239 registers per thread, the O accumulator alone 128); 257 / 265 since the exp2
+// softmax and the heads-first grid (docs/benchmarks.md). Elsewhere 4 x 32: 81 KB in
 // the wmma body (under sm_70's 96 KB), 99 KB in the mma.sync body (sm_86/89's limit; two blocks per SM on sm_80).
 #if __CUDA_ARCH__ >= 900
 #define ATTN_NW256 8

@@ -63,6 +63,20 @@ def row_map(shape, strides, itemsize):
     return None
 
 
+def attention_tiles(cu, t0: int, t1: int, rows: int) -> np.ndarray:
+    """attention.cu's work list for query rows [t0, t1) of a packed stream (sequence starts ``cu``): int32 rows
+    (seq_start, seq_end, q0, q1), one per ``rows`` queries of a sequence. seq_end is clipped to t1: K/V cache rows
+    past the block are not written yet for this layer. Longest causal range (q1 - seq_start) first: the kernel's
+    grid runs heads fastest over this order, so the longest blocks of every head start in the first wave."""
+    tiles = []
+    for s0, s1 in zip(cu[:-1], cu[1:]):
+        a, e = max(int(s0), t0), min(int(s1), t1)
+        for q0 in range(a, e, rows):
+            tiles.append((int(s0), e, q0, min(q0 + rows, e)))
+    tiles.sort(key=lambda t: t[0] - t[3])
+    return np.array(tiles, dtype=np.int32).reshape(-1, 4)
+
+
 class HostTable:
     """A vocabulary table left in host memory: bf16 bits (uint16) or fp32, gathered row by row."""
 
@@ -672,18 +686,11 @@ class CudaOps:
         t1 = t0 + n
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
         smem, warps = self._attn_shape(D)
-        rows = 16 * warps
-        tiles = []
-        for s0, s1 in zip(cu[:-1], cu[1:]):
-            a, e = max(int(s0), t0), min(int(s1), t1)
-            # keys end at the block's end: cache rows past it are not written yet for this layer
-            for q0 in range(a, e, rows):
-                tiles.append((int(s0), e, q0, min(q0 + rows, e)))
+        tiles = attention_tiles(cu, t0, t1, 16 * warps)
         out = cp.empty((n, hq, D), dtype=cp.float32)
-        if not tiles:
+        if not len(tiles):
             return out
-        tiles.sort(key=lambda t: t[0] - t[3])       # longest causal range first (heads vary fastest in the grid)
-        tl = self._upload(np.array(tiles, dtype=np.int32))
+        tl = self._upload(tiles)
         q16 = self._half(q)
         k16 = k if k.dtype == cp.float16 else self._half(k[:t1])
         v16 = v if v.dtype == cp.float16 else self._half(v[:t1])

@@ -39,7 +39,6 @@ def test_check_records_within_the_bound_and_stops_beyond_it():
     assert bench.tol_k(2e-5, 1000) == 2e-5 and bench.tol_k(2e-5, 12288) == pytest.approx(6e-5)
 
 
-
 def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
     import clefcore
     p = bench.provenance()

@@ -430,6 +430,10 @@ class CudaOps:
 
     # --------------------------------------------------------------------------------------- GEMM
     def _half(self, x):
+        """fp16, C-contiguous, 16-byte aligned; an fp16 array already so is returned as it is."""
+        cp = self.cp
+        if x.dtype == cp.float16 and x.flags.c_contiguous and x.data.ptr % 16 == 0:
+            return x
         x = self._c(x)
         y = self.cp.empty(x.shape, dtype=self.cp.float16)
         self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, y, np.int64(x.size)))
@@ -691,11 +695,7 @@ class CudaOps:
         if not len(tiles):
             return out
         tl = self._upload(tiles)
-        q16 = self._half(q)
-        k16 = k if k.dtype == cp.float16 else self._half(k[:t1])
-        v16 = v if v.dtype == cp.float16 else self._half(v[:t1])
-        if not (k16.flags.c_contiguous and v16.flags.c_contiguous):
-            k16, v16 = cp.ascontiguousarray(k16), cp.ascontiguousarray(v16)
+        q16, k16, v16 = self._half(q), self._half(k[:t1]), self._half(v[:t1])
         fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
         for i in range(0, len(tiles), 65535):     # gridDim.y's limit (65,535 one-token sequences in one block)
             fn((hq, min(65535, len(tiles) - i)), (32 * warps,), (q16, k16, v16, out, tl[i:], np.int32(hq),

@@ -1,5 +1,5 @@
 """Every kernel file in cuda/ compiles on its own for Volta (compute_70 PTX, sm_70 cubin) and Hopper (sm_90)
-with NVRTC 12 from pip (nvidia-cuda-nvrtc-cu12), no GPU needed; hot kernels must not spill to local memory."""
+with NVRTC 12 from pip (nvidia-cuda-nvrtc-cu12), no GPU needed; no kernel may spill to local memory."""
 
 import re
 
@@ -16,15 +16,6 @@ except C.NvrtcError as e:          # pragma: no cover - CI installs the wheel (t
 pytestmark = pytest.mark.skipif(NV is None, reason="pip NVRTC 12 missing")
 
 FILES = [p.name for p in C.kernel_files()]
-# kernels that carry the model's time: a spill there is a performance bug, so it fails the build
-HOT = {
-    "sm_70": ["gemm_f32a", "gemm_f16a", "gemm_swiglu_f32a", "attn_fwd_d128", "attn_fwd_d256", "gdn_prep",
-              "gdn_scan", "gdn_out", "gdn_prep_d128", "gdn_scan_d128", "gdn_out_d128", "rmsnorm_rows",
-              "add_rmsnorm_rows", "conv1d_silu_k", "gemm_rows"],
-    "sm_90": ["gemm_f32a", "gemm_f16a", "gemm_swiglu_f32a", "attn_fwd_d128", "gdn_prep", "gdn_scan", "gdn_out",
-              "gdn_prep_d128", "gdn_scan_d128", "gdn_out_d128", "rmsnorm_rows", "add_rmsnorm_rows", "conv1d_silu_k",
-              "gemm_rows"],
-}
 
 
 def test_every_family_present():
@@ -59,7 +50,7 @@ def test_cubin_and_spills(name, target):
     assert len(c.image) > 0
     rep = C.ptxas_report(c.log)
     assert rep, f"no ptxas report for {name} {target}:\n{c.log}"
-    for k in HOT[target]:
-        if k in rep:
-            r = rep[k]
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{k} spills on {target}: {r}"
+    # every kernel, not a list of hot ones: the list had gone stale (it missed the split GEMMs, the V100's
+    # default path, and attn_fwd_d256 on sm_90), and a spill anywhere is a performance bug worth a failed build
+    for k, r in rep.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{k} spills on {target}: {r}"

@@ -435,7 +435,7 @@ class CudaOps:
         if x.dtype == cp.float16 and x.flags.c_contiguous and x.data.ptr % 16 == 0:
             return x
         x = self._c(x)
-        y = self.cp.empty(x.shape, dtype=self.cp.float16)
+        y = cp.empty(x.shape, dtype=cp.float16)
         self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (_ELEM_THREADS,), (x, y, np.int64(x.size)))
         return y
 

@@ -432,7 +432,7 @@ class CudaOps:
     def _half(self, x):
         """fp16, C-contiguous, 16-byte aligned; an fp16 array already so is returned as it is."""
         cp = self.cp
-        if x.dtype == cp.float16 and x.flags.c_contiguous and x.data.ptr % 16 == 0:
+        if isinstance(x, cp.ndarray) and x.dtype == cp.float16 and x.flags.c_contiguous and x.data.ptr % 16 == 0:
             return x
         x = self._c(x)
         y = cp.empty(x.shape, dtype=cp.float16)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import precision
+
 LENGTHS = (346, 2048, 8192, 24576)
 
 
@@ -29,7 +31,7 @@ def add_arguments(parser):
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random clef-flash weights)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--packed", default="16x512")
-    parser.add_argument("--precision", default="split", choices=["split", "split8", "fp16"])
+    parser.add_argument("--precision", default=precision.DEFAULT, choices=precision.CHOICES)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--token-block", type=int, default=4096,
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
@@ -150,6 +152,7 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
     from .backends import cpu
     rows, checks = [], {}
     host = ops.to_host
+    path = ops.precision          # the kernel path CudaOps resolved; the GEMM rows below switch it and restore it
     t, copy_gbs = _copy_rate(cp)
     rows.append(("d2d copy (ceiling)", t, f"{copy_gbs:.0f} GB/s"))
 
@@ -176,7 +179,8 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
         ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
                   tol_k(TOL_SPLIT, K), inner=10)
         rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
-        if ops._fp8 is not None and ops._has_twin(M, ops.twin(w)):   # precision split8 (switched below)
+        ops.precision = path
+        if path == "split8" and ops._has_twin(M, ops.twin(w)):
             t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", lambda: ops._split8_gemm(ops._split8(x), w, o), o, ref,
                       tol_k(TOL_SPLIT8, K), inner=10)
             rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
@@ -187,7 +191,7 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
             tw = gemm(f"wmma {prec} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
                       TOL_FP16 if prec == "fp16" else tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
-    ops.precision = out.get("precision", "split")
+    ops.precision = path
     M, N, K = head_gemm
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
     w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import answers
+from . import answers, precision
 from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
 from .errors import ClefError, RequestError
 from .jsonvalue import parse_body
@@ -34,11 +34,11 @@ def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LE
 
 def gpu_options(p: argparse.ArgumentParser) -> None:
     """CudaOps options shared by every command that loads an engine (left out on the CPU unless given)."""
-    p.add_argument("--precision", choices=("split", "split8", "fp16"), default=None,
-                   help="GPU GEMM inputs: split (default; fp32-grade, two fp16 tensor-core passes), split8 (sm_89+: "
-                        "the second pass in fp8 against fp8 copies of the weights: ~10%% faster, +1 byte per "
-                        "weight, still inside the 2e-3 bar) or fp16 (one rounding of each activation: ~1.5x "
-                        "faster, probabilities move by up to ~1e-2)")
+    p.add_argument("--precision", choices=precision.CHOICES, default=None,
+                   help="GPU precision: fast (default; each activation rounded once to fp16, fp32 accumulation; a "
+                        "batch whose per-layer guard trips runs again exactly, counted in /metrics) or exact "
+                        "(fp32-grade products: split, or split8 where fp8 tensor cores exist). The kernel paths "
+                        "fp16, split and split8 may be named directly")
     p.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default=None,
                    help="GPU GEMM kernels: auto (default; a short per-shape timing at load picks the faster, "
                         "logged), or always clefcore's wmma kernels or always cuBLAS (to rule one out)")

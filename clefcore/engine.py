@@ -16,7 +16,7 @@ import numpy as np
 from . import answers, model
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord, Encoder
-from .errors import ClefError, ContextLengthError
+from .errors import ClefError, ContextLengthError, DeviceError, GuardError
 from .tokenize import Tokenizer
 from .validate import validate_request
 
@@ -82,6 +82,9 @@ class Engine:
         self.validation = validation
         self.encoder = Encoder(Tokenizer(self.checkpoint.tokenizer_path, regex=regex))
         self.ops = backend_for(device, **backend_options)
+        # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
+        self.precision = getattr(self.ops, "mode", "fp32")
+        self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
         summary = self.ops.fp16_summary()
         if summary:
@@ -106,7 +109,29 @@ class Engine:
     # ----------------------------------------------------------------------------------------- device side
     def forward(self, records: list[EncodedRecord], keep_layers: bool = False):
         """One packed backbone pass over every record, then one joint-head pass over all of them.
-        Returns (logits per record, final hidden states [T, H] on the device, per-layer streams or None)."""
+        Returns (logits per record, final hidden states [T, H] on the device, per-layer streams or None).
+
+        Never silently wrong: when a layer's guard trips (NaN, Inf or all zero: in the fast precision, a value
+        beyond fp16's range), the batch runs again on the backend's range-safe exact path and is answered from
+        there, counted in ``fallbacks`` and logged with the layer. Only a failure there too is a DeviceError."""
+        try:
+            return self._forward(records, keep_layers)
+        except GuardError as first:
+            fallback = getattr(self.ops, "fallback", None)
+            if fallback is None:
+                raise
+            self.fallbacks += 1
+            log.warning("precision %s: %s; the batch (%d requests, %d tokens) runs again on the range-safe exact "
+                        "path", self.precision, first.message, len(records),
+                        sum(len(r.input_ids) for r in records))
+            with fallback():
+                try:
+                    return self._forward(records, keep_layers)
+                except GuardError as again:
+                    raise DeviceError(f"{again.message} (range-safe exact path, run after the {self.precision} "
+                                      f"precision's guard tripped: {first.message})") from again
+
+    def _forward(self, records: list[EncodedRecord], keep_layers: bool):
         lengths = [len(r.input_ids) for r in records]
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)

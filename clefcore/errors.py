@@ -61,3 +61,12 @@ class DeviceError(ClefError):
     """The device failed a request: out of memory, a NaN/Inf/all-zero guard, a CUDA error."""
 
     type = "device_error"
+
+
+class GuardError(DeviceError):
+    """A per-layer guard tripped: a layer's output holds NaN/Inf or is all zero. ``what`` names the layer and its
+    tokens. In the fast precision the engine answers such a batch again on the range-safe exact path."""
+
+    def __init__(self, message: str, what: str = ""):
+        super().__init__(message)
+        self.what = what

@@ -174,7 +174,7 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     if Tp is None:
         x = layers(x, cos, sin)
     else:
-        key = ("backbone", Tp, block, getattr(ops, "precision", None))
+        key = ("backbone", Tp, block, getattr(ops, "variant", None))
         weights = [p.norm] + [w for L in p.layers for w in L.values()]
         x = graphs.run(key, layers, (x, cos, sin), weights)[:T].copy()   # the graph reuses its buffer next time
     if check:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from . import precision
 from .checkpoint import to_float32
 from .progress import terminal_bar
 
@@ -32,9 +33,12 @@ REQUEST = {
 def add_arguments(parser):
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--layer-tol", type=float, default=2e-3, help="max |gpu-cpu| / max |cpu| per layer")
-    parser.add_argument("--prob-tol", type=float, default=2e-3, help="max probability difference")
-    parser.add_argument("--precision", choices=("split", "split8", "fp16"), default="split",
+    parser.add_argument("--layer-tol", type=float, default=None,
+                        help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, see --prob-tol)")
+    parser.add_argument("--prob-tol", type=float, default=None,
+                        help="max probability difference (default: the precision mode's contract, 2e-3 exact, "
+                             "1e-2 fast)")
+    parser.add_argument("--precision", choices=precision.CHOICES, default=precision.DEFAULT,
                         help="the GPU precision to check (the one the deployment serves with)")
     parser.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default="auto",
                         help="GEMM kernels to check: auto (as served), or only clefcore's wmma kernels (the path a "
@@ -139,8 +143,12 @@ def run(args) -> int:
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_summary():
         print("WARNING:", gpu.fp16_summary())
-    print(f"device: {gpu.device_name}, precision {gpu.precision}, gemm {gpu.gemm_mode}")
-    return 0 if compare(ck, gpu, p_gpu, args.layer_tol, args.prob_tol) else 1
+    bound = precision.VERIFY_BOUND[gpu.mode]
+    layer_tol = bound if args.layer_tol is None else args.layer_tol
+    prob_tol = bound if args.prob_tol is None else args.prob_tol
+    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.precision}), gemm {gpu.gemm_mode}, "
+          f"bounds: layer {layer_tol:g}, probability {prob_tol:g}")
+    return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol) else 1
 
 
 def main(argv=None):

@@ -10,6 +10,7 @@
 // 8 halves so wmma row loads hit distinct banks). A may be fp32 (converted to fp16 while it is staged) or
 // fp16. The epilogue goes through a 1 KB per-warp shared tile so edges of any M, N are written exactly.
 #include "mma_sm70.cuh"
+#include "range.cuh"
 
 #define GM 128
 #define GN 128
@@ -38,7 +39,8 @@ __device__ __forceinline__ void load16h(const half_t* __restrict__ X, bool ok, s
 // two fp32 values -> one packed fp16 pair (h); SPLIT: also the pair of what the rounding lost (l), so h + l
 // carries ~22 significant bits
 template <bool SPLIT>
-__device__ __forceinline__ void pack_pair(float a, float b, unsigned& h, unsigned& l) {
+__device__ __forceinline__ void pack_pair(float a, float b, unsigned& h, unsigned& l, float s) {
+    if (SPLIT) { a *= s; b *= s; }   // range scaling (range.cuh); s = 1 in every normal run
     h = pack2h(a, b);
     if (SPLIT) l = pack2h(a - h2f((half_t)(h & 0xffff)), b - h2f((half_t)(h >> 16)));
 }
@@ -46,8 +48,8 @@ __device__ __forceinline__ void pack_pair(float a, float b, unsigned& h, unsigne
 template <bool AH, bool SPLIT>
 __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const half_t* __restrict__ Wg,
                                           const half_t* __restrict__ Wu, int M, int N, int K, int m0, int n0,
-                                          int k0, bool swiglu, bool vec, unsigned (&ra)[8], unsigned (&rl)[8],
-                                          unsigned (&rb)[8]) {
+                                          int k0, bool swiglu, bool vec, float s, unsigned (&ra)[8],
+                                          unsigned (&rl)[8], unsigned (&rb)[8]) {
     const int t = threadIdx.x;
     // A: 128 rows x 32 k = 4096 values, 16 per thread: row = t / 2, k-part = (t % 2) * 16
     {
@@ -61,8 +63,8 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float4 v = p[i];
-                    pack_pair<SPLIT>(v.x, v.y, ra[2 * i], rl[2 * i]);
-                    pack_pair<SPLIT>(v.z, v.w, ra[2 * i + 1], rl[2 * i + 1]);
+                    pack_pair<SPLIT>(v.x, v.y, ra[2 * i], rl[2 * i], s);
+                    pack_pair<SPLIT>(v.z, v.w, ra[2 * i + 1], rl[2 * i + 1], s);
                 }
             } else {
 #pragma unroll
@@ -70,7 +72,7 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
                     float lo = 0.f, hi = 0.f;
                     if (gr < M && gk + 2 * i < K) lo = A[(size_t)gr * K + gk + 2 * i];
                     if (gr < M && gk + 2 * i + 1 < K) hi = A[(size_t)gr * K + gk + 2 * i + 1];
-                    pack_pair<SPLIT>(lo, hi, ra[i], rl[i]);
+                    pack_pair<SPLIT>(lo, hi, ra[i], rl[i], s);
                 }
             }
         }
@@ -90,7 +92,8 @@ __device__ __forceinline__ void load_tile(const void* __restrict__ Av, const hal
 template <bool AH, bool SWIGLU, bool SPLIT>
 __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half_t* __restrict__ Wg,
                                           const half_t* __restrict__ Wu, const float* __restrict__ bias,
-                                          const float* __restrict__ res, void* __restrict__ C, int M, int N, int K) {
+                                          const float* __restrict__ res, void* __restrict__ C, int M, int N, int K,
+                                          const unsigned* __restrict__ amax) {
     __shared__ __align__(32) half_t sA[GM * GLD];
     __shared__ __align__(32) half_t sB[GN * GLD];
     __shared__ __align__(32) half_t sL[SPLIT ? GM * GLD : 16];   // low halves of A (SPLIT: A = hi + lo)
@@ -102,8 +105,10 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
     FragC acc[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) { frag_zero(acc[i][0]); frag_zero(acc[i][1]); }
+    const int shift = SPLIT ? range_shift(amax) : 0;
+    const float s_in = ldexpf(1.f, -shift);
     unsigned ra[8], rl[8], rb[8];
-    load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, 0, SWIGLU, vec, ra, rl, rb);
+    load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, 0, SWIGLU, vec, s_in, ra, rl, rb);
     for (int k0 = 0; k0 < K; k0 += GK) {
         {
             const int r = t >> 1, kk = (t & 1) * 16;
@@ -120,7 +125,7 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
             pb[1] = make_uint4(rb[4], rb[5], rb[6], rb[7]);
         }
         __syncthreads();
-        if (k0 + GK < K) load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, k0 + GK, SWIGLU, vec, ra, rl, rb);
+        if (k0 + GK < K) load_tile<AH, SPLIT>(A, Wg, Wu, M, N, K, m0, n0, k0 + GK, SWIGLU, vec, s_in, ra, rl, rb);
 #pragma unroll
         for (int ks = 0; ks < GK; ks += 16) {
             FragA fa[4];
@@ -154,6 +159,11 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int j = 0; j < (SWIGLU ? 1 : 2); ++j) {
+            if (SPLIT && shift) {
+                const float s_out = ldexpf(1.f, shift);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) { acc[i][j].x[e] *= s_out; if (SWIGLU) acc[i][1].x[e] *= s_out; }
+            }
             if (SWIGLU) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[i][0].x[e] = silu_f(acc[i][0].x[e]) * acc[i][1].x[e];
@@ -187,26 +197,28 @@ __device__ __forceinline__ void gemm_body(const void* __restrict__ A, const half
 
 extern "C" __global__ void __launch_bounds__(256) gemm_f32a(const float* A, const half_t* W, const float* bias,
                                                            const float* res, float* C, int M, int N, int K) {
-    gemm_body<false, false, false>(A, W, W, bias, res, C, M, N, K);
+    gemm_body<false, false, false>(A, W, W, bias, res, C, M, N, K, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(256) gemm_f16a(const half_t* A, const half_t* W, const float* bias,
                                                            const float* res, float* C, int M, int N, int K) {
-    gemm_body<true, false, false>(A, W, W, bias, res, C, M, N, K);
+    gemm_body<true, false, false>(A, W, W, bias, res, C, M, N, K, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a(const float* A, const half_t* Wg,
                                                                   const half_t* Wu, half_t* H, int M, int N, int K) {
-    gemm_body<false, true, false>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+    gemm_body<false, true, false>(A, Wg, Wu, nullptr, nullptr, H, M, N, K, nullptr);
 }
 // precision="split": A = hi + lo (two fp16 halves, ~22 significant bits), two tensor-core passes; with
-// fp16-exact weights (every bf16 checkpoint value in fp16 range) the product is fp32-grade.
+// fp16-exact weights (every bf16 checkpoint value in fp16 range) the product is fp32-grade. amax: range scaling
+// (range.cuh), null outside the range-safe fallback.
 extern "C" __global__ void __launch_bounds__(256) gemm_f32a_split(const float* A, const half_t* W, const float* bias,
-                                                                 const float* res, float* C, int M, int N, int K) {
-    gemm_body<false, false, true>(A, W, W, bias, res, C, M, N, K);
+                                                                 const float* res, float* C, int M, int N, int K,
+                                                                 const unsigned* amax) {
+    gemm_body<false, false, true>(A, W, W, bias, res, C, M, N, K, amax);
 }
 extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a_split(const float* A, const half_t* Wg,
                                                                         const half_t* Wu, float* H, int M, int N,
-                                                                        int K) {
-    gemm_body<false, true, true>(A, Wg, Wu, nullptr, nullptr, H, M, N, K);
+                                                                        int K, const unsigned* amax) {
+    gemm_body<false, true, true>(A, Wg, Wu, nullptr, nullptr, H, M, N, K, amax);
 }
 // The split precision's cuBLAS operand: hi = fp16(x), lo = fp16(x - hi). When n % 4 == 0 (lo, n halves after
 // hi, is then 8-byte aligned) a thread takes four values: one 16-byte load and two 8-byte stores (the one-value
@@ -215,21 +227,40 @@ __device__ __forceinline__ unsigned lo_pair(float a, float b) {
     return pack2h(a - h2f(f2h(a)), b - h2f(f2h(b)));
 }
 extern "C" __global__ void to_half_split(const float* __restrict__ x, half_t* __restrict__ hi,
-                                         half_t* __restrict__ lo, long long n) {
+                                         half_t* __restrict__ lo, long long n, const unsigned* __restrict__ amax) {
     const long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    const float s = ldexpf(1.f, -range_shift(amax));   // range scaling (range.cuh): 1 in every normal run
     if ((n & 3) == 0) {
         for (long long i = t; i < n / 4; i += step) {
-            const float4 v = ((const float4*)x)[i];
+            float4 v = ((const float4*)x)[i];
+            v.x *= s; v.y *= s; v.z *= s; v.w *= s;
             ((uint2*)hi)[i] = make_uint2(pack2h(v.x, v.y), pack2h(v.z, v.w));
             ((uint2*)lo)[i] = make_uint2(lo_pair(v.x, v.y), lo_pair(v.z, v.w));
         }
     } else {
         for (long long i = t; i < n; i += step) {
-            const half_t h = f2h(x[i]);
+            const float v = x[i] * s;
+            const half_t h = f2h(v);
             hi[i] = h;
-            lo[i] = f2h(x[i] - h2f(h));
+            lo[i] = f2h(v - h2f(h));
         }
     }
+}
+// The range-safe fallback's two passes around a cuBLAS split GEMM: amax[0] = max |x| (fp32 bits; amax starts at
+// 0; one atomic per block), and y *= 2^shift afterwards (every block returns at once when nothing was scaled).
+extern "C" __global__ void abs_amax(const float* __restrict__ x, long long n, unsigned* __restrict__ amax) {
+    float m = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        m = fmaxf(m, fabsf(x[i]));
+    m = block_reduce(m, OpMax());
+    if (threadIdx.x == 0) atomicMax(amax, __float_as_uint(m));
+}
+extern "C" __global__ void range_rescale(float* __restrict__ y, long long n, const unsigned* __restrict__ amax) {
+    const int shift = range_shift(amax);
+    if (!shift) return;
+    const float s = ldexpf(1.f, shift);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] *= s;
 }
 // fp32 -> fp16 (activations entering cuBLAS) and silu(g) * u -> fp16 (cuBLAS MLP path; the split paths' in-place
 // SwiGLU is fp8.cu's swiglu_inplace).

@@ -1,5 +1,5 @@
 """One answer to "is there a GPU?" for the test modules: ``HAVE_GPU``, ``HAVE_FP8`` (fp8 tensor cores, compute
-capability 8.9+, which the split8 precision needs) and ``MARKS`` (the ``gpu`` marker plus a clean skip without
+capability 8.9+, which the split8 precision needs), ``HAVE_CUBLAS`` / ``NEEDS_CUBLAS`` and ``MARKS`` (the ``gpu`` marker plus a clean skip without
 CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)``."""
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ def _have_fp8() -> bool:
     return int(cupy.cuda.Device(0).compute_capability) >= 89     # a string such as "90" or "100"
 
 
+def _have_cublas() -> bool:
+    from clefcore.backends.cuda import cublas
+    return cublas.missing() is None
+
+
 HAVE_GPU = _have_gpu()
 HAVE_FP8 = HAVE_GPU and _have_fp8()
+# False where cuBLAS cannot be loaded (an image without it, or a run under tests/no_cublas/): the engine then runs
+# its own GEMM kernels, and the tests that pin cuBLAS skip
+HAVE_CUBLAS = HAVE_GPU and _have_cublas()
+NEEDS_CUBLAS = pytest.mark.skipif(not HAVE_CUBLAS, reason="cuBLAS cannot be loaded here")
 MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]

@@ -20,7 +20,7 @@ from clefcore import bench
 from clefcore.backends import cpu
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_FP8, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
@@ -39,19 +39,32 @@ MODES = ["native"] + (["ptx70"] if _have_nvrtc12() else [])
 @pytest.fixture(scope="module", params=MODES)
 def ops(request):
     from clefcore.backends.cuda import CudaOps
-    return CudaOps(0, ptx70=request.param == "ptx70", gemm="wmma")
+    return CudaOps(0, ptx70=request.param == "ptx70", gemm="wmma", precision="split")
 
 
 @pytest.fixture(scope="module")
 def ops_cublas():
     from clefcore.backends.cuda import CudaOps
-    return CudaOps(0, gemm="cublas")
+    if not HAVE_CUBLAS:
+        pytest.skip("cuBLAS cannot be loaded here")
+    return CudaOps(0, gemm="cublas", precision="split")
 
 
 @pytest.fixture(scope="module")
 def ops_fast():
     from clefcore.backends.cuda import CudaOps
-    return {"wmma16": CudaOps(0, gemm="wmma", precision="fp16"), "cublas16": CudaOps(0, gemm="cublas", precision="fp16")}
+    return {"wmma16": CudaOps(0, gemm="wmma", precision="fp16"),
+            "cublas16": CudaOps(0, gemm="cublas", precision="fp16") if HAVE_CUBLAS else None}
+
+
+def _path_ops(path, ops, ops_cublas_request, ops_fast):
+    """The CudaOps of a GEMM path name (wmma / cublas: split; wmma16 / cublas16: fp16); cuBLAS paths skip where it
+    cannot be loaded."""
+    if path.startswith("cublas") and not HAVE_CUBLAS:
+        pytest.skip("cuBLAS cannot be loaded here")
+    if path == "wmma":
+        return ops
+    return ops_cublas_request.getfixturevalue("ops_cublas") if path == "cublas" else ops_fast[path]
 
 
 def r(*shape, scale=1.0):
@@ -143,8 +156,8 @@ def test_norms_head_view_of_a_slice(ops, T, H, D):
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000)])
 @pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
-def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
-    o = {"wmma": ops, "cublas": ops_cublas}.get(path) or ops_fast[path]
+def test_linear(ops, request, ops_fast, M, N, K, path):
+    o = _path_ops(path, ops, request, ops_fast)
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     W = o.weight(w)
     tol = 4e-3 if path.endswith("16") else SPLIT_TOL     # split: fp32-grade; fp16: one rounding of x
@@ -153,13 +166,13 @@ def test_linear(ops, ops_cublas, ops_fast, M, N, K, path):
 
 
 @pytest.mark.parametrize("path", ["wmma", "cublas"])
-def test_linear_model_k(ops, ops_cublas, path):
+def test_linear_model_k(ops, request, path):
     """split GEMMs at the model's widest K (the MLP's down projection, 12,288). Their error is the fp32
     accumulation's (the tensor cores add with truncation) and grows with K: `clefcore bench`'s check measured
     2.8e-5 for wmma split at 2048 x 4096 x 12,288, over the 2e-5 that holds up to K = 4096, so the bound scales
     as K / 4096 (bench.tol_k): 6e-5 here, still well under what a lost lo term would show (the fp16 rounding of
     the activations, ~2e-4)."""
-    o = {"wmma": ops, "cublas": ops_cublas}[path]
+    o = _path_ops(path, ops, request, None)
     M, N, K = 65, 64, 12288
     x, w = r(M, K), h16(r(N, K, scale=K ** -0.5))
     check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), o.weight(w)), cpu.linear(x, w),
@@ -210,8 +223,8 @@ def test_linear_small_fp32_weight(ops, M, N, K):
 
 @pytest.mark.parametrize("M", [1, 65, 300])
 @pytest.mark.parametrize("path", ["wmma", "cublas", "wmma16", "cublas16"])
-def test_mlp(ops, ops_cublas, ops_fast, M, path):
-    o = {"wmma": ops, "cublas": ops_cublas}.get(path) or ops_fast[path]
+def test_mlp(ops, request, ops_fast, M, path):
+    o = _path_ops(path, ops, request, ops_fast)
     o.token_block = 128                       # exercise the token blocking
     H, I = 96, 200
     x = r(M, H)
@@ -541,6 +554,39 @@ def test_mlp_cublas_split(ops_cublas, M, I):
     check(f"mlp cublas split M{M} I{I}", got, cpu.mlp(x, wg, wu, wd), SPLIT_TOL, o)
 
 
+@pytest.mark.parametrize("M", [1, 65])
+@pytest.mark.parametrize("K", [63, 256])
+@pytest.mark.parametrize("path", ["wmma", "cublas"])
+def test_split_range_scaling(ops, request, path, M, K):
+    """The range-safe fallback (CudaOps.fallback, cuda/range.cuh): a split operand beyond fp16's range (one column
+    near 1e6 here) enters scaled by a power of two and the product comes out at split's grade, where plain split
+    gives Inf/NaN; an operand in range gives plain split's bits exactly. Then the same through the MLP, whose
+    hidden product silu(g) * u overflows fp16 (both GEMM paths: the fused SwiGLU epilogue and cuBLAS)."""
+    o = _path_ops(path, ops, request, None)
+    N = 65
+    w = h16(r(N, K, scale=K ** -0.5))
+    W = o.weight(w)
+    x = r(M, K)
+    big = x.copy()
+    big[:, 3] = 7.5e5 * np.sign(big[:, 3] + 0.5)
+    plain = o.linear(o.asarray(x), W)
+    assert not np.all(np.isfinite(o.to_host(o.linear(o.asarray(big), W)))), "plain split should overflow here"
+    with o.fallback():
+        assert o.range_safe and o.precision == "split"
+        np.testing.assert_array_equal(o.to_host(o.linear(o.asarray(x), W)), o.to_host(plain))
+        check(f"linear range-safe {path} M{M} K{K}", o.linear(o.asarray(big), W), cpu.linear(big, w), SPLIT_TOL, o)
+    assert not o.range_safe
+    H, I = 96, 200
+    xm = r(M, H, scale=40.0)
+    wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
+    ws = [o.weight(a) for a in (wg, wu, wd)]
+    ref = cpu.mlp(xm, wg, wu, wd)
+    hidden = cpu.silu(xm @ wg.T) * (xm @ wu.T)
+    assert np.max(np.abs(hidden)) > 65504, "the test's hidden product must exceed fp16"
+    with o.fallback():
+        check(f"mlp range-safe {path} M{M}", o.mlp(o.asarray(xm), *ws), ref, SPLIT_TOL, o)
+
+
 def _bits(a):
     return np.asarray(a).view(np.uint16)
 
@@ -608,8 +654,8 @@ def test_e4m3_rounding(ops):
 @pytest.fixture(scope="module")
 def ops_split8():
     from clefcore.backends.cuda import CudaOps
-    if not HAVE_FP8:
-        pytest.skip("split8 needs fp8 tensor cores (compute capability 8.9+)")
+    if not HAVE_FP8 or not HAVE_CUBLAS:
+        pytest.skip("split8 needs fp8 tensor cores (compute capability 8.9+) and cuBLASLt")
     return CudaOps(0, gemm="cublas", precision="split8")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
 
 from clefcore import model, verify  # noqa: E402
 from clefcore.backends import cpu  # noqa: E402
@@ -51,12 +51,16 @@ def test_compare_flags_a_perturbed_layer():
     assert flagged and flagged[0].split()[0] == str(layer)
 
 
+@pytest.mark.parametrize("precision", ["fast", "exact"])
 @pytest.mark.parametrize("gemm", ["auto", "wmma", "cublas"])
 @pytest.mark.parametrize("device", [pytest.param("cuda:0", marks=MARKS)])
-def test_verify_command_on_gpu(device, gemm):
+def test_verify_command_on_gpu(device, gemm, precision):
+    if gemm == "cublas" and not HAVE_CUBLAS:
+        pytest.skip("cuBLAS cannot be loaded here")
     r = subprocess.run([sys.executable, "-m", "clefcore.verify", "--model", str(MODEL), "--device", device,
-                        "--gemm", gemm], capture_output=True, text=True, timeout=600)
+                        "--gemm", gemm, "--precision", precision], capture_output=True, text=True, timeout=600)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"gemm {gemm}" in r.stdout
+    assert f"precision {precision} (" in r.stdout
+    assert f"gemm {gemm if HAVE_CUBLAS else 'wmma'}" in r.stdout
     assert "verify: PASS" in r.stdout and "beyond tolerance" not in r.stdout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checkpoint import TensorRef, to_float32
-from ..errors import DeviceError
+from ..errors import GuardError
 
 xp = np
 name = "cpu"
@@ -32,13 +32,13 @@ def end_forward():
 
 
 def check_finite(x, what: str = "output") -> None:
-    """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
+    """Raise GuardError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
     x = np.asarray(x)
     bad = int(x.size - np.count_nonzero(np.isfinite(x)))
     if bad:
-        raise DeviceError(f"{what}: {bad} of {x.size} values are NaN or Inf")
+        raise GuardError(f"{what}: {bad} of {x.size} values are NaN or Inf", what)
     if x.size and not np.any(x):
-        raise DeviceError(f"{what}: all {x.size} values are zero")
+        raise GuardError(f"{what}: all {x.size} values are zero", what)
 
 
 # the per-layer guard of model.backbone: on the CPU there is nothing to defer

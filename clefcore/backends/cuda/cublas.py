@@ -26,6 +26,16 @@ _lib = None
 _looked = False
 
 
+def missing() -> str | None:
+    """Why cuBLAS cannot be used in this process (CuPy's binding fails to load libcublas / libcublasLt), or None
+    when it can. An image without the CUDA math libraries runs clefcore's own GEMM kernels instead."""
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+    except (ImportError, OSError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
 def _library():
     """The libcublas that CuPy's binding loaded, with the two prototypes set; None when it cannot be found."""
     global _lib, _looked

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
 from ... import errors
+from ... import precision as precision_modes
 from ..cpu import ATTN_QUERY_BLOCK, GDN_CHUNK  # noqa: F401  (same constants as the reference)
 from ..cpu import check_groups, group_keys
 from ..cpu import rope_tables as _rope_tables_host
@@ -102,7 +104,7 @@ class CudaOps:
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
                  ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None,
-                 precision: str = "split", graph_tokens: int = 1024, graphs: int = 4):
+                 precision: str = precision_modes.DEFAULT, graph_tokens: int = 1024, graphs: int = 4):
         import cupy
         self.cp = cupy
         self.xp = cupy
@@ -112,14 +114,42 @@ class CudaOps:
         self.max_tokens = int(max_tokens)
         if gemm not in ("auto", "wmma", "cublas"):
             raise ValueError("gemm must be auto, wmma or cublas")
+        if precision not in precision_modes.CHOICES:
+            raise ValueError(f"precision must be one of {', '.join(precision_modes.CHOICES)}")
+        props = cupy.cuda.runtime.getDeviceProperties(self.device_id)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.cc = (props["major"], props["minor"])
+        self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
+        self.sm_count = int(props["multiProcessorCount"])
+        # Without a loadable cuBLAS (an image that leaves the CUDA math libraries out) every matmul runs
+        # clefcore's own kernels; said once here, and shown by the server's /health and /metrics.
+        self.cublas_missing = cublas.missing()
+        if self.cublas_missing is not None:
+            if gemm == "cublas":
+                raise errors.DeviceError(f"gemm cublas: cuBLAS cannot be loaded ({self.cublas_missing})")
+            gemm = "wmma"
+            log.warning("cuBLAS cannot be loaded (%s): every GEMM runs clefcore's own kernels", self.cublas_missing)
         self.gemm_mode = gemm
-        if precision not in ("split", "split8", "fp16"):
-            raise ValueError("precision must be split, split8 or fp16")
-        # split: fp32 activations enter the tensor cores as hi + lo fp16 halves (two passes): with the
-        # fp16-exact weights the products are fp32-grade. split8: the lo pass in fp8 against an fp8 twin of
-        # each weight (sm_89+, ~1.5 passes' time, ~1e-4 on the golden probabilities). fp16: one rounding of
-        # the activation (2x faster, 3.6e-3 on the golden probabilities).
-        self.precision = precision
+        self._fp8 = None
+        fp8 = False
+        if self.cublas_missing is None and self.cc >= (8, 9):
+            from . import cublaslt
+            fp8 = cublaslt.available()
+        if precision == "split8" and not fp8:
+            raise errors.DeviceError(f"precision split8 needs fp8 tensor cores (compute capability 8.9 or newer) "
+                                     f"and cuBLASLt; {self.device_name} is {self.cc[0]}.{self.cc[1]}"
+                                     + ("" if self.cublas_missing is None else ", without cuBLAS"))
+        # The kernel path (clefcore/precision.py): fp16 = one rounding of each activation (fast); split = hi + lo
+        # fp16 halves, fp32-grade products with the fp16-exact weights; split8 = the lo pass in fp8 against an fp8
+        # twin of each weight (sm_89+, ~1.5 passes' time).
+        self.precision = precision_modes.resolve(precision, fp8)
+        self.mode = precision_modes.mode_of(self.precision)
+        # range_safe: the fallback run (``fallback``): split operands beyond fp16's range are scaled (range.cuh)
+        self.range_safe = False
+        self.fallbacks = 0
+        if self.precision == "split8":
+            from . import cublaslt
+            self._fp8 = cublaslt.Fp8Gemm(cupy)
         self.tables = tables
         self.ptx70 = bool(ptx70)
         # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
@@ -131,21 +161,9 @@ class CudaOps:
         self.fp16_overflow = 0       # weight values saturated to +-65504
         self.fp16_underflow = 0      # nonzero weight values that became 0 in fp16
         self._counts = cupy.zeros(2, dtype=cupy.uint64)
-        props = cupy.cuda.runtime.getDeviceProperties(self.device_id)
-        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        self.cc = (props["major"], props["minor"])
-        self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 49152))
-        self.sm_count = int(props["multiProcessorCount"])
         self._twins = {}             # split8: fp16 weight pointer -> (weight, fp8 twin, inverse scale)
         self.twins_skipped = 0       # matrices left without a twin (shape or memory): they run split
         self._short_warned = False
-        self._fp8 = None
-        if precision == "split8":
-            from . import cublaslt
-            if self.cc < (8, 9) or not cublaslt.available():
-                raise errors.DeviceError(f"precision split8 needs fp8 tensor cores (compute capability 8.9 or "
-                                         f"newer) and cuBLASLt; {self.device_name} is {self.cc[0]}.{self.cc[1]}")
-            self._fp8 = cublaslt.Fp8Gemm(cupy)
         self._fn = {}
         self._smem_set = {}
         self._attn_launch = {}
@@ -446,19 +464,35 @@ class CudaOps:
                     self.cp.cuda.get_current_stream().ptr, accumulate)
         return out
 
+    def _range_amax(self, x):
+        """The range-safe fallback's max |x| (fp32 bits, on the device) for range.cuh's scaling; NULL otherwise."""
+        if not self.range_safe:
+            return _NULL
+        amax = self.cp.zeros(1, dtype=self.cp.uint32)
+        self.kernel("gemm.cu", "abs_amax")(self._amax_grid(x.size), (_ELEM_THREADS,), (x, np.int64(x.size), amax))
+        return amax
+
     def _split(self, x):
-        """x fp32 [M, K] -> fp16 [2, M, K]: hi = fp16(x) over lo = fp16(x - hi)."""
+        """x fp32 [M, K] -> (fp16 [2, M, K]: hi = fp16(x) over lo = fp16(x - hi), amax): in the range-safe fallback
+        x is first scaled by a power of two when it exceeds fp16's range (amax says by how much)."""
         x = self._c(x)
+        amax = self._range_amax(x)
         hl = self.cp.empty((2,) + x.shape, dtype=self.cp.float16)
         self.kernel("gemm.cu", "to_half_split")(self._grid1(x.size), (_ELEM_THREADS,),
-                                                (x, hl[0], hl[1], np.int64(x.size)))
-        return hl
+                                                (x, hl[0], hl[1], np.int64(x.size), amax))
+        return hl, amax
 
-    def _split_gemm(self, hl, w, out):
-        """out[M, N] fp32 = (hi + lo) @ w^T for hl = _split(x): two cuBLAS passes, the second accumulating. (One
-        pass over hi stacked on lo, [2M, K], measured 0.81-0.96x of this at 384 and 1024 rows on the H200.)"""
+    def _split_gemm(self, split, w, out):
+        """out[M, N] fp32 = (hi + lo) @ w^T for split = _split(x): two cuBLAS passes, the second accumulating, then
+        the range scaling undone. (One pass over hi stacked on lo, [2M, K], measured 0.81-0.96x of this at 384 and
+        1024 rows on the H200.)"""
+        hl, amax = split
         self._cublas(hl[0], w, out)
-        return self._cublas(hl[1], w, out, accumulate=True)
+        self._cublas(hl[1], w, out, accumulate=True)
+        if amax is not _NULL:
+            self.kernel("gemm.cu", "range_rescale")(self._amax_grid(out.size), (_ELEM_THREADS,),
+                                                    (out, np.int64(out.size), amax))
+        return out
 
     def _amax_grid(self, n4):
         return (min(self._grid1(n4)[0], 4 * self.sm_count),)   # a few blocks per SM: one atomic per block
@@ -497,7 +531,7 @@ class CudaOps:
 
     def _has_twin(self, M, *ws):
         """split8 applies: every weight has its fp8 twin and cuBLASLt runs the shape."""
-        return (self._fp8 is not None and all(self._twin_of(w) is not None for w in ws)
+        return (self.precision == "split8" and all(self._twin_of(w) is not None for w in ws)
                 and all(self._fp8.supports(M, w.shape[0], w.shape[1]) for w in ws))
 
     def _gemm(self, x, w, out, bias=None):
@@ -537,12 +571,15 @@ class CudaOps:
     def _wmma(self, a, w16, out, bias=None, res=None):
         M, K = a.shape
         N = w16.shape[0]
-        name = ("gemm_f16a" if a.dtype == self.cp.float16 else
-                "gemm_f32a" if self.precision == "fp16" else "gemm_f32a_split")
+        args = (a, w16, _NULL if bias is None else bias, _NULL if res is None else res, out, np.int32(M),
+                np.int32(N), np.int32(K))
         grid = (-(-N // 128), -(-M // 128))
-        self.kernel("gemm.cu", name)(grid, (256,), (a, w16, _NULL if bias is None else bias,
-                                                   _NULL if res is None else res, out, np.int32(M), np.int32(N),
-                                                   np.int32(K)))
+        if a.dtype == self.cp.float16:
+            self.kernel("gemm.cu", "gemm_f16a")(grid, (256,), args)
+        elif self.precision == "fp16":
+            self.kernel("gemm.cu", "gemm_f32a")(grid, (256,), args)
+        else:
+            self.kernel("gemm.cu", "gemm_f32a_split")(grid, (256,), args + (self._range_amax(a),))
         return out
 
     def _choose(self, M, N, K, paths: dict, tag=""):
@@ -610,9 +647,11 @@ class CudaOps:
             def run_w():
                 hb = cp.empty((M, I), dtype=cp.float32 if split else cp.float16)
                 grid = (-(-I // 64), -(-M // 128))
-                name = "gemm_swiglu_f32a_split" if split else "gemm_swiglu_f32a"
-                self.kernel("gemm.cu", name)(grid, (256,), (xb, w_gate, w_up, hb, np.int32(M), np.int32(I),
-                                                            np.int32(H)))
+                args = (xb, w_gate, w_up, hb, np.int32(M), np.int32(I), np.int32(H))
+                if split:
+                    self.kernel("gemm.cu", "gemm_swiglu_f32a_split")(grid, (256,), args + (self._range_amax(xb),))
+                else:
+                    self.kernel("gemm.cu", "gemm_swiglu_f32a")(grid, (256,), args)
                 self._gemm(hb, w_down, ob)            # its own autotune (wmma or cuBLAS)
 
             def run_c():                              # every GEMM on cuBLAS(Lt)
@@ -895,9 +934,9 @@ class CudaOps:
 
     def _raise_if_bad(self, what, size, bad, nz):
         if bad:
-            raise errors.DeviceError(f"{what}: {bad} of {size} values are NaN or Inf on {self.device_name}")
+            raise errors.GuardError(f"{what}: {bad} of {size} values are NaN or Inf on {self.device_name}", what)
         if size and nz == 0:
-            raise errors.DeviceError(f"{what}: all {size} values are zero on {self.device_name}")
+            raise errors.GuardError(f"{what}: all {size} values are zero on {self.device_name}", what)
 
     def check_finite(self, x, what: str = "output"):
         """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
@@ -923,6 +962,24 @@ class CudaOps:
         device-memory gauge)."""
         used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes()
         return used + (int(self.pool.in_use) if self.pool is not None else 0)
+
+    @contextmanager
+    def fallback(self):
+        """Run the enclosed forward on the range-safe exact path: split (no fp8 twins), with every split operand
+        beyond fp16's range scaled by a power of two (range.cuh). In range, the result is split's bit for bit. The
+        engine runs a batch here again when its guards tripped in the configured path."""
+        saved = self.precision, self.range_safe
+        self.precision, self.range_safe = "split", True
+        self.fallbacks += 1
+        try:
+            yield
+        finally:
+            self.precision, self.range_safe = saved
+
+    @property
+    def variant(self) -> tuple:
+        """What selects the kernels of a forward (CUDA graphs are kept per variant)."""
+        return self.precision, self.range_safe
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a

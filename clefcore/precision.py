@@ -1,0 +1,37 @@
+"""The GPU precision modes users name, and the kernel paths they resolve to.
+
+* ``fast`` (the default on every GPU): each fp32 activation is rounded once to fp16 for the tensor cores, fp32
+  accumulation, fp32 residual stream. A batch whose per-layer guard trips (NaN, Inf, all zero: what fp16's range
+  cannot hold) runs again through the range-safe exact path (``Engine.forward``).
+* ``exact``: each activation enters as hi + lo fp16 halves (``split``), or, where fp8 tensor cores and cuBLASLt
+  exist, hi in fp16 and lo in fp8 against fp8 copies of the weights (``split8``).
+
+The expert names ``fp16``, ``split`` and ``split8`` stay valid and pin that kernel path.
+"""
+
+from __future__ import annotations
+
+MODES = ("fast", "exact")
+KERNEL_PATHS = ("fp16", "split", "split8")
+CHOICES = MODES + KERNEL_PATHS
+DEFAULT = "fast"
+# What ``clefcore verify`` holds each mode to (per-layer relative error and probability difference against the
+# fp32 numpy path): fast's contract is 1e-2, several times closer than the reference's own bf16 GPU path.
+VERIFY_BOUND = {"fast": 1e-2, "exact": 2e-3}
+
+
+def resolve(name: str, fp8: bool) -> str:
+    """A mode or kernel-path name -> the kernel path (fp16, split, split8). ``fp8``: the device has fp8 tensor
+    cores (compute capability 8.9+) and cuBLASLt is loadable."""
+    if name == "fast":
+        return "fp16"
+    if name == "exact":
+        return "split8" if fp8 else "split"
+    if name in KERNEL_PATHS:
+        return name
+    raise ValueError(f"precision {name!r}: expected one of {', '.join(CHOICES)}")
+
+
+def mode_of(path: str) -> str:
+    """The mode a kernel path belongs to."""
+    return "fast" if path == "fp16" else "exact"

@@ -1,0 +1,153 @@
+"""Fast precision is never silently wrong: a batch whose per-layer guard trips (here, an activation beyond fp16's
+range) is answered again on the range-safe exact path, counted and logged with its layer.
+
+CPU part: the engine's fallback logic, over the numpy backend wrapped to round every GEMM input to fp16 as the fast
+path does (so an overflow becomes Inf, which the guard sees). GPU part: the real fast path and the range-safe split
+kernels, whose answer must match the fp32 numpy engine within the exact mode's bar.
+
+The overflow is forced by scaling one layer's MLP gate and up projections: their product silu(g) * u then exceeds
+65504, while the weights themselves stay well inside fp16."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import clefcore
+from clefcore.backends import cpu
+from clefcore.errors import DeviceError, GuardError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+GOLD = Path(__file__).parent / "golden"
+MODEL = GOLD / "model"
+BODIES = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines()[:3]]
+LAYER = 2          # a linear-attention layer in the middle of the tiny model
+SCALE = 400.0      # gate/up weights ~0.02 * 400: |silu(g) * u| reaches ~1e5 on these requests
+
+
+def _probabilities(response: dict) -> list[float]:
+    out = []
+    for a in response["answers"].values():
+        out += list(a["probabilities"].values()) if "probabilities" in a else [a["noul"]]
+    return out
+
+
+def _scale_mlp(engine, factor: float) -> None:
+    L = engine.params.layers[LAYER]
+    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        L[name] = L[name] * engine.ops.xp.asarray(factor, dtype=L[name].dtype)
+
+
+class Fp16Inputs:
+    """The numpy backend with the fast path's rounding: every GEMM input (and the MLP's hidden product) rounded to
+    fp16, so a value beyond 65504 becomes Inf. ``fallback()`` turns the rounding off: the exact path."""
+
+    def __init__(self):
+        self.rounding = True
+        self.fallbacks = 0
+
+    def __getattr__(self, name):
+        return getattr(cpu, name)
+
+    def _h(self, x):
+        if not self.rounding:
+            return x
+        with np.errstate(over="ignore"):
+            return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+    def linear(self, x, w, b=None):
+        return cpu.linear(self._h(x), w, b)
+
+    def mlp(self, x, w_gate, w_up, w_down):
+        x = self._h(x)
+        return self._h(cpu.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+    @contextmanager
+    def fallback(self):
+        self.rounding = False
+        self.fallbacks += 1
+        try:
+            yield
+        finally:
+            self.rounding = True
+
+
+@pytest.fixture(scope="module")
+def cpu_exact():
+    engine = clefcore.load(MODEL, device="cpu", validation="reference")
+    _scale_mlp(engine, SCALE)
+    return engine
+
+
+def test_cpu_fast_overflow_falls_back_to_exact(cpu_exact, caplog):
+    engine = clefcore.load(MODEL, device="cpu", validation="reference")
+    _scale_mlp(engine, SCALE)
+    engine.ops = Fp16Inputs()
+    prepared = [engine.prepare(b) for b in BODIES]
+    # the precondition: without the fallback this batch fails its guard, at the scaled layer
+    with pytest.raises(GuardError, match=f"layer {LAYER} MLP output"):
+        engine._forward([p.record for p in prepared], False)
+    with caplog.at_level(logging.WARNING, logger="clefcore"):
+        got = engine.infer(prepared)
+    assert engine.fallbacks == 1 and engine.ops.fallbacks == 1
+    assert any(f"layer {LAYER} MLP output" in r.getMessage() and "range-safe exact" in r.getMessage()
+               for r in caplog.records)
+    want = cpu_exact.infer([cpu_exact.prepare(b) for b in BODIES])
+    assert got == want                                   # the exact path here is the fp32 numpy one: bit for bit
+
+
+def test_cpu_fast_in_range_does_not_fall_back(cpu_exact):
+    engine = clefcore.load(MODEL, device="cpu", validation="reference")
+    engine.ops = Fp16Inputs()
+    out = engine.decide_many(BODIES)
+    assert engine.fallbacks == 0 and engine.ops.fallbacks == 0
+    exact = clefcore.load(MODEL, device="cpu", validation="reference").decide_many(BODIES)
+    d = max(abs(a - b) for o, e in zip(out, exact) for a, b in zip(_probabilities(o), _probabilities(e)))
+    assert 0 < d < 1e-2                                  # the rounding is real, and within fast's contract
+
+
+def test_cpu_a_failure_on_the_exact_path_too_is_a_device_error():
+    """NaN weights fail both paths: the client gets DeviceError naming both, never an answer."""
+    engine = clefcore.load(MODEL, device="cpu", validation="reference")
+    _scale_mlp(engine, float("nan"))
+    engine.ops = Fp16Inputs()
+    with pytest.raises(DeviceError, match="range-safe exact path.*guard tripped") as e:
+        engine.decide(BODIES[0])
+    assert not isinstance(e.value, GuardError) and engine.fallbacks == 1
+
+
+def test_the_numpy_engine_has_no_fallback():
+    engine = clefcore.load(MODEL, device="cpu", validation="reference")
+    _scale_mlp(engine, float("nan"))
+    with pytest.raises(GuardError):
+        engine.decide(BODIES[0])
+    assert engine.precision == "fp32" and engine.fallbacks == 0
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+@pytest.mark.parametrize("device", [pytest.param("cuda:0", marks=MARKS)])
+def test_gpu_overflow_falls_back_and_matches_fp32(cpu_exact, device, mode):
+    engine = clefcore.load(MODEL, device=device, precision=mode, validation="reference")
+    _scale_mlp(engine, SCALE)
+    prepared = [engine.prepare(b) for b in BODIES]
+    with pytest.raises(GuardError):                      # the precondition: the configured path overflows
+        engine._forward([p.record for p in prepared], False)
+    got = engine.infer(prepared)
+    assert engine.fallbacks == 1 and engine.ops.fallbacks == 1
+    assert engine.ops.precision != "split" or mode == "exact"     # restored after the fallback
+    want = cpu_exact.infer([cpu_exact.prepare(b) for b in BODIES])
+    d = max(abs(a - b) for o, e in zip(got, want) for a, b in zip(_probabilities(o), _probabilities(e)))
+    print(f"FALLBACK {mode}: max |dp| against fp32 numpy {d:.2e}")
+    assert d <= 2e-4                                      # the exact mode's golden bar
+    again = engine.infer(prepared)                        # the next batch starts on the configured path again
+    assert engine.fallbacks == 2 and again == got

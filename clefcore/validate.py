@@ -4,6 +4,10 @@
 (clef-head.md §2); where the reference would crash or return NaN logits it gets a clear ``RequestError``.
 ``mode="cloudflare"`` adds the hosted Workers AI limits (systemone-protocol.md §3, §9, §14) and reports
 the first violation in body order.
+
+Images (protocol §3.7) are not implemented yet, so both modes refuse any request that carries one (the
+reference would answer it with the image; answering without it would be a silent wrong answer). ``images``
+that carry no image, ``[]`` in both modes and ``null`` in reference mode, leave a text-only request.
 """
 
 from __future__ import annotations
@@ -59,6 +63,24 @@ def _state_key(body: dict) -> str | None:
     return "state" if "state" in body else "document" if "document" in body else None
 
 
+def _check_images(body: dict, mode: str) -> None:
+    """Refuse every ``images`` value that could hold an image; the engine has no vision path yet."""
+    if "images" not in body:
+        return
+    images = body["images"]
+    # An empty array is a valid Cloudflare value (array, maxItems 4) with no image in it: the text-only
+    # answer is exact. The reference calls its processor only when the request has images (clef-head.md
+    # §3.8), and null (JSON's "unset") has none. Cloudflare's schema types the field as an array only.
+    if (isinstance(images, list) and not images) or (images is None and mode == "reference"):
+        return
+    if mode == "cloudflare" and not isinstance(images, list):
+        raise RequestError(f"images: must be an array of up to 4 images, got {_kind(images)}", field="images",
+                           limit="array of up to 4 images")
+    # Everything else, in reference mode too: a string is one image to the reference's processor, an
+    # object form or a falsy scalar is no valid image list anywhere; a refusal is never a wrong answer.
+    raise RequestError("images: images are not supported yet", field="images")
+
+
 def _normalised(body: dict, state_key: str) -> dict:
     return {"model": body["model"], "state": body[state_key], "questions": body["questions"]}
 
@@ -95,6 +117,9 @@ def _reference(body: dict) -> dict:
         if qid == "" and question.get("instructions") in (None, ""):
             raise RequestError("question with an empty id needs non-empty instructions",
                                field=path + ".instructions")
+    # Last, so bodies the reference itself refuses keep its messages. Unknown fields are ignored here, as
+    # the reference does, but `images` must not be: it would answer without the image.
+    _check_images(body, "reference")
     return _normalised(body, state_key)
 
 
@@ -103,7 +128,8 @@ def _reference(body: dict) -> dict:
 def _cloudflare(body: dict) -> dict:
     for key in body:
         if key == "images":
-            raise RequestError("images: images are not supported yet", field="images")
+            _check_images(body, "cloudflare")
+            continue
         if key not in TOP_LEVEL_FIELDS:
             raise RequestError(f"{_show(key)}: unknown field (allowed: {', '.join(TOP_LEVEL_FIELDS)})",
                                field=join_path("", key))

@@ -201,6 +201,27 @@ def test_422_schema_violations_name_field_and_limit(server, mutate, field, limit
     assert server.get("/health").status == 200
 
 
+# Request 0 of shared/golden-images, its PNG data URL cut to the signature and IHDR (refused before decoding).
+GOLDEN_IMAGES_0 = {
+    "model": "clef-flash",
+    "images": ["data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAw"],
+    "state": "Screenshot attached: the checkout page shows a red error banner.",
+    "questions": {"error_visible": {"type": "noul", "instructions": "Does the screenshot show an error?"}},
+}
+
+
+def test_images_get_422_in_both_validation_modes(server):
+    # Reference validation used to drop `images` and answer 200 from the text alone (issue 21).
+    text_only = {key: value for key, value in GOLDEN_IMAGES_0.items() if key != "images"}
+    with Server("--validation", "reference") as reference:
+        reference.wait_ready()
+        for s in (server, reference):
+            err = error_of(s.decide(GOLDEN_IMAGES_0), 422, "invalid_request_error")
+            assert err["field"] == "images" and err["message"] == "images: images are not supported yet"
+            empty = s.decide(dict(GOLDEN_IMAGES_0, images=[]))  # no image in it: a text-only request
+            assert empty.status == 200 and empty.json() == s.decide(text_only).json()
+
+
 def test_long_state_is_truncated_by_default(server):
     reply = server.decide(ticket("log line with words " * 600))
     assert reply.status == 200, reply

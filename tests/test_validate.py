@@ -132,11 +132,115 @@ def test_unknown_top_level_field(key, field):
     assert error.field == field and "unknown field" in error.message
 
 
-def test_images_not_supported():
-    body = valid_body()
-    body["images"] = ["data:image/png;base64,AAAA"]
-    error = rejected(body)
-    assert error.field == "images" and "not supported" in error.message
+# --- images (not implemented yet: refused in both modes, issue 21) ---------------------------------------
+
+# Request 0 of shared/golden-images (png_data_url_noul) in its key order. Its data URL is cut to the PNG
+# signature and IHDR (a 64x48 image): validation refuses before any decoding, so the 3.3 kB image is not
+# needed, and the test does not depend on ../shared existing.
+GOLDEN_IMAGES_0 = {
+    "model": "clef-flash",
+    "images": ["data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAw"],
+    "state": "Screenshot attached: the checkout page shows a red error banner.",
+    "questions": {"error_visible": {"type": "noul", "instructions": "Does the screenshot show an error?"}},
+}
+GOLDEN_IMAGES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "golden-images" / "requests.jsonl"
+NOT_SUPPORTED = "images: images are not supported yet"
+PNG_URL = GOLDEN_IMAGES_0["images"][0]
+PNG_OBJECT = {"content_type": "image/png", "base64": PNG_URL.split(",", 1)[1]}
+
+
+def with_images(images, body: dict | None = None) -> dict:
+    body = copy.deepcopy(GOLDEN_IMAGES_0 if body is None else body)
+    body["images"] = images
+    return body
+
+
+def without_images(body: dict) -> dict:
+    return {key: value for key, value in body.items() if key != "images"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_golden_images_request_is_refused_not_answered_text_only(mode):
+    # Reference mode used to drop `images` like any unknown field and answer from the text alone.
+    error = rejected(GOLDEN_IMAGES_0, mode)
+    assert (error.message, error.field, error.type) == (NOT_SUPPORTED, "images", "invalid_request_error")
+    assert error.to_json()["error"]["field"] == "images"
+    validate_request(without_images(GOLDEN_IMAGES_0), mode=mode)  # the images alone are the reason
+
+
+# Lists holding anything: refused the same way in both modes, whatever the items (forms, limits and URLs
+# get their own rules with the vision path).
+IMAGE_LISTS = [[PNG_URL], [PNG_OBJECT], [PNG_URL, PNG_OBJECT, PNG_URL, PNG_OBJECT], [PNG_URL] * 5,
+               ["DATA:image/png;base64,iVBORw0KGgo="], ["https://example.com/a.png"], ["/etc/passwd"],
+               ["iVBORw0KGgo="], [""], [None], [[]], [{}]]
+# Not an array: Cloudflare's schema refuses the type; the reference would read a string as one image and
+# crash on the rest, so reference mode refuses them all as images.
+IMAGE_SCALARS = [PNG_URL, PNG_OBJECT, "", {}, 0, 1, False, True]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("images", IMAGE_LISTS, ids=range(len(IMAGE_LISTS)))
+def test_image_lists_are_refused(mode, images):
+    error = rejected(with_images(images), mode)
+    assert (error.message, error.field) == (NOT_SUPPORTED, "images")
+
+
+@pytest.mark.parametrize("images", IMAGE_SCALARS, ids=range(len(IMAGE_SCALARS)))
+def test_images_that_are_not_arrays(images):
+    error = rejected(with_images(images), "reference")
+    assert (error.message, error.field) == (NOT_SUPPORTED, "images")
+    error = rejected(with_images(images))
+    assert error.field == "images" and error.limit == "array of up to 4 images"
+    assert error.message.startswith("images: must be an array of up to 4 images, got ")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_images_array_is_a_text_only_request(mode, encoder):
+    # [] is a valid Cloudflare value (array, maxItems 4) holding no image: the text-only answer is exact.
+    request = validate_request(with_images([]), mode=mode)
+    assert request == validate_request(without_images(GOLDEN_IMAGES_0), mode=mode)
+    assert isinstance(encoder.encode(request, 16384), EncodedRecord)
+
+
+def test_null_images():
+    # Reference: null carries no image (its processor runs only for requests with images). Cloudflare types
+    # the field as an array, so null is refused there like any other type.
+    assert validate_request(with_images(None), mode="reference") == validate_request(
+        without_images(GOLDEN_IMAGES_0), mode="reference")
+    error = rejected(with_images(None))
+    assert error.field == "images" and error.message.endswith("got null")
+
+
+def test_images_refusal_order():
+    # Reference mode: the reference's own refusals come first, with its messages.
+    body = {"model": "m", "images": [PNG_URL], "state": "s", "questions": {}}
+    assert rejected(body, "reference").message == "at least one question is required"
+    # Cloudflare mode: the first violation in body order.
+    body = with_images([PNG_URL], {"model": "m", "temperature": 1, "state": "s", "questions": {}})
+    assert rejected(body).field == "temperature"
+    body = {"model": "m", "images": [PNG_URL], "temperature": 1, "state": "s", "questions": {}}
+    assert rejected(body).field == "images"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_refuses_images_and_answers_an_empty_list_as_text(mode):
+    import clefcore
+    engine = clefcore.load(TOKENIZER.parent, validation=mode)
+    with pytest.raises(RequestError) as info:
+        engine.decide(copy.deepcopy(GOLDEN_IMAGES_0))
+    assert info.value.field == "images" and info.value.message == NOT_SUPPORTED
+    assert engine.decide(with_images([])) == engine.decide(without_images(GOLDEN_IMAGES_0))
+
+
+@pytest.mark.skipif(not GOLDEN_IMAGES.is_file(), reason="needs ../shared/golden-images (not in the repo)")
+@pytest.mark.parametrize("mode", MODES)
+def test_every_golden_images_request_is_refused(mode):
+    # The real bodies (full images, both forms, 4 images, error rows) when the shared set is checked out.
+    lines = GOLDEN_IMAGES.read_text().splitlines()
+    assert len(lines) >= 9 and json.loads(lines[0])["images"][0].startswith(PNG_URL)
+    for line in lines:
+        error = rejected(parse_body(line.encode()), mode)
+        assert (error.message, error.field) == (NOT_SUPPORTED, "images")
 
 
 def test_unknown_question_field():

@@ -31,7 +31,9 @@ def add_arguments(parser):
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random clef-flash weights)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--packed", default="16x512")
-    parser.add_argument("--precision", default=precision.DEFAULT, choices=precision.CHOICES)
+    parser.add_argument("--precision", default="fast,exact",
+                        help="comma-separated precisions, each timed end to end with its own load (" +
+                             ", ".join(precision.CHOICES) + "); the kernel table runs under the first")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--token-block", type=int, default=4096,
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
@@ -398,7 +400,6 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
               f"beyond weights: peak in use "
               f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
         pool.free_all_blocks()
-    out["end_to_end"] = res
     return res
 
 
@@ -460,59 +461,96 @@ def transformers_side(text_cfg, lengths, packed, reps, out):
         out["transformers"] = f"failed: {e}"
 
 
+def _text_config(pr):
+    from .config import TextConfig
+    t = dict(pr["text"])
+    return TextConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                      num_layers=t["num_hidden_layers"],
+                      layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                        for i in range(t["num_hidden_layers"])),
+                      num_heads=t["num_attention_heads"], num_kv_heads=t["num_key_value_heads"],
+                      head_dim=t["head_dim"], rotary_dim=t["head_dim"] // 4, rope_theta=1e7,
+                      lin_k_heads=t["linear_num_key_heads"], lin_v_heads=t["linear_num_value_heads"],
+                      lin_k_dim=t["linear_key_head_dim"], lin_v_dim=t["linear_value_head_dim"],
+                      conv_kernel=4, rms_eps=1e-6, vocab_size=t["vocab_size"])
+
+
+def _summary(out) -> list[dict]:
+    """Each case: every precision's time and its ratio to transformers in the same run (> 1: clefcore faster)."""
+    tf = out.get("transformers")
+    tf_ms = {r["case"].replace("padded batch", "packed"): r["ms"] for r in tf["results"]} if isinstance(tf, dict) else {}
+    rows = []
+    first = next(iter(out["end_to_end"].values()))
+    for i, r in enumerate(first):
+        row = dict(case=r["case"], tokens=r["tokens"], transformers_ms=tf_ms.get(r["case"]))
+        for prec, res in out["end_to_end"].items():
+            row[f"{prec}_ms"] = res[i]["ms"]
+            if row["transformers_ms"]:
+                row[f"{prec}_speedup"] = row["transformers_ms"] / res[i]["ms"]
+        rows.append(row)
+        print("  " + r["case"].ljust(16) + "".join(
+            f"  {p} {row[f'{p}_ms']:8.1f} ms" + (f" ({row[f'{p}_speedup']:.2f}x)" if f"{p}_speedup" in row else "")
+            for p in out["end_to_end"]) + (f"  transformers {row['transformers_ms']:8.1f} ms"
+                                           if row["transformers_ms"] else ""))
+    return rows
+
+
 def run(args) -> int:
     import cupy as cp
     from .backends.cuda import CudaOps
-    from .config import HeadConfig, TextConfig
+    from .config import HeadConfig
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    ops = CudaOps(dev, precision=args.precision, tables="device", token_block=args.token_block,
-                  graph_tokens=args.graph_tokens)
-    out = dict(device=ops.device_name, date=time.strftime("%Y-%m-%d"), **provenance(), host=platform.node(),
-               precision=args.precision, graph_tokens=args.graph_tokens)
-    print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
-          f"{out['sources']}, commit {out['commit']}; precision {args.precision}, token block {args.token_block}, "
-          f"CUDA graphs up to {args.graph_tokens} tokens")
-    if not args.no_kernels:
-        print("kernels:")
-        kernels(cp, ops, out)
-    t0 = time.perf_counter()
-    if args.model:
-        from .checkpoint import Checkpoint
-        from .model import load_params
-        ck = Checkpoint(args.model)
-        params = load_params(ck, ops)
-        text_cfg = ck.text
-    else:
-        from .synth import PRESETS
-        pr = PRESETS["clef-flash"]
-        t = dict(pr["text"])
-        text_cfg = TextConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
-                              num_layers=t["num_hidden_layers"],
-                              layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                                for i in range(t["num_hidden_layers"])),
-                              num_heads=t["num_attention_heads"], num_kv_heads=t["num_key_value_heads"],
-                              head_dim=t["head_dim"], rotary_dim=t["head_dim"] // 4, rope_theta=1e7,
-                              lin_k_heads=t["linear_num_key_heads"], lin_v_heads=t["linear_num_value_heads"],
-                              lin_k_dim=t["linear_key_head_dim"], lin_v_dim=t["linear_value_head_dim"],
-                              conv_kernel=4, rms_eps=1e-6, vocab_size=t["vocab_size"])
-        params = random_params(cp, ops, text_cfg, HeadConfig(**pr["head"]))
-    cp.cuda.Device().synchronize()
-    load_s = time.perf_counter() - t0
-    wbytes = cp.get_default_memory_pool().used_bytes()
-    out["load_s"] = load_s
-    out["weights_gib"] = wbytes / 2 ** 30
-    print(f"weights: {wbytes / 2 ** 30:.2f} GiB on the GPU, {'loaded' if args.model else 'generated'} in {load_s:.1f} s")
+    precisions = [p for p in args.precision.split(",") if p]
+    for p in precisions:
+        precision.resolve(p, False)      # an unknown name fails here, before any load
     lengths = [int(v) for v in args.lengths.split(",") if v]
-    print("end to end (backbone + head, in-process):")
-    end_to_end(cp, ops, params, lengths, args.packed, args.reps, out)
-    log_choices = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v for k, v in ops.gemm_choice.items()}
-    out["gemm_choice"] = log_choices
-    print("gemm autotune choices:", json.dumps(log_choices))
-    del params
-    cp.get_default_memory_pool().free_all_blocks()
+    out = dict(date=time.strftime("%Y-%m-%d"), **provenance(), host=platform.node(), precisions=precisions,
+               graph_tokens=args.graph_tokens, token_block=args.token_block, end_to_end={}, paths={},
+               gemm_choice={}, weights_gib={}, load_s={})
+    text_cfg = None
+    for i, prec in enumerate(precisions):
+        ops = CudaOps(dev, precision=prec, tables="device", token_block=args.token_block,
+                      graph_tokens=args.graph_tokens)
+        out["device"] = ops.device_name
+        out["paths"][prec] = ops.precision
+        print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
+              f"{out['sources']}, commit {out['commit']}; precision {prec} ({ops.precision}), token block "
+              f"{args.token_block}, CUDA graphs up to {args.graph_tokens} tokens"
+              + ("" if ops.cublas_missing is None else "; cuBLAS not loadable: own GEMM kernels"))
+        if i == 0 and not args.no_kernels:
+            print(f"kernels (under {prec}):")
+            out["kernels_precision"] = prec
+            kernels(cp, ops, out)
+        t0 = time.perf_counter()
+        if args.model:
+            from .checkpoint import Checkpoint
+            from .model import load_params
+            ck = Checkpoint(args.model)
+            params = load_params(ck, ops)
+            text_cfg = ck.text
+        else:
+            from .synth import PRESETS
+            pr = PRESETS["clef-flash"]
+            text_cfg = _text_config(pr)
+            params = random_params(cp, ops, text_cfg, HeadConfig(**pr["head"]))
+        cp.cuda.Device().synchronize()
+        load_s = time.perf_counter() - t0
+        wbytes = cp.get_default_memory_pool().used_bytes()
+        out["load_s"][prec] = load_s
+        out["weights_gib"][prec] = wbytes / 2 ** 30
+        print(f"weights: {wbytes / 2 ** 30:.2f} GiB on the GPU, {'loaded' if args.model else 'generated'} in "
+              f"{load_s:.1f} s")
+        print(f"end to end, {prec} (backbone + head, in-process):")
+        out["end_to_end"][prec] = end_to_end(cp, ops, params, lengths, args.packed, args.reps, out)
+        out["gemm_choice"][prec] = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v for k, v in ops.gemm_choice.items()}
+        print("gemm autotune choices:", json.dumps(out["gemm_choice"][prec]))
+        del params, ops
+        cp.get_default_memory_pool().free_all_blocks()
     if not args.no_transformers:
         print("transformers (same shapes, random bf16 weights):")
         transformers_side(text_cfg, lengths, args.packed, args.reps, out)
+    print("summary (speedup = transformers' time / clefcore's, same run):")
+    out["summary"] = _summary(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

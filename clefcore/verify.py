@@ -146,8 +146,9 @@ def run(args) -> int:
     bound = precision.VERIFY_BOUND[gpu.mode]
     layer_tol = bound if args.layer_tol is None else args.layer_tol
     prob_tol = bound if args.prob_tol is None else args.prob_tol
-    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.precision}), gemm {gpu.gemm_mode}, "
-          f"bounds: layer {layer_tol:g}, probability {prob_tol:g}")
+    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.precision}), gemm {gpu.gemm_mode}"
+          + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
+          + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")
     return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol) else 1
 
 

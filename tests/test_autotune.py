@@ -20,7 +20,7 @@ class _Clock:
 
 
 def _ops(mode="auto"):
-    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock())
+    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock(), cublas_missing=None)
 
 
 def _path(ops, calls, name, cost, hiccup_on=None):
@@ -46,3 +46,12 @@ def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
     assert CudaOps._choose(ops, 512, 64, 64, paths, "t") == "wmma" and calls == n     # same bucket: not re-timed
     assert CudaOps._choose(ops, 513, 64, 64, paths, "t") == "wmma" and calls != n     # next bucket: timed
     assert CudaOps._choose(_ops("cublas"), 300, 64, 64, paths, "t") == "cublas"
+
+
+def test_without_cublas_its_path_is_never_run_or_chosen():
+    ops, calls = _ops(), {}
+    ops.cublas_missing = "libcublasLt.so.12: cannot open shared object file"
+    paths = {"cublas": _path(ops, calls, "cublas", 1.0), "wmma": _path(ops, calls, "wmma", 2.0),
+             "rows": _path(ops, calls, "rows", 3.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "wmma"
+    assert "cublas" not in calls and calls["rows"] == 6

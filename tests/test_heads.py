@@ -45,7 +45,9 @@ def _devices():
 
 @pytest.mark.parametrize("device", _devices())
 def test_packed_head_equals_one_by_one(device):
-    eng = clefcore.load(GOLD / "model", device=device)
+    # on the GPU the exact path: packed and alone run GEMMs of other row counts, which the autotune may give other
+    # paths; in fast mode those differ at fp16's rounding, which would hide the packing's own errors
+    eng = clefcore.load(GOLD / "model", device=device, **({} if device == "cpu" else {"precision": "exact"}))
     recs = []
     for line in REQUESTS[:8]:
         try:

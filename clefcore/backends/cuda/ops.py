@@ -127,7 +127,6 @@ class CudaOps:
         if self.cublas_missing is not None:
             if gemm == "cublas":
                 raise errors.DeviceError(f"gemm cublas: cuBLAS cannot be loaded ({self.cublas_missing})")
-            gemm = "wmma"
             log.warning("cuBLAS cannot be loaded (%s): every GEMM runs clefcore's own kernels", self.cublas_missing)
         self.gemm_mode = gemm
         self._fp8 = None
@@ -588,6 +587,8 @@ class CudaOps:
         path."""
         if self.gemm_mode != "auto":
             return self.gemm_mode
+        if self.cublas_missing is not None:
+            paths = {name: run for name, run in paths.items() if name != "cublas"}
         bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
         key = (N, K, bucket, tag, self.precision)
         got = self.gemm_choice.get(key)
@@ -888,12 +889,19 @@ class CudaOps:
         for b0 in range(0, n, rows):
             b1 = min(b0 + rows, n)
             k0, k1 = group_keys(groups, b0, b1, m)
-            sc = cp.matmul(q[:, b0:b1], k[:, :, k0:k1]) * np.float32(1.0 / math.sqrt(d))   # fp32, head only
+            sc = self._bmm(q[:, b0:b1], k[:, :, k0:k1]) * np.float32(1.0 / math.sqrt(d))   # fp32, head only
             if groups is not None:
                 sc = cp.where(gq[b0:b1, None] == gk[None, k0:k1], sc, np.float32(-np.inf))
             sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
-            o[:, b0:b1] = cp.matmul(sc / sc.sum(axis=-1, keepdims=True), v[:, k0:k1])
+            o[:, b0:b1] = self._bmm(sc / sc.sum(axis=-1, keepdims=True), v[:, k0:k1])
         return self.linear(o.transpose(1, 0, 2).reshape(-1, W), out_w, out_b)
+
+    def _bmm(self, a, b):
+        """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul (cuBLAS), or
+        where cuBLAS cannot be loaded a reduction over broadcast views (nothing [h, n, m, k] is materialised)."""
+        if self.cublas_missing is None:
+            return self.cp.matmul(a, b)
+        return _rowdot_k()(a[:, :, None, :], b.transpose(0, 2, 1)[:, None, :, :], axis=3)
 
     def span_means(self, x, starts, ends):
         cp = self.cp

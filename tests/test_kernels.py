@@ -591,13 +591,24 @@ def _bits(a):
     return np.asarray(a).view(np.uint16)
 
 
+@pytest.mark.parametrize("big", [False, True])
 @pytest.mark.parametrize("n", [1, 63, 65, 4096, 4099])
-def test_to_half_split(ops, n):
+def test_to_half_split(ops, n, big):
     """gemm.cu's split operand, both builds, both loops (n % 4 == 0 or not): hi = fp16(x), lo = fp16(x - hi)
-    bit for bit."""
+    bit for bit. big: one value beyond fp16's range and the range-safe fallback's amax (abs_amax, checked bit for
+    bit too): x enters scaled by 2^-(floor(log2 max|x|) - 14) (cuda/range.cuh), exactly."""
     x = r(n, scale=3.0)
+    amax = np.uint64(0)
+    if big:
+        x[n // 2] = -3.0e5
+        amax = ops.cp.zeros(1, ops.cp.uint32)
+        ops.kernel("gemm.cu", "abs_amax")((4,), (256,), (ops.asarray(x), np.int64(n), amax))
+        assert int(ops.to_host(amax)[0]) == int(np.float32(3.0e5).view(np.uint32))
+    xin = ops.asarray(x)
+    if big:                                  # what the kernel must feed the GEMM: x times an exact power of two
+        x = x * np.float32(2.0 ** -(int(np.floor(np.log2(3.0e5))) - 14))
     hl = ops.cp.empty((2, n), ops.cp.float16)
-    ops.kernel("gemm.cu", "to_half_split")(ops._grid1(n), (256,), (ops.asarray(x), hl[0], hl[1], np.int64(n)))
+    ops.kernel("gemm.cu", "to_half_split")(ops._grid1(n), (256,), (xin, hl[0], hl[1], np.int64(n), amax))
     hi = x.astype(np.float16)
     np.testing.assert_array_equal(_bits(ops.to_host(hl[0])), _bits(hi))
     np.testing.assert_array_equal(_bits(ops.to_host(hl[1])), _bits((x - hi.astype(np.float32)).astype(np.float16)))

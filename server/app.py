@@ -25,21 +25,23 @@ from aiohttp import web
 from clefcore.answers import CONFIDENCE_MODES
 from clefcore.cli import backend_options, gpu_options
 from clefcore.errors import ClefError, RequestError
-from clefcore.jsonvalue import parse_body
 
 from . import errors
 from .batcher import Batcher, DeadlineExceeded, QueueFull
+from .body import read_json
+from .codings import DECODED
 from .device_thread import DeviceThread
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import Metrics
+from .metrics import Metrics, clear_multiprocess_dir, multiprocess_dir
 from .openapi import build_spec
 from .testhooks import TestHooks
 
 PLAYGROUND = Path(__file__).parent / "playground" / "index.html"
 CLOUDFLARE_PREFIX = "/client/v4/"
 CLOUDFLARE_MODELS = ("clef", "clef-flash")
+CLOUDFLARE_NAMESPACE = "@cf/cloudflare/"
 # A client-supplied x-request-id is echoed only when it is short and harmless in a log line or header.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -113,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         from .workers import supervise
         return supervise(args, devices)
     args.device = devices[0]
+    if multiprocess_dir() and not getattr(args, "reuse_port", False):
+        clear_multiprocess_dir()  # a lone server in a directory named for it: an earlier run's files go
     import uvloop
     return uvloop.run(_serve(args))
 
@@ -134,12 +138,15 @@ async def _serve(args: argparse.Namespace) -> int:
     # handler_cancellation: a client that disconnects cancels its handler, which drops its queue entry.
     # shutdown_timeout is aiohttp's wait for handlers at cleanup; by then our own drain has answered every
     # request, so it only covers writing those last responses.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    # auto_decompress=False: server/body.py decodes request bodies itself (server/codings.py says why).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                           auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the real port when --port 0
-    log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device)
+    log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,
+        content_encodings=list(DECODED))
     lifecycle = state.lifecycle
     lifecycle.install_signal_handlers()
 
@@ -185,7 +192,7 @@ async def _load(state: ServerState) -> None:
         log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
         return
     state.engine = engine
-    state.metrics.watch_device_memory(engine.memory_in_use)
+    state.metrics.watch_engine(engine)
     state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                             hooks=state.hooks)
@@ -199,7 +206,10 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_middleware])
     app[STATE] = state
     app.router.add_post("/v1/systemone", _systemone)
-    app.router.add_post("/client/v4/accounts/{account}/ai/run/@cf/cloudflare/{model}", _cloudflare)
+    # The model is everything after run/: Cloudflare's SDKs percent-encode it as one path segment
+    # (`@cf%2Fcloudflare%2Fclef-flash`), curl and fetch send it as three; aiohttp matches on the path with
+    # %2F kept encoded and decodes the captured value, so both arrive here as `@cf/cloudflare/clef-flash`.
+    app.router.add_post("/client/v4/accounts/{account}/ai/run/{model:.+}", _cloudflare)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/live", _live)
@@ -217,7 +227,10 @@ def _protected(path: str) -> bool:
 
 def _authorised(request: web.Request, key: str) -> bool:
     auth = request.headers.get("Authorization", "")
-    offered = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+    # Bearer (TypeSafe, OpenAI-style and Cloudflare token clients), X-Api-Key, or Cloudflare's legacy
+    # X-Auth-Key (sent with X-Auth-Email by its SDKs when given an api_key instead of a token).
+    offered = auth[7:].strip() if auth[:7].lower() == "bearer " else (
+        request.headers.get("X-Api-Key") or request.headers.get("X-Auth-Key") or "")
     return hmac.compare_digest(offered.encode(), key.encode())
 
 
@@ -273,9 +286,7 @@ def _finish(state: ServerState, request: web.Request, route: str, status: int) -
 
 def _from_http_exception(request: web.Request, http_error: web.HTTPException) -> errors.ApiError:
     if http_error.status == 404:
-        path = request.path
-        match = re.fullmatch(r"/client/v4/accounts/[^/]+/ai/run/@cf/cloudflare/([^/]+)", path)
-        return errors.no_cloudflare_model(match.group(1)) if match else errors.not_found(path)
+        return errors.not_found(request.path)
     if http_error.status == 405:
         return errors.method_not_allowed(request.method, http_error.headers.get("Allow", ""))
     return errors.ApiError(http_error.status, http_error.reason, "http_error", cf_code=errors.CF_BAD_INPUT)
@@ -300,10 +311,20 @@ async def _systemone(request: web.Request) -> web.Response:
     return _json(response)
 
 
+def cloudflare_model(name: str) -> str | None:
+    """`clef-flash` for `@cf/cloudflare/clef-flash` (the path's form) or a bare `clef-flash` (the body's form,
+    whitespace allowed as in Workers AI's schema); None for any other model."""
+    name = name.strip()
+    if name.startswith(CLOUDFLARE_NAMESPACE):
+        name = name[len(CLOUDFLARE_NAMESPACE):]
+    return name if name in CLOUDFLARE_MODELS else None
+
+
 async def _cloudflare(request: web.Request) -> web.Response:
-    model = request.match_info["model"]
-    if model not in CLOUDFLARE_MODELS:
-        raise errors.no_cloudflare_model(model)
+    path_model = request.match_info["model"]
+    model = cloudflare_model(path_model) if path_model.startswith(CLOUDFLARE_NAMESPACE) else None
+    if model is None:
+        raise errors.no_cloudflare_model(path_model)
     result = await _decide(request, path_model=model)
     # Workers AI reports the selector from the path (`clef` / `clef-flash`), not the served checkpoint.
     result["model"] = model
@@ -319,10 +340,11 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         raise errors.unavailable(lifecycle.reason, retry_after_s=5 if lifecycle.phase == LOADING else 1)
     lifecycle.in_flight += 1
     try:
-        body = await _read_json(request, cfg.max_body_bytes)
+        body = await read_json(request, cfg.max_body_bytes, state.cpu)
         if path_model is not None and isinstance(body, dict):
-            body_model = body.get("model")
-            if isinstance(body_model, str) and body_model.strip() != path_model:
+            # Workers AI takes the model from the path: a body may leave it out or name it either way.
+            body_model = body.setdefault("model", path_model)
+            if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
         batcher = state.batcher
         # Refuse before tokenizing when the queue is already full: shedding load must be cheap.
@@ -361,24 +383,6 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         lifecycle.in_flight -= 1
 
 
-async def _read_json(request: web.Request, limit: int) -> Any:
-    if request.content_type != "application/json":
-        raise errors.unsupported_media_type(request.headers.get("Content-Type", ""))
-    if request.content_length is not None and request.content_length > limit:
-        raise errors.body_too_large(limit, request.content_length)
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:  # chunked uploads have no Content-Length: count as we read
-            raise errors.body_too_large(limit, None)
-        chunks.append(chunk)
-    request["log"]["bytes_in"] = size
-    try:
-        return parse_body(b"".join(chunks))
-    except RequestError as error:
-        raise errors.malformed_body(error) from None
-
-
 # --- plain routes -------------------------------------------------------------------------------------
 
 async def _models(request: web.Request) -> web.Response:
@@ -405,6 +409,9 @@ async def _health(request: web.Request) -> web.Response:
             "uptime_s": round(time.time() - lifecycle.started_at, 1)}
     if state.engine is not None:
         body.update(model=state.engine.model_name, device=state.engine.device)
+        precision = getattr(state.engine, "precision", None)
+        if precision is not None:
+            body["precision"] = precision
     if lifecycle.phase != READY:
         return _json(body, 503, {"Retry-After": "5" if lifecycle.phase == LOADING else "1"})
     return _json(body)

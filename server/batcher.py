@@ -135,6 +135,7 @@ class Batcher:
                 self._running = []
                 self._metrics.running.set(0)
             self._metrics.batches.inc()
+            self._metrics.after_batch(self._engine)
             self._metrics.batch_requests.observe(len(prepared))
             self._metrics.batch_tokens.observe(batch.tokens)
             self._metrics.prefill.observe(prefill_s)

@@ -17,6 +17,9 @@ from clefcore.errors import ContextLengthError, RequestError
 _TYPESAFE_KIND = {
     "invalid_request_error": "invalid_request",
     "invalid_json": "invalid_request",
+    "invalid_content_encoding": "invalid_request",
+    "unsupported_content_encoding": "invalid_request",
+    "invalid_body": "invalid_request",
     "exceed_context_size_error": "tokens_exceeded",
     "authentication_error": "authentication_error",
     "timeout": "timeout",
@@ -76,8 +79,9 @@ class ApiError(Exception):
                 "messages": []}
 
 
-def malformed_body(err: RequestError) -> ApiError:
-    return ApiError(400, err.message, "invalid_json", cf_code=CF_NOT_JSON, field=err.field or None,
+def malformed_body(err: RequestError, encoding: str = "") -> ApiError:
+    message = f"request body (decoded from {encoding}): {err.message}" if encoding else err.message
+    return ApiError(400, message, "invalid_json", cf_code=CF_NOT_JSON, field=err.field or None,
                     limit=err.limit)
 
 
@@ -101,10 +105,31 @@ def unsupported_media_type(content_type: str) -> ApiError:
                     "unsupported_media_type", cf_code=CF_NOT_JSON, limit="application/json")
 
 
-def body_too_large(limit: int, size: int | None) -> ApiError:
+def body_too_large(limit: int, size: int | None, decoded: bool = False) -> ApiError:
     got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-    return ApiError(413, f"request body is {got}; the limit is {limit} bytes", "request_too_large",
+    what = "request body, decoded," if decoded else "request body"
+    return ApiError(413, f"{what} is {got}; the limit is {limit} bytes", "request_too_large",
                     cf_code=CF_TOO_LARGE, limit=f"{limit} bytes")
+
+
+def unsupported_encoding(encoding: str, decoded: tuple[str, ...]) -> ApiError:
+    """415 names the coding and, in Accept-Encoding, the ones we decode (RFC 9110 15.5.16, RFC 7694)."""
+    accepted = ", ".join(decoded)
+    return ApiError(415, f"Content-Encoding {encoding!r} is not supported; send one of {accepted} or none",
+                    "unsupported_content_encoding", cf_code=CF_NOT_JSON, field="Content-Encoding",
+                    limit=accepted, headers={"Accept-Encoding": accepted})
+
+
+def invalid_coding(encoding: str, error: Exception) -> ApiError:
+    return ApiError(400, f"request body is not valid {encoding} data (Content-Encoding: {encoding}): {error}",
+                    "invalid_content_encoding", cf_code=CF_NOT_JSON, field="Content-Encoding", limit=encoding)
+
+
+def unreadable_body(error: Exception) -> ApiError:
+    """The body's framing is broken (chunked transfer coding): aiohttp's reason, on its last line."""
+    lines = str(error).strip().splitlines()
+    reason = lines[-1].strip() if lines else type(error).__name__
+    return ApiError(400, f"request body could not be read: {reason}", "invalid_body", cf_code=CF_NOT_JSON)
 
 
 def unauthorized() -> ApiError:

@@ -1,16 +1,26 @@
 """Prometheus metrics, served as text on the API port (``GET /metrics``).
 
-Names follow the vLLM set with a ``clef_`` prefix (serving-and-peers.md §5b). The registry is our own, not
-prometheus_client's global one, so that two servers in one process (tests) never collide and nothing a
-library registers globally leaks into the scrape.
+Names follow the vLLM set with a ``clef_`` prefix (serving-and-peers.md §5b).
+
+One process: the registry is our own, not prometheus_client's global one, so that two servers in one
+process (tests) never collide and nothing a library registers globally leaks into the scrape.
+
+Several workers (``--workers N``, ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
+it starts them, so every value is written to a per-process file there, and a scrape, whichever worker the
+kernel hands it to, merges all the files (prometheus_client's MultiProcessCollector): counters and histograms
+are summed over workers, dead ones included, since what they counted happened. Each gauge says how its
+workers combine (``multiprocess_mode``, chosen per gauge below); the ``live*`` modes forget a worker once the
+supervisor marks it dead.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # Latency buckets from 5 ms (a tiny CPU model) to 2 min (a 24k-token prompt queued behind others).
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -18,6 +28,21 @@ _TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 24576, 32768, 65536
 _REQUESTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> str | None:
+    """The shared directory when this process is one of several workers, else None."""
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def clear_multiprocess_dir() -> None:
+    """Remove every process's value files: only before any worker of this run has written one."""
+    path = multiprocess_dir()
+    if path is not None and os.path.isdir(path):
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(path, name))
 
 
 class Metrics:
@@ -27,8 +52,11 @@ class Metrics:
                                 ["route", "status"], registry=r)
         self.failures = Counter("clef_request_failures", "Requests that failed, by error type", ["type"],
                                 registry=r)
-        self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for a batch", registry=r)
-        self.running = Gauge("clef_requests_running", "Requests in the batch on the device now", registry=r)
+        # Requests waiting or running anywhere in the pod: the sum over live workers.
+        self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for a batch", registry=r,
+                                 multiprocess_mode="livesum")
+        self.running = Gauge("clef_requests_running", "Requests in the batch on the device now", registry=r,
+                             multiprocess_mode="livesum")
         self.batches = Counter("clef_batches", "Packed forwards run on the device", registry=r)
         self.batch_requests = Histogram("clef_batch_size_requests", "Requests per packed forward",
                                         buckets=_REQUESTS, registry=r)
@@ -47,13 +75,51 @@ class Metrics:
                                  registry=r)
         self.expired = Counter("clef_requests_expired", "Queued requests dropped past their deadline",
                                registry=r)
+        self.fallbacks = Counter("clef_precision_fallbacks", "Batches answered again on the exact precision "
+                                 "path after the fast path's guard tripped", registry=r)
+        # One series per worker (pid label): each worker has its own GPU, and a sum would hide the one
+        # that is close to full.
         self.device_memory = Gauge("clef_device_memory_bytes", "Device memory in use (0 on the CPU)",
-                                   registry=r)
-        self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed and self-checked", registry=r)
+                                   registry=r, multiprocess_mode="liveall")
+        # 1 only while every live worker is ready: one still loading makes the pod not ready.
+        self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed and self-checked", registry=r,
+                           multiprocess_mode="livemin")
+        self.workers = Gauge("clef_workers", "Server processes alive (one per device)", registry=r,
+                             multiprocess_mode="livesum")
+        # Labels say what the engine runs as (device, precision mode); the value is always 1. Workers that
+        # agree collapse into one series.
+        self.engine_info = Gauge("clef_engine_info", "The loaded engine: device and precision mode",
+                                 ["device", "precision"], registry=r, multiprocess_mode="livemax")
+        self.workers.set(1)
+        self._read_device_memory: Callable[[], int] | None = None
+        self._fallbacks_seen = 0
 
-    def watch_device_memory(self, read: Callable[[], int]) -> None:
-        """Read device memory at scrape time, so the gauge is never stale."""
-        self.device_memory.set_function(lambda: float(read()))
+    def watch_engine(self, engine: Any) -> None:
+        """Call once the engine is loaded: its identity, and where its device memory is read from."""
+        self.engine_info.labels(str(getattr(engine, "device", "")),
+                                str(getattr(engine, "precision", ""))).set(1)
+        self._read_device_memory = engine.memory_in_use
+        self._fallbacks_seen = int(getattr(engine, "fallbacks", 0) or 0)
+        self.refresh_device_memory()
+
+    def after_batch(self, engine: Any) -> None:
+        """Device thread, after every packed forward: what changed inside the engine. Each worker writes
+        its own values, so a scrape answered by another worker still sees them."""
+        seen = int(getattr(engine, "fallbacks", 0) or 0)  # the engine's own count since it was loaded
+        if seen > self._fallbacks_seen:
+            self.fallbacks.inc(seen - self._fallbacks_seen)
+        self._fallbacks_seen = seen
+        self.refresh_device_memory()
+
+    def refresh_device_memory(self) -> None:
+        if self._read_device_memory is not None:
+            self.device_memory.set(float(self._read_device_memory()))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        self.refresh_device_memory()  # this worker's value is read now, the others' at their last batch
+        path = multiprocess_dir()
+        if path is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=path)
+        return generate_latest(registry)

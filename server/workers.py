@@ -6,8 +6,9 @@ forwards SIGTERM and waits. When one worker dies on its own, the supervisor stop
 non-zero: a pod with a missing GPU worker should be restarted whole, not keep serving at reduced capacity
 while /health (answered by the survivors) says all is well.
 
-Each worker keeps its own /metrics; Prometheus sees whichever worker answers the scrape (documented in
-docs/operations.md).
+/metrics answers for the whole pod whichever worker takes the scrape: the workers write their values to
+files in one directory (prometheus_client's multiprocess mode, server/metrics.py) that the supervisor
+prepares before they start and tidies after each one exits.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from multiprocessing.connection import wait
+from pathlib import Path
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from .logs import log
+from .metrics import MULTIPROC_ENV, clear_multiprocess_dir
 
 
 def supervise(args: argparse.Namespace, devices: list[str]) -> int:
@@ -27,6 +34,30 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
         raise SystemExit("several workers share one port: give --port explicitly")
     spawn = multiprocessing.get_context("spawn")  # no CUDA state may be inherited through fork
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    metrics_dir, owned = _metrics_dir()
+    try:
+        return _run_workers(args, devices, spawn, inherited, metrics_dir)
+    finally:
+        if owned:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _metrics_dir() -> tuple[str, bool]:
+    """The directory the workers share their metrics through, and whether we made it (and so remove it).
+
+    A directory named by PROMETHEUS_MULTIPROC_DIR (an emptyDir in Kubernetes, so it outlives a container
+    restart) is emptied first: files left by a previous run's workers would be counted again."""
+    given = os.environ.get(MULTIPROC_ENV)
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        clear_multiprocess_dir()
+        return given, False
+    path = tempfile.mkdtemp(prefix="clefcore-metrics-")
+    os.environ[MULTIPROC_ENV] = path  # inherited by every worker started below
+    return path, True
+
+
+def _run_workers(args, devices, spawn, inherited, metrics_dir) -> int:
     workers = []
     try:
         for device in devices:
@@ -39,7 +70,7 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
             workers.append(process)
     finally:
         _restore("CUDA_VISIBLE_DEVICES", inherited)
-    log("supervisor", pid=os.getpid(), workers=[(p.name, p.pid) for p in workers])
+    log("supervisor", pid=os.getpid(), workers=[(p.name, p.pid) for p in workers], metrics_dir=metrics_dir)
 
     stopping = False
 
@@ -59,6 +90,8 @@ def supervise(args: argparse.Namespace, devices: list[str]) -> int:
             process = next(p for p in remaining if p.sentinel == sentinel)
             process.join()
             remaining.remove(process)
+            # Its live gauges (queue depth, readiness, memory) must stop counting; its counters stay.
+            mark_process_dead(process.pid, metrics_dir)
             if process.exitcode != 0:
                 code = code or (process.exitcode if process.exitcode > 0 else 1)
             if not stopping:

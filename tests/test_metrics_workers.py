@@ -1,0 +1,114 @@
+"""One /metrics for all workers: `clefcore serve --device cpu,cpu` runs two real worker processes on one port,
+and a scrape, whichever worker the kernel hands it to, reports the sum over both (prometheus_client's
+multiprocess mode), not the answering worker's own count."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import Server, ticket  # noqa: E402
+
+from prometheus_client.mmap_dict import MmapedDict, mmap_key  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"),
+                                reason="workers share one port through SO_REUSEPORT")
+
+DECIDED = 'route="/v1/systemone",status="200"'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_workers(env: dict | None = None) -> Server:
+    server = Server("--device", "cpu,cpu", "--port", str(free_port()), env=env)
+    server.wait_ready()
+    deadline = time.monotonic() + 60
+    # /health answers from whichever worker takes the connection: wait until both are up and ready.
+    while not (server.metric("clef_workers") == 2 and server.metric("clef_ready") == 1):
+        assert time.monotonic() < deadline, "\n".join(server.lines[-30:])
+        time.sleep(0.1)
+    return server
+
+
+def worker_pids(server: Server) -> list[int]:
+    (supervisor,) = server.events("supervisor")
+    return [pid for _, pid in supervisor["workers"]]
+
+
+def decided_in_file(path: Path) -> float:
+    """A worker's own count of answered decisions, read from its counter file."""
+    total = 0.0
+    for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path)):
+        name, sample, labels, _ = json.loads(key)
+        if sample == "clef_requests_total" and labels == {"route": "/v1/systemone", "status": "200"}:
+            total += value
+    return total
+
+
+def test_a_scrape_sums_over_both_workers(tmp_path):
+    metrics_dir = tmp_path / "metrics"
+    with two_workers({"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as server:
+        pids = worker_pids(server)
+        assert len(pids) == 2 and server.proc.pid not in pids
+        n = 24
+        for i in range(n):  # a new connection each: SO_REUSEPORT spreads them over the workers
+            assert server.decide(ticket(f"Checkout error number {i}.")).status == 200
+        per_worker = {pid: decided_in_file(metrics_dir / f"counter_{pid}.db") for pid in pids}
+        assert all(count > 0 for count in per_worker.values()), per_worker  # both really answered some
+        assert sum(per_worker.values()) == n
+        for _ in range(8):  # scrapes land on either worker: every one reports the pod's total
+            text = server.get("/metrics").text
+            assert server.metric("clef_requests_total", DECIDED) == n, text
+            assert server.metric("clef_prompt_tokens_total") > 0
+            assert 1 <= server.metric("clef_batches_total") <= n
+        text = server.get("/metrics").text
+        # Summed and min'd gauges come as one series; device memory comes as one series per worker.
+        assert sum(line.startswith("clef_queue_depth ") for line in text.splitlines()) == 1
+        memory = [line for line in text.splitlines() if line.startswith("clef_device_memory_bytes{")]
+        assert {line.split('pid="')[1].split('"')[0] for line in memory} == {str(p) for p in pids}
+        assert "clef_precision_fallbacks_total 0.0" in text
+        assert server.metric("clef_request_duration_seconds_count", 'route="systemone"') == n
+        assert server.terminate() == 0
+    # Dead workers' live gauges are gone (they would hold clef_ready and the queue depth); counters stay.
+    left = sorted(p.name for p in metrics_dir.iterdir())
+    assert not [name for name in left if name.startswith("gauge_live")], left
+    assert {f"counter_{pid}.db" for pid in pids} <= set(left)
+
+
+def test_a_new_run_does_not_count_the_last_ones_files(tmp_path):
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    # What an earlier run in the same directory (an emptyDir across a container restart) left behind.
+    stale = MmapedDict(str(metrics_dir / "counter_999999.db"))
+    key = mmap_key("clef_requests", "clef_requests_total", ["route", "status"], ["/v1/systemone", "200"],
+                   "HTTP requests answered, by route and status")
+    stale.write_value(key, 1000.0, 0.0)
+    stale.close()
+    with two_workers({"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as server:
+        assert server.decide(ticket("One request.")).status == 200
+        assert server.metric("clef_requests_total", DECIDED) == 1
+        assert not (metrics_dir / "counter_999999.db").exists()
+        assert server.terminate() == 0
+
+
+def test_the_supervisor_owns_and_removes_its_own_directory(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with two_workers() as server:
+        (supervisor,) = server.events("supervisor")
+        path = Path(supervisor["metrics_dir"])
+        assert path.is_dir()
+        assert server.decide(ticket("Another request.")).status == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit() == 0
+    assert not path.exists()

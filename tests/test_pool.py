@@ -4,6 +4,8 @@ CuPy's allocator hook, a whole forward inside it) runs where there is a GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +15,8 @@ import pytest
 pool = pytest.importorskip("clefcore.pool")
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_GPU  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_freelist_best_fit_coalesce_and_errors():
@@ -102,14 +106,40 @@ def test_arena_on_the_gpu():
     assert 0 < ops.pool.high_water < 256 << 20
 
 
+def run_child(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -c code` importing the installed clefcore. `-c` puts the working directory first on sys.path:
+    from the repo root, the child would import the source tree's clefcore (without the compiled pool module)
+    whenever the package is installed non-editable; so it runs elsewhere, and PYTHONPATH loses any entry
+    into the source tree."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env=_child_env())
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    if env.get("PYTHONPATH"):
+        root = REPO.resolve()
+        keep = [p for p in env["PYTHONPATH"].split(os.pathsep)
+                if p and Path(p).resolve() != root and root not in Path(p).resolve().parents]
+        env["PYTHONPATH"] = os.pathsep.join(keep)
+    return env
+
+
+def test_child_probe_imports_the_installed_package(tmp_path):
+    """The probe's child process must get the package pytest itself imported, not ./clefcore."""
+    code = "import clefcore.pool, clefcore; print(clefcore.pool.__file__)"
+    run = run_child(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.strip()).resolve() == Path(pool.__file__).resolve()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
-def test_arena_dying_in_a_cycle_with_live_pieces():
+def test_arena_dying_in_a_cycle_with_live_pieces(tmp_path):
     """An engine that holds its arena and arrays cut from it dies as one reference cycle, which the collector
     clears object by object (roughly in creation order, so the arena, made first, tends to go first). The arena
     must still take its pieces back afterwards: while it had a tp_clear, this was a segfault inside gc. Run in a
     child process so that a crash fails this test alone."""
-    import subprocess
     code = (
         "import gc, cupy\n"
         "from clefcore import pool\n"
@@ -121,6 +151,6 @@ def test_arena_dying_in_a_cycle_with_live_pieces():
         "    del arena, e\n"
         "    assert gc.collect() > 0\n"
         "print('collected')\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = run_child(code, tmp_path)
     assert run.returncode == 0 and run.stdout.strip() == "collected", (run.returncode, run.stderr[-2000:])
     assert "Exception ignored" not in run.stderr, run.stderr[-2000:]

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Build deploy/Dockerfile without a Docker daemon and prove that the user's registry accepts it:
+#   1. a Debian base made here with mmdebstrap (so the base layer is measured too, and nothing is pulled),
+#   2. buildah (vfs storage, chroot isolation) builds the Dockerfile on it, one layer per instruction,
+#   3. the image is pushed, gzip-compressed as a registry receives it, to an OCI layout directory,
+#   4. measure.py fails if any layer blob is over the limit (default 100,000,000 bytes: the registry says
+#      "100 MB", so decimal megabytes, the stricter reading),
+#   5. check_image.py runs inside the image as its non-root user with networking off: `clefcore demo` must
+#      answer, NVRTC must load from the wheels, and no cuBLAS may be in the image.
+#
+# Usage (as root, from anywhere):  bash deploy/image/build.sh
+# It installs buildah and mmdebstrap with apt-get when they are missing. Environment:
+#   CLEFCORE_IMAGE_WORK   work directory (default ${TMPDIR:-/tmp}/clefcore-image); the OCI layout is left in
+#                         $CLEFCORE_IMAGE_WORK/oci and the layer table in $CLEFCORE_IMAGE_WORK/layers.md
+#   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml)
+#   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
+#   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
+#   CLEFCORE_IMAGE_KEEP=1 keep buildah's storage (several GB) for inspection instead of deleting it
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+work=${CLEFCORE_IMAGE_WORK:-${TMPDIR:-/tmp}/clefcore-image}
+tag=${CLEFCORE_IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml")}
+limit=${CLEFCORE_LAYER_LIMIT:-100000000}
+suite=bookworm
+mirror=${CLEFCORE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+security=${CLEFCORE_DEBIAN_SECURITY:-http://deb.debian.org/debian-security}
+base=localhost/clefcore-base:$suite
+image=localhost/clefcore:$tag
+
+step() { printf '\n== [%4ds] %s\n' "$SECONDS" "$*" >&2; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "build.sh: run as root (buildah with vfs storage and chroot isolation, mmdebstrap in root mode)" >&2
+  exit 1
+fi
+if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
+  step "installing buildah and mmdebstrap (apt-get)"
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah mmdebstrap >/dev/null
+fi
+
+mkdir -p "$work"
+# A storage of our own: nothing else on the machine is read or changed, and cleaning up is one directory.
+B=(buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs)
+
+cleanup() {
+  local rc=$?
+  if [ "${CLEFCORE_IMAGE_KEEP:-0}" != 1 ]; then
+    "${B[@]}" rm --all >/dev/null 2>&1 || true
+    "${B[@]}" rmi --all --force >/dev/null 2>&1 || true
+    # never delete through a mount that a failed run may have left behind
+    if grep -q " $work/" /proc/self/mountinfo; then
+      echo "build.sh: mounts remain under $work; storage left in place" >&2
+    else
+      rm -rf --one-file-system "$work/storage" "$work/run"
+    fi
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+step "base: mmdebstrap --variant=minbase $suite"
+# Docs, man pages and translations are left out as in Debian's slim images; copyright files stay. The
+# path-exclude settings stay in the base, so later apt-get installs are trimmed the same way. /dev is the
+# container runtime's to fill.
+mmdebstrap --variant=minbase --quiet \
+  --dpkgopt='path-exclude=/usr/share/man/*' \
+  --dpkgopt='path-exclude=/usr/share/info/*' \
+  --dpkgopt='path-exclude=/usr/share/locale/*' \
+  --dpkgopt='path-include=/usr/share/locale/locale.alias' \
+  --dpkgopt='path-exclude=/usr/share/doc/*' \
+  --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+  "$suite" - \
+  "deb $mirror $suite main" "deb $mirror $suite-updates main" "deb $security $suite-security main" \
+  | mmtarfilter --path-exclude='/dev/*' > "$work/base.tar"
+
+step "base: import as $base"
+ctr=$("${B[@]}" from scratch)
+"${B[@]}" add --quiet "$ctr" "$work/base.tar" /
+"${B[@]}" config --created-by "mmdebstrap --variant=minbase $suite" \
+  --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
+"${B[@]}" commit --quiet --rm "$ctr" "$base" >/dev/null
+rm "$work/base.tar"
+
+step "build: deploy/Dockerfile -> $image"
+# pip inside the build verifies TLS against the host's CA bundle, which also covers an intercepting proxy.
+secret=()
+for ca in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}" "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
+  if [ -n "$ca" ] && [ -s "$ca" ]; then secret=(--secret "id=ca-bundle,src=$ca"); break; fi
+done
+# --layers: one layer per instruction as Docker makes them (without it buildah squashes each stage into one).
+# --format docker: the OCI config has no HEALTHCHECK or SHELL. The build's output goes to build.log.
+if ! "${B[@]}" bud --layers --isolation chroot --pull=never --format docker \
+       -f "$repo/deploy/Dockerfile" --build-arg "BASE_IMAGE=$base" "${secret[@]}" -t "$image" "$repo" \
+       > "$work/build.log" 2>&1; then
+  tail -n 60 "$work/build.log" >&2
+  echo "build.sh: the build failed; its whole output is in $work/build.log" >&2
+  exit 1
+fi
+
+step "push: oci:$work/oci (gzip, as a registry receives it)"
+rm -rf "$work/oci"
+"${B[@]}" push --quiet --compression-format gzip "$image" "oci:$work/oci:clefcore:$tag"
+
+step "measure: every layer <= $limit bytes"
+python3 "$repo/deploy/image/measure.py" "$work/oci" --limit "$limit" --markdown "$work/layers.md"
+
+step "run: clefcore demo inside the image, user 10001, networking off"
+ctr=$("${B[@]}" from --quiet --pull=never "$image")
+"${B[@]}" copy --quiet "$ctr" "$repo/deploy/image/check_image.py" /tmp/check_image.py
+# chroot isolation shares the caller's network namespace (buildah refuses --network none with it), so the
+# run gets a new, empty one from unshare: only a loopback device that is down. check_image.py verifies that.
+unshare --net -- "${B[@]}" run --isolation chroot --user 10001:10001 "$ctr" -- python3 /tmp/check_image.py
+
+step "image OK: $image, layers in $work/layers.md, OCI layout in $work/oci"

@@ -1,0 +1,99 @@
+"""Run inside the built image (build.sh copies it to /tmp and runs it as user 10001 with networking off).
+
+Fails (exit 1) unless: the user is not root, the network is unreachable, no cuBLAS library is in the image and
+importing CuPy and clefcore loads none, NVRTC loads from the wheels (CuPy's binding and clefcore's offline
+compiler, which builds one kernel for sm_70), and `clefcore demo` answers every question of its request.
+Standard library plus what the image installs; no GPU needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+failures: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def reachable(host: str, port: int) -> str | None:
+    """None when no connection can be made; otherwise what answered."""
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            return str(s.getpeername())
+    except OSError:
+        return None
+
+
+def main() -> int:
+    check("runs as a non-root user", os.getuid() != 0, f"uid {os.getuid()}")
+
+    for host, port in (("pypi.org", 443), ("1.1.1.1", 443), ("8.8.8.8", 53)):
+        peer = reachable(host, port)
+        check(f"network off ({host}:{port} unreachable)", peer is None, peer or "")
+
+    found = []
+    for root in {Path(sys.prefix), Path("/usr/lib"), Path("/usr/local/lib"), Path("/opt")}:
+        if root.is_dir():
+            found += [str(p) for p in root.rglob("libcublas*")]
+    check("no cuBLAS library in the image", not found, ", ".join(found))
+
+    import cupy
+    import clefcore
+    import clefcore.backends.cuda.ops  # noqa: F401  (the GPU backend, as `serve --device cuda` imports it)
+    import clefcore.server  # noqa: F401
+    from cupy.cuda import nvrtc
+    maps = Path("/proc/self/maps").read_text()
+    loaded = sorted({line.split()[-1] for line in maps.splitlines() if "cublas" in line})
+    check("import cupy / clefcore loads no cuBLAS", not loaded, ", ".join(loaded))
+    version = nvrtc.getVersion()
+    check("CuPy loads NVRTC 12 from the wheel", version[0] == 12, f"CuPy {cupy.__version__}, NVRTC {version}")
+
+    from clefcore.backends.cuda import compile as kc
+    files = kc.kernel_files()
+    check("kernel sources installed", bool(files), str(kc.kernel_dir()))
+    if files:
+        smallest = min(files, key=lambda p: p.stat().st_size)
+        t = time.perf_counter()
+        try:
+            c = kc.compile_file(smallest.name, "sm_70")
+            check("clefcore compiles a kernel for sm_70 offline", len(c.image) > 0,
+                  f"{smallest.name}, {len(c.image)} bytes of cubin in {time.perf_counter() - t:.1f} s")
+        except Exception as e:  # noqa: BLE001 - the message is the report
+            check("clefcore compiles a kernel for sm_70 offline", False, f"{type(e).__name__}: {e}")
+
+    exe = shutil.which("clefcore")
+    check("clefcore on PATH", exe is not None, exe or "")
+    t = time.perf_counter()
+    run = subprocess.run([exe or "clefcore", "demo"], capture_output=True, text=True, timeout=600)
+    took = time.perf_counter() - t
+    sys.stderr.write(run.stderr[-2000:])
+    answered = False
+    detail = f"exit {run.returncode} in {took:.1f} s"
+    if run.returncode == 0:
+        out = json.loads(run.stdout)
+        asked = set(out["request"]["questions"])
+        answers = out["response"].get("answers", {})
+        answered = bool(asked) and set(answers) == asked and all(
+            answers[q].get("type") == out["request"]["questions"][q]["type"] for q in asked)
+        detail += f", {len(answers)}/{len(asked)} questions answered"
+    check("clefcore demo answers offline", answered, detail)
+
+    if failures:
+        print(f"{len(failures)} check(s) failed: {', '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

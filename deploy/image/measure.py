@@ -1,0 +1,117 @@
+"""Layer sizes of an image in an OCI layout directory (what `buildah push ... oci:DIR` writes), checked against
+a registry's per-layer limit.
+
+    python3 deploy/image/measure.py DIR [--limit BYTES] [--markdown FILE]
+
+Each layer's compressed size is the size of its blob file, the bytes a registry receives; it must equal the
+size the manifest declares. "files" is the bytes of the regular files inside; "largest parts" names where
+most of them are; the instruction that made each layer comes from the image config's history.
+Exit status 1 when any layer is over the limit. Standard library only: it runs on the build host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+MB = 1000 * 1000
+
+
+def blob(layout: Path, digest: str) -> Path:
+    algo, hexdigest = digest.split(":", 1)
+    return layout / "blobs" / algo / hexdigest
+
+
+def read_json(layout: Path, digest: str) -> dict:
+    return json.loads(blob(layout, digest).read_text())
+
+
+def group(name: str) -> str:
+    """Where a file's bytes are counted: the package under site-packages, else the first two directories."""
+    parts = name.lstrip("./").split("/")
+    if "site-packages" in parts[:-1]:
+        return "site-packages/" + parts[parts.index("site-packages") + 1]
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def contents(path: Path) -> tuple[int, Counter]:
+    """Bytes of regular files in a layer blob (streamed, gzip), in all and per group."""
+    sizes: Counter = Counter()
+    with tarfile.open(path, mode="r|gz") as tar:
+        for member in tar:
+            if member.isfile():
+                sizes[group(member.name)] += member.size
+    return sum(sizes.values()), sizes
+
+
+def describe(created_by: str) -> str:
+    """A history entry shortened to the instruction and its first words."""
+    text = " ".join(created_by.replace("/bin/sh -c #(nop) ", "").replace("|", "/").split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def holds(sizes: Counter, n: int = 3) -> str:
+    return ", ".join(f"{name} {size / MB:.1f} MB" for name, size in sizes.most_common(n) if size)
+
+
+def layers(layout: Path) -> list[dict]:
+    index = json.loads((layout / "index.json").read_text())
+    manifests = index["manifests"]
+    if len(manifests) != 1:
+        raise SystemExit(f"{layout}: expected one image in the layout, found {len(manifests)}")
+    manifest = read_json(layout, manifests[0]["digest"])
+    config = read_json(layout, manifest["config"]["digest"])
+    made = [h.get("created_by", "") for h in config.get("history", []) if not h.get("empty_layer")]
+    if len(made) != len(manifest["layers"]):   # history is optional in OCI; say so rather than guess
+        made = ["(no history)"] * len(manifest["layers"])
+    out = []
+    for i, (desc, created_by) in enumerate(zip(manifest["layers"], made)):
+        path = blob(layout, desc["digest"])
+        size = path.stat().st_size
+        if size != desc["size"]:
+            raise SystemExit(f"layer {i}: blob has {size} bytes, the manifest says {desc['size']}")
+        if "gzip" not in desc["mediaType"]:
+            raise SystemExit(f"layer {i}: {desc['mediaType']} is not gzip-compressed")
+        unpacked, sizes = contents(path)
+        out.append({"index": i, "digest": desc["digest"], "compressed": size, "unpacked": unpacked,
+                    "holds": holds(sizes), "created_by": describe(created_by)})
+    return out
+
+
+def table(rows: list[dict], limit: int) -> str:
+    lines = ["| # | compressed | files | largest parts | made by |", "|---:|---:|---:|---|---|"]
+    for r in rows:
+        flag = " **over the limit**" if r["compressed"] > limit else ""
+        lines.append(f"| {r['index']} | {r['compressed'] / MB:.1f} MB{flag} | {r['unpacked'] / MB:.1f} MB "
+                     f"| {r['holds']} | `{r['created_by']}` |")
+    total_c = sum(r["compressed"] for r in rows)
+    total_u = sum(r["unpacked"] for r in rows)
+    lines.append(f"| all | {total_c / MB:.1f} MB | {total_u / MB:.1f} MB | | {len(rows)} layers; limit "
+                 f"{limit / MB:g} MB = {limit} bytes each |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("layout", type=Path, help="OCI layout directory")
+    p.add_argument("--limit", type=int, default=100 * MB, help="largest accepted compressed layer, bytes")
+    p.add_argument("--markdown", type=Path, help="also write the table to this file")
+    args = p.parse_args(argv)
+    rows = layers(args.layout)
+    text = table(rows, args.limit)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    over = [r for r in rows if r["compressed"] > args.limit]
+    for r in over:
+        print(f"layer {r['index']} ({r['digest']}) is {r['compressed']} bytes, over the {args.limit}-byte limit",
+              file=sys.stderr)
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,7 +34,7 @@ def add_arguments(parser):
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--layer-tol", type=float, default=None,
-                        help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, see --prob-tol)")
+                        help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, 2e-3 exact, 3e-2 fast)")
     parser.add_argument("--prob-tol", type=float, default=None,
                         help="max probability difference (default: the precision mode's contract, 2e-3 exact, "
                              "1e-2 fast)")
@@ -143,9 +143,9 @@ def run(args) -> int:
     p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
     if gpu.fp16_summary():
         print("WARNING:", gpu.fp16_summary())
-    bound = precision.VERIFY_BOUND[gpu.mode]
-    layer_tol = bound if args.layer_tol is None else args.layer_tol
-    prob_tol = bound if args.prob_tol is None else args.prob_tol
+    layer_bound, prob_bound = precision.VERIFY_BOUND[gpu.mode]
+    layer_tol = layer_bound if args.layer_tol is None else args.layer_tol
+    prob_tol = prob_bound if args.prob_tol is None else args.prob_tol
     print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.precision}), gemm {gpu.gemm_mode}"
           + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
           + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")

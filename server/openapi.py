@@ -57,6 +57,16 @@ def _request_schema(cloudflare: bool) -> dict:
                            "questions": questions}}
 
 
+def _cloudflare_request_schema(cloudflare: bool) -> dict:
+    """Workers AI: the model is in the path; a body may leave it out, or must name the same one (checked by
+    the server; the schema can only say it is one of the two), bare or as the path names it."""
+    schema = _request_schema(cloudflare)
+    schema["required"] = ["questions"]
+    schema["properties"]["model"] = {"type": "string",
+                                     "pattern": r"^\s*(@cf/cloudflare/)?(clef|clef-flash)\s*$"}
+    return schema
+
+
 _PROBABILITY = {"type": "number", "minimum": 0, "maximum": 1}
 _PROBABILITIES = {"type": "object", "additionalProperties": _PROBABILITY}
 _ANSWER = {"oneOf": [
@@ -94,10 +104,11 @@ _CF_ENVELOPE = {"type": "object", "required": ["result", "success", "errors", "m
                                "messages": {"type": "array"}}}
 
 _ERROR_STATUSES = {
-    "400": "malformed JSON, context overflow with --on-overflow reject (exceed_context_size_error)",
+    "400": "malformed JSON, a broken gzip/deflate/br/zstd body, context overflow with --on-overflow reject "
+           "(exceed_context_size_error)",
     "401": "missing or wrong API key (only with --api-key)",
-    "413": "body larger than --max-body-bytes",
-    "415": "Content-Type is not application/json",
+    "413": "body larger than --max-body-bytes, on the wire or decoded",
+    "415": "Content-Type is not application/json, or a Content-Encoding other than gzip, deflate, br, zstd",
     "422": "schema violation; `field` names the path, `limit` the rule",
     "429": "queue full; honour Retry-After",
     "500": "the device failed this request",
@@ -138,6 +149,8 @@ def build_spec(config: argparse.Namespace) -> dict:
                                                  {"$ref": "#/components/schemas/Error"}, False)}},
             "/client/v4/accounts/{account}/ai/run/@cf/cloudflare/{model}": {"post": {
                 "summary": "The same with Cloudflare Workers AI's envelope and error codes",
+                "description": "The model path may also come as one percent-encoded segment, "
+                               "`run/@cf%2Fcloudflare%2Fclef-flash`, as Cloudflare's SDKs send it.",
                 "operationId": "cloudflareRun", "security": security,
                 "parameters": [
                     {"name": "account", "in": "path", "required": True,
@@ -180,12 +193,7 @@ def build_spec(config: argparse.Namespace) -> dict:
         "components": {
             "schemas": {"SystemOneRequest": _request_schema(cloudflare),
                         "Question": _question_schema(cloudflare),
-                        # Workers AI: the body's model must name the model in the path (checked by the
-                        # server; the schema can only say it is one of the two).
-                        "CloudflareRequest": {"allOf": [
-                            {"$ref": "#/components/schemas/SystemOneRequest"},
-                            {"properties": {"model": {"type": "string",
-                                                      "pattern": r"^\s*(clef|clef-flash)\s*$"}}}]},
+                        "CloudflareRequest": _cloudflare_request_schema(cloudflare),
                         "SystemOneResponse": _RESPONSE, "Error": _ERROR, "CloudflareEnvelope": _CF_ENVELOPE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}},

@@ -31,6 +31,7 @@ from .batcher import Batcher, DeadlineExceeded, QueueFull
 from .body import read_json
 from .codings import DECODED
 from .device_thread import DeviceThread
+from .engine_status import describe
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -409,9 +410,7 @@ async def _health(request: web.Request) -> web.Response:
             "uptime_s": round(time.time() - lifecycle.started_at, 1)}
     if state.engine is not None:
         body.update(model=state.engine.model_name, device=state.engine.device)
-        precision = getattr(state.engine, "precision", None)
-        if precision is not None:
-            body["precision"] = precision
+        body.update(describe(state.engine))
     if lifecycle.phase != READY:
         return _json(body, 503, {"Retry-After": "5" if lifecycle.phase == LOADING else "1"})
     return _json(body)

@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from .engine_status import describe
+
 # Latency buckets from 5 ms (a tiny CPU model) to 2 min (a 24k-token prompt queued behind others).
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 24576, 32768, 65536)
@@ -96,11 +98,16 @@ class Metrics:
 
     def watch_engine(self, engine: Any) -> None:
         """Call once the engine is loaded: its identity, and where its device memory is read from."""
-        self.engine_info.labels(str(getattr(engine, "device", "")),
-                                str(getattr(engine, "precision", ""))).set(1)
+        status = describe(engine)
+        self.engine_info.labels(str(getattr(engine, "device", "")), status.get("precision", "")).set(1)
+        if "cublas" in status:  # GPU engines only: on the CPU there is no cuBLAS to miss
+            # 0 when cuBLAS could not be loaded and every GEMM runs clefcore's own kernels; livemin: one such
+            # worker is enough to say so.
+            cublas = Gauge("clef_cublas_available", "1 when cuBLAS is loaded, 0 when every GEMM runs "
+                           "clefcore's own kernels", registry=self.registry, multiprocess_mode="livemin")
+            cublas.set(1 if status["cublas"] else 0)
         self._read_device_memory = engine.memory_in_use
-        self._fallbacks_seen = int(getattr(engine, "fallbacks", 0) or 0)
-        self.refresh_device_memory()
+        self.after_batch(engine)  # the self-check's fallbacks, if any, count too
 
     def after_batch(self, engine: Any) -> None:
         """Device thread, after every packed forward: what changed inside the engine. Each worker writes

@@ -1,0 +1,77 @@
+"""What /health and /metrics say about the engine (server/engine_status.py, server/metrics.py), with stand-in
+engines: a GPU engine that could not load cuBLAS, one that could, and the CPU engine's attributes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from clefcore.server.engine_status import describe
+from clefcore.server.metrics import Metrics
+
+
+def gpu_engine(cublas_missing, fallbacks=0):
+    return SimpleNamespace(device="cuda:0", precision="fast", fallbacks=fallbacks,
+                           ops=SimpleNamespace(cublas_missing=cublas_missing), memory_in_use=lambda: 1234)
+
+
+def sample(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name]
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+
+
+def test_describe():
+    missing = "libcublasLt.so.12: cannot open shared object file"
+    assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False,
+                                                "cublas_missing": missing, "precision_fallbacks": 2}
+    assert describe(gpu_engine(None)) == {"precision": "fast", "cublas": True, "precision_fallbacks": 0}
+    cpu = SimpleNamespace(device="cpu", precision="fp32", fallbacks=0, ops=SimpleNamespace())
+    assert describe(cpu) == {"precision": "fp32", "precision_fallbacks": 0}
+
+
+@pytest.mark.parametrize("missing, available", [("no libcublas", 0.0), (None, 1.0)])
+def test_metrics_show_cublas_and_the_engine(missing, available):
+    metrics = Metrics()
+    metrics.watch_engine(gpu_engine(missing))
+    text = metrics.render().decode()
+    assert sample(text, "clef_cublas_available") == available
+    assert 'clef_engine_info{device="cuda:0",precision="fast"} 1.0' in text
+    assert sample(text, "clef_device_memory_bytes") == 1234
+
+
+def test_cpu_metrics_have_no_cublas_line():
+    metrics = Metrics()
+    metrics.watch_engine(SimpleNamespace(device="cpu", precision="fp32", ops=SimpleNamespace(),
+                                         memory_in_use=lambda: 0))
+    assert "clef_cublas_available" not in metrics.render().decode()
+
+
+def test_fallbacks_counter_follows_the_engine():
+    metrics, engine = Metrics(), gpu_engine(None, fallbacks=1)
+    metrics.watch_engine(engine)  # e.g. the self-check fell back once
+    assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 1
+    engine.fallbacks = 3
+    metrics.after_batch(engine)
+    metrics.after_batch(engine)  # read twice, counted once
+    assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3
+
+
+def test_a_real_cpu_server_reports_its_engine():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from server_harness import Server
+
+    with Server() as server:
+        server.wait_ready()
+        health = server.get("/health").json()
+        assert health["precision"] == "fp32" and health["precision_fallbacks"] == 0 and "cublas" not in health
+        text = server.get("/metrics").text
+        assert 'clef_engine_info{device="cpu",precision="fp32"} 1.0' in text
+        assert "clef_precision_fallbacks_total 0.0" in text and "clef_cublas_available" not in text

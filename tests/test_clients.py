@@ -33,6 +33,16 @@ LONG_STATE = "\n".join(
 SHORT_STATE = "Checkout has been failing for every customer for the last hour."
 
 
+@pytest.fixture(scope="module", autouse=True)
+def local_only():
+    """The SDKs only talk to 127.0.0.1 here: a proxy configured for the machine must not be used."""
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            env.delenv(name, raising=False)
+            env.delenv(name.lower(), raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def server():
     with Server("--api-key", KEY) as s:

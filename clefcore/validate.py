@@ -118,8 +118,11 @@ def _reference(body: dict) -> dict:
             raise RequestError("question with an empty id needs non-empty instructions",
                                field=path + ".instructions")
     # Last, so bodies the reference itself refuses keep its messages. Unknown fields are ignored here, as
-    # the reference does, but `images` must not be: it would answer without the image.
+    # the reference does, but `images` and `videos` must not be: it would answer without them. (Cloudflare's
+    # schema has no `videos`: the cloudflare mode refuses it as an unknown field.)
     _check_images(body, "reference")
+    if body.get("videos") not in (None, []):
+        raise RequestError("videos: videos are not supported", field="videos")
     return _normalised(body, state_key)
 
 

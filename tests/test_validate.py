@@ -574,3 +574,22 @@ def test_fuzz_bodies_through_the_engine():
             assert list(out["answers"]) == list(parse_body(data)["questions"]) and text
             answered += 1
     assert answered >= 50
+
+
+@pytest.mark.parametrize("videos", [["data:video/mp4;base64,AAAA"], [["https://example.com/f1.jpg"]], "clip.mp4",
+                                    {"url": "x"}, 0, ""])
+def test_reference_mode_refuses_videos_instead_of_ignoring_them(videos):
+    """The reference hands `videos` to its processor; answering without them would be a silent wrong answer."""
+    body = {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "noul"}}, "videos": videos}
+    with pytest.raises(RequestError, match="videos: videos are not supported") as e:
+        validate_request(body, "reference")
+    assert e.value.field == "videos"
+    with pytest.raises(RequestError, match="unknown field") as e:
+        validate_request(dict(body, questions={"q": {"type": "noul", "instructions": "Is it?"}}), "cloudflare")
+    assert e.value.field == "videos"
+
+
+@pytest.mark.parametrize("videos", [None, []])
+def test_reference_mode_takes_no_videos_as_text_only(videos):
+    body = {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "noul"}}, "videos": videos}
+    assert validate_request(body, "reference")["state"] == "s"

@@ -1,18 +1,21 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The server's scheduler core: a bounded FIFO queue of prepared requests and the packing of its head
-into one prefill batch.
+"""The server's scheduler core: a bounded queue of prepared requests, ordered shortest first with aging, and
+the packing of its head into one prefill batch.
 
 The asyncio side (server/batcher.py) owns futures, clocks and threads; this module owns only the
 bookkeeping that runs on every enqueue and every batch: capacity, token sums, cancelled and expired
 entries. It holds no locks because it is only ever touched from the event loop thread.
 
-Packing is strictly first-in first-out: a batch is the longest prefix of the live queue that fits the
-token budget and the request count. A small request never overtakes a large one that arrived earlier
-(that would starve large prompts under steady load). The head entry is always taken, even when it alone
-exceeds the token budget, because it cannot get any smaller by waiting.
+Order: an entry's priority is its prompt size less what it earned by waiting, ``tokens - age_rate * waited``.
+Both terms move together for every queued entry, so the order is that of the fixed key ``enqueued_at + tokens /
+age_rate``, kept in a heap: a short request passes a long one that arrived less than (difference in tokens) /
+age_rate seconds before it, and never more, so a long prompt is not starved by a stream of short ones.
+``age_rate = inf`` is first-in first-out. A batch is the longest run of the heap's order that fits the token
+budget and the request count; the head entry always goes, even alone over the budget, because it cannot get any
+smaller by waiting.
 """
 
-from collections import deque
+import heapq
 
 
 cdef class Entry:
@@ -55,18 +58,25 @@ cdef class Batch:
 
 cdef class Scheduler:
     """Bounded queue. ``capacity`` counts live entries only: a cancelled entry stops occupying a slot at
-    once, although it is physically removed later, when packing reaches it."""
+    once, although it is physically removed later, when packing reaches it. ``age_rate``: prompt tokens of
+    priority an entry earns per second of waiting (see the module doc)."""
 
-    cdef object _queue
+    cdef list _heap
+    cdef long _seq
     cdef readonly long capacity
+    cdef readonly double age_rate
     cdef readonly long live
     cdef readonly long live_tokens
 
-    def __init__(self, long capacity):
+    def __init__(self, long capacity, double age_rate=float("inf")):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._queue = deque()
+        if not age_rate > 0:
+            raise ValueError("age_rate must be > 0 tokens per second")
+        self._heap = []
+        self._seq = 0
         self.capacity = capacity
+        self.age_rate = age_rate
         self.live = 0
         self.live_tokens = 0
 
@@ -77,12 +87,14 @@ cdef class Scheduler:
         return self.live >= self.capacity
 
     cpdef bint push(self, Entry entry):
-        """Append ``entry``; False (and nothing queued) when the queue is full."""
+        """Queue ``entry``; False (and nothing queued) when the queue is full."""
         if self.live >= self.capacity:
             return False
         if entry.queued or entry.cancelled:
             raise ValueError("entry is already queued or cancelled")
-        self._queue.append(entry)
+        # seq breaks ties in arrival order (and keeps the heap from ever comparing two entries)
+        heapq.heappush(self._heap, (entry.enqueued_at + entry.tokens / self.age_rate, self._seq, entry))
+        self._seq += 1
         entry.queued = True
         self.live += 1
         self.live_tokens += entry.tokens
@@ -99,21 +111,21 @@ cdef class Scheduler:
             self.live_tokens -= entry.tokens
 
     cpdef Batch take(self, long max_tokens, long max_requests, double now):
-        """Remove and return the next batch: the longest live FIFO prefix with at most ``max_requests``
-        entries and at most ``max_tokens`` prompt tokens (the first entry always goes). Cancelled and
-        expired entries met on the way are removed and reported, never run."""
+        """Remove and return the next batch: the longest run of the queue's order with at most ``max_requests``
+        entries and at most ``max_tokens`` prompt tokens (the first entry always goes). Cancelled and expired
+        entries met on the way are removed and reported, never run."""
         cdef Batch batch = Batch()
         cdef Entry entry
-        cdef object queue = self._queue
-        while queue:
-            entry = <Entry>queue[0]
+        cdef list heap = self._heap
+        while heap:
+            entry = <Entry>heap[0][2]
             if entry.cancelled:
-                queue.popleft()
+                heapq.heappop(heap)
                 entry.queued = False
                 batch.cancelled.append(entry)
                 continue
             if entry.deadline <= now:
-                queue.popleft()
+                heapq.heappop(heap)
                 entry.queued = False
                 self.live -= 1
                 self.live_tokens -= entry.tokens
@@ -123,7 +135,7 @@ cdef class Scheduler:
                 break
             if batch.entries and batch.tokens + entry.tokens > max_tokens:
                 break
-            queue.popleft()
+            heapq.heappop(heap)
             entry.queued = False
             self.live -= 1
             self.live_tokens -= entry.tokens
@@ -132,11 +144,11 @@ cdef class Scheduler:
         return batch
 
     cpdef list drain(self):
-        """Remove every live entry (used when shutting down past the drain timeout)."""
+        """Remove every live entry, in queue order (used when shutting down past the drain timeout)."""
         cdef list out = []
         cdef Entry entry
-        while self._queue:
-            entry = <Entry>self._queue.popleft()
+        while self._heap:
+            entry = <Entry>heapq.heappop(self._heap)[2]
             entry.queued = False
             if not entry.cancelled:
                 out.append(entry)

@@ -1,5 +1,5 @@
-"""The Cython scheduler core (clefcore.scheduler): capacity, FIFO packing under a token budget and a
-request count, cancelled and expired entries."""
+"""The Cython scheduler core (clefcore.scheduler): capacity, packing under a token budget and a request count
+(first in first out by default, shortest first with aging given an age rate), cancelled and expired entries."""
 
 from __future__ import annotations
 
@@ -88,3 +88,44 @@ def test_drain_and_reuse_rules():
         Scheduler(0)
     with pytest.raises(ValueError):
         Entry(None, -1, FAR, 0.0)
+
+
+def test_shortest_first_with_aging():
+    """age_rate 1000 tokens/s: a short request passes a long one that arrived less than (difference in tokens) /
+    1000 s earlier, and not one that has waited longer than that."""
+    s = Scheduler(10, 1000.0)
+    long_, short_late, short_too_late = (Entry("long", 5000, FAR, 0.0), Entry("short", 100, FAR, 4.0),
+                                         Entry("too late", 100, FAR, 5.0))
+    for e in (long_, short_late, short_too_late):
+        s.push(e)
+    # keys: long 0 + 5.0, short 4.0 + 0.1, too late 5.0 + 0.1
+    assert ids(s.take(100, 10, 6.0)) == ["short"]
+    assert ids(s.take(100, 10, 6.0)) == ["long"]           # the head always goes, over the budget too
+    assert ids(s.take(100, 10, 6.0)) == ["too late"] and len(s) == 0
+
+
+def test_aging_never_starves_a_long_request():
+    """Short requests arriving without pause: the long one runs once its wait has paid for its size."""
+    s = Scheduler(10_000, 2000.0)
+    s.push(Entry("long", 8000, FAR, 0.0))
+    t, order = 0.0, []
+    while "long" not in order:
+        t += 0.1
+        s.push(Entry(f"s{t:.1f}", 50, FAR, t))
+        order += ids(s.take(50, 1, t))
+        assert t < 5.0, "the long request starved"
+    assert 3.9 <= t <= 4.1                                  # 8000 / 2000 s behind the short stream
+
+
+def test_packing_follows_the_order_and_stops_at_the_first_misfit():
+    s = Scheduler(10, 1000.0)
+    for e in (Entry("a", 400, FAR, 0.0), Entry("b", 300, FAR, 0.0), Entry("c", 100, FAR, 0.0),
+              Entry("d", 900, FAR, 0.0)):
+        s.push(e)
+    assert ids(s.take(800, 10, 0.0)) == ["c", "b", "a"]
+    assert ids(s.take(800, 10, 0.0)) == ["d"]
+
+
+def test_age_rate_must_be_positive():
+    with pytest.raises(ValueError, match="age_rate"):
+        Scheduler(4, 0.0)

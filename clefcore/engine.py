@@ -8,6 +8,7 @@ logits to answers).
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,16 +121,23 @@ class Engine:
             fallback = getattr(self.ops, "fallback", None)
             if fallback is None:
                 raise
-            self.fallbacks += 1
-            log.warning("precision %s: %s; the batch (%d requests, %d tokens) runs again on the range-safe exact "
-                        "path", self.precision, first.message, len(records),
-                        sum(len(r.input_ids) for r in records))
+            self._count_fallback(first, len(records), sum(len(r.input_ids) for r in records))
             with fallback():
                 try:
                     return self._forward(records, keep_layers)
                 except GuardError as again:
                     raise DeviceError(f"{again.message} (range-safe exact path, run after the {self.precision} "
                                       f"precision's guard tripped: {first.message})") from again
+
+    def _count_fallback(self, first: GuardError, requests: int, tokens: int) -> None:
+        self.fallbacks += 1
+        log.warning("precision %s: %s; the batch (%d requests, %d tokens) runs again on the range-safe exact path",
+                    self.precision, first.message, requests, tokens)
+
+    def chunked(self, prepared: Prepared, chunk: int) -> "ChunkedRun":
+        """A request answered in chunks of ``chunk`` prompt tokens (see ChunkedRun): the server interleaves the
+        steps of a long prompt with batches of short ones."""
+        return ChunkedRun(self, prepared, chunk)
 
     def _forward(self, records: list[EncodedRecord], keep_layers: bool):
         lengths = [len(r.input_ids) for r in records]
@@ -182,3 +190,55 @@ class Engine:
 def load(path: str | Path, device: str = "cpu", **options) -> Engine:
     """Load a checkpoint directory (release layout) onto ``device`` ("cpu", "cuda", "cuda:N")."""
     return Engine(path, device=device, **options)
+
+
+class ChunkedRun:
+    """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (model.ChunkedPrefill),
+    then ``response()``: the joint head over the whole prompt, once. Between steps the engine may run other
+    forwards. Guards are read after every step; a trip restarts the run on the range-safe exact path (counted and
+    logged as in Engine.forward), a trip there too is a DeviceError. Answers equal the unchunked forward's up to
+    fp rounding."""
+
+    def __init__(self, engine: Engine, prepared: Prepared, chunk: int):
+        self.engine, self.prepared, self.chunk = engine, prepared, int(chunk)
+        self.safe = False          # running on the range-safe exact path after a guard trip
+        self._prefill = model.ChunkedPrefill(engine.ops, engine.params, prepared.record.input_ids, self.chunk)
+
+    @property
+    def done(self) -> bool:
+        return self._prefill.done
+
+    @property
+    def tokens_left(self) -> int:
+        return self._prefill.T - self._prefill.t
+
+    def _context(self):
+        return self.engine.ops.fallback() if self.safe else nullcontext()
+
+    def step(self) -> bool:
+        """Run the next chunk; True when the prefill is complete."""
+        ops = self.engine.ops
+        try:
+            with self._context():
+                self._prefill.step()
+                ops.check_watched()
+        except GuardError as first:
+            if self.safe or getattr(ops, "fallback", None) is None:
+                raise
+            self.engine._count_fallback(first, 1, self._prefill.T)
+            self.safe = True
+            self._prefill = model.ChunkedPrefill(ops, self.engine.params, self.prepared.record.input_ids, self.chunk)
+        return self.done
+
+    def logits(self) -> list:
+        """The head's logits per question (host fp32), after the last step."""
+        if not self.done:
+            raise RuntimeError(f"chunked prefill has {self.tokens_left} tokens left")
+        e, rec = self.engine, self.prepared.record
+        with self._context():
+            z = model.heads(e.ops, e.params, self._prefill.hs, rec.input_ids, self._prefill.cu, [rec.questions])[0]
+            e.ops.check_watched()
+        return z
+
+    def response(self) -> dict:
+        return answers.response(self.prepared.request, self.prepared.record, self.logits(), self.engine.confidence)

@@ -192,28 +192,77 @@ def _layers(ops, p: Params, x, cu_seqlens, cos, sin, plan, kept):
             cache = (ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
         carry = _Carry()
         for b in plan:
-            xb = x[b.t0:b.t1]
-            h = ops.rmsnorm(xb, L["input_layernorm.weight"], c.rms_eps)
-            if kind == "full_attention":
-                mixed = full_attention(ops, c, L, h, cu_seqlens, cos[b.t0:b.t1], sin[b.t0:b.t1], b.t0, cache)
-            else:
-                mixed = gated_deltanet(ops, c, L, h, b, carry)
-            # a dead or overflowing kernel must fail the request, not answer it (flags read once, at the end)
-            ops.watch(mixed, f"layer {i} ({kind}) output, tokens {b.t0}-{b.t1}")
-            del h
-            s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
-            del mixed
-            m = ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"], L["mlp.down_proj.weight"])
-            ops.watch(m, f"layer {i} MLP output, tokens {b.t0}-{b.t1}")
-            del h
-            ops.xp.add(s, m, out=xb)                           # x[t0:t1] = (x + mixer) + mlp, in place
-            del s, m
+            _layer_block(ops, c, i, L, x[b.t0:b.t1], b, cu_seqlens, cos[b.t0:b.t1], sin[b.t0:b.t1], cache, carry)
         if kept is not None:
             kept.append(x.copy())
     del cache
     for b in plan:                                             # final norm, in place: x becomes the output
         x[b.t0:b.t1] = ops.rmsnorm(x[b.t0:b.t1], p.norm, c.rms_eps)
     ops.watch(x, "final hidden states")
+
+
+def _layer_block(ops, c: TextConfig, i: int, L: dict, xb, b: _Block, cu_seqlens, cos, sin, cache, carry):
+    """Layer i over the rows [b.t0, b.t1) of the stream, in place on xb (those rows of the residual stream): the
+    mixer (attention reads and writes ``cache``, the GDN ``carry``), the MLP, both residual adds."""
+    kind = c.layer_types[i]
+    h = ops.rmsnorm(xb, L["input_layernorm.weight"], c.rms_eps)
+    if kind == "full_attention":
+        mixed = full_attention(ops, c, L, h, cu_seqlens, cos, sin, b.t0, cache)
+    else:
+        mixed = gated_deltanet(ops, c, L, h, b, carry)
+    # a dead or overflowing kernel must fail the request, not answer it (flags read once, at the end)
+    ops.watch(mixed, f"layer {i} ({kind}) output, tokens {b.t0}-{b.t1}")
+    del h
+    s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
+    del mixed
+    m = ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"], L["mlp.down_proj.weight"])
+    ops.watch(m, f"layer {i} MLP output, tokens {b.t0}-{b.t1}")
+    del h
+    ops.xp.add(s, m, out=xb)                                   # x[t0:t1] = (x + mixer) + mlp, in place
+
+
+class ChunkedPrefill:
+    """One prompt's backbone run as a sequence of token chunks, each through every layer (chunk-outer, where
+    ``backbone`` is layer-outer), so that a caller can run other forwards on the same backend between two chunks.
+    What the next chunk needs is carried: per GDN layer the conv tail and the delta-rule state (``_Carry``), per
+    attention layer its own K/V rows so far. The final-norm states of every row gather in ``hs`` [T, H] for the
+    head. The result equals ``backbone`` on the whole prompt up to fp rounding, for any chunk size.
+
+    ``step()`` runs the next chunk (its guard flags are left for the caller's ``ops.check_watched``) and returns
+    True once the last one has run."""
+
+    def __init__(self, ops, p: Params, ids, chunk: int):
+        if chunk < 1:
+            raise ValueError("chunk must be at least one token")
+        c = p.text
+        self.ops, self.p, self.chunk = ops, p, int(chunk)
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.T = T = len(self.ids)
+        self.t = 0
+        self.cos, self.sin = ops.rope_tables(np.arange(T, dtype=np.int64), c.rotary_dim, c.rope_theta)
+        self.cu = np.array([0, T], dtype=np.int64)
+        attn = [kind == "full_attention" for kind in c.layer_types]
+        self.caches = [(ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
+                       if a else None for a in attn]
+        self.carries = [None if a else _Carry() for a in attn]
+        self.hs = ops.xp.empty((T, c.hidden_size), dtype=np.float32)
+
+    @property
+    def done(self) -> bool:
+        return self.t >= self.T
+
+    def step(self) -> bool:
+        ops, p, c = self.ops, self.p, self.p.text
+        t0, t1 = self.t, min(self.t + self.chunk, self.T)
+        b = _Block(t0, t1, np.array([0, t1 - t0], dtype=np.int64), t0 > 0, t1 < self.T)
+        x = ops.embed(p.embed, self.ids[t0:t1])
+        for i, L in enumerate(p.layers):
+            _layer_block(ops, c, i, L, x, b, self.cu, self.cos[t0:t1], self.sin[t0:t1], self.caches[i],
+                         self.carries[i])
+        self.hs[t0:t1] = ops.rmsnorm(x, p.norm, c.rms_eps)
+        ops.watch(self.hs[t0:t1], f"final hidden states, tokens {t0}-{t1}")
+        self.t = t1
+        return self.done
 
 
 class _Carry:

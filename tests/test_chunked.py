@@ -1,0 +1,89 @@
+"""Chunked prefill (model.ChunkedPrefill, Engine.chunked): a prompt run chunk by chunk through every layer, with the
+conv tail, the delta-rule state and each attention layer's K/V rows carried between chunks, answers as the whole
+prompt does, for chunk sizes that cut the prompt anywhere (1 token, odd sizes, one short of it, bigger than it),
+with other forwards run between its steps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import clefcore
+from clefcore import model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS  # noqa: E402
+
+GOLD = Path(__file__).parent / "golden"
+BODIES = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines()]
+
+
+def _longest(engine, n=2):
+    prepared = []
+    for b in BODIES:
+        try:
+            prepared.append(engine.prepare(b))
+        except clefcore.ClefError:
+            continue
+    return sorted(prepared, key=lambda p: -p.num_tokens)[:n]
+
+
+def _run(engine, prepared, chunk, between=None):
+    run = engine.chunked(prepared, chunk)
+    steps = 0
+    while not run.step():
+        steps += 1
+        if between is not None:
+            engine.infer([between])                  # another forward between two chunks
+    assert steps + 1 == -(-prepared.num_tokens // chunk)
+    return run
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda:0", marks=MARKS)]
+
+
+@pytest.fixture(scope="module", params=_devices())
+def engine(request):
+    extra = {} if request.param == "cpu" else {"precision": "exact"}
+    return clefcore.load(GOLD / "model", device=request.param, validation="reference", **extra)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 65, 1000])
+def test_chunked_equals_whole(engine, chunk):
+    long_, short = _longest(engine)
+    if chunk == 1000:
+        chunk = long_.num_tokens - 1                 # one short of the prompt: the last chunk is one token
+    (whole,), hs, _ = engine.forward([long_.record])
+    run = _run(engine, long_, chunk, between=short if chunk in (7, 65) else None)
+    got = engine.ops.to_host(run._prefill.hs)
+    ref = engine.ops.to_host(hs)
+    err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+    # CPU: fp32 summation order (the bound of the blocked prefill's test, tests/test_blocked.py); GPU: GEMMs of
+    # other row counts may take other kernel paths
+    bound = 2e-5 if engine.device == "cpu" else 2e-3
+    print(f"CHUNKED {engine.device} chunk {chunk}: hidden {err:.2e}")
+    assert err <= bound
+    for a, b in zip(run.logits(), whole):
+        np.testing.assert_allclose(a, b, rtol=0, atol=bound * max(1.0, float(np.abs(b).max())))
+    assert list(run.response()["answers"]) == list(long_.request["questions"])
+
+
+def test_a_chunk_bigger_than_the_prompt_is_one_step(engine):
+    (p, _) = _longest(engine)
+    run = engine.chunked(p, p.num_tokens + 5)
+    assert run.step() and run.done and run.tokens_left == 0
+
+
+def test_answers_before_the_last_chunk_are_refused(engine):
+    (p, _) = _longest(engine)
+    run = engine.chunked(p, 16)
+    run.step()
+    with pytest.raises(RuntimeError, match="tokens left"):
+        run.logits()
+    with pytest.raises(ValueError):
+        model.ChunkedPrefill(engine.ops, engine.params, p.record.input_ids, 0)

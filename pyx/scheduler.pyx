@@ -83,6 +83,14 @@ cdef class Scheduler:
     def __len__(self):
         return self.live
 
+    cpdef set_age_rate(self, double age_rate):
+        """Change the aging rate for entries pushed from now on (the server follows its measured device rate).
+        Entries already queued keep the key they were pushed with: the heap stays valid, and their order
+        against newer entries is off by at most the change in rate, which only shifts who ages faster."""
+        if not age_rate > 0:
+            raise ValueError("age_rate must be > 0 tokens per second")
+        self.age_rate = age_rate
+
     cpdef bint full(self):
         return self.live >= self.capacity
 

@@ -77,6 +77,28 @@ def _positive(kind):
     return parse
 
 
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _age_rate(text: str) -> float | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens/s, inf or auto, got {text}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 tokens/s, inf or auto, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model directory (config.json, safetensors, tokenizer)")
@@ -104,6 +126,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="queued requests before answering 429")
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer (503 after)")
+    parser.add_argument("--max-queue-wait", type=_positive(float), default=None,
+                        help="admit a request while the queued work's expected wait (tokens / measured device "
+                             "rate) fits this many seconds, else 429 (default: half of --request-timeout)")
+    parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
+                        help="run prompts longer than this in chunks of this many tokens, between batches of "
+                             "short ones (0: off)")
+    parser.add_argument("--age-rate", type=_age_rate, default=None,
+                        help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
+                             "(first in, first out) or auto (default: the measured device rate)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish accepted requests after SIGTERM")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
@@ -196,11 +227,26 @@ async def _load(state: ServerState) -> None:
     state.metrics.watch_engine(engine)
     state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                            hooks=state.hooks)
+                            hooks=state.hooks, wait_budget_s=wait_budget(cfg),
+                            chunk_tokens=getattr(cfg, "chunk_tokens", 0),
+                            age_rate=getattr(cfg, "age_rate", None))
     state.batcher.start()
     state.lifecycle.set(READY, "ready")
     state.metrics.ready.set(1)
     log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3))
+
+
+def wait_budget(cfg: argparse.Namespace) -> float:
+    """Seconds of expected wait a request may be admitted into: half the timeout leaves the other half for
+    the estimate's error and the request's own run."""
+    budget = getattr(cfg, "max_queue_wait", None)
+    return budget if budget is not None else cfg.request_timeout / 2
+
+
+def _refused(refusal, capacity: int) -> errors.ApiError:
+    if refusal.reason == "queue_full":
+        return errors.queue_full(capacity, refusal.retry_after_s)
+    return errors.overloaded(refusal.wait_s, refusal.budget_s, refusal.retry_after_s)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -348,9 +394,12 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
             if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
         batcher = state.batcher
-        # Refuse before tokenizing when the queue is already full: shedding load must be cheap.
-        if batcher.full():
-            raise errors.queue_full(batcher.capacity, retry_after_s=1)
+        # Refuse before tokenizing when the queue is already full or its work alone is over the budget:
+        # shedding load must be cheap.
+        refusal = batcher.refusal(0)
+        if refusal is not None:
+            state.metrics.rejected.labels(refusal.reason).inc()
+            raise _refused(refusal, batcher.capacity)
         loop = asyncio.get_running_loop()
         try:
             prepared = await loop.run_in_executor(
@@ -361,8 +410,8 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         deadline = time.monotonic() + cfg.request_timeout
         try:
             outcome = await batcher.submit(prepared, deadline)
-        except QueueFull:
-            raise errors.queue_full(batcher.capacity, retry_after_s=1) from None
+        except QueueFull as full:
+            raise _refused(full.refusal, batcher.capacity) from None
         except DeadlineExceeded:
             raise errors.timed_out(cfg.request_timeout) from None
         except ClefError as error:

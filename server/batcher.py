@@ -8,25 +8,39 @@ packed into the next one, so under load batches grow by themselves and an idle s
 
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
 get a 500, the rest of the batch is answered normally.
+
+Overload (issue 20): a request is admitted while the work ahead of it, in tokens over the measured device
+rate, fits the wait budget (server/admission.py); otherwise it gets a 429 at once. Short prompts are ordered
+shortest first with aging. A prompt longer than ``chunk_tokens`` runs as a ChunkedRun whose steps alternate
+with packed batches of short prompts, so a short request waits for at most one chunk, not a whole long
+prompt. Long prompts run one at a time, in arrival order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from clefcore.errors import DeviceError
 from clefcore.scheduler import Entry, Scheduler
 
+from . import admission
+from .admission import RateMeter, Refusal
 from .device_thread import DeviceThread
 from .metrics import Metrics
 from .testhooks import TestHooks
 
 
 class QueueFull(Exception):
-    pass
+    """Not admitted: ``refusal`` says why (queued work over the budget, or the queue's count bound)."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.reason)
+        self.refusal = refusal
 
 
 class DeadlineExceeded(Exception):
@@ -43,17 +57,44 @@ class Outcome:
     batch_tokens: int
 
 
+@dataclass
+class _Chunked:
+    """The long prompt being run chunk by chunk: its entry, its ChunkedRun (made on the device thread at the
+    first step), when its first step started, and the device time its steps took."""
+    entry: Entry
+    run: Any = None
+    started: float = 0.0
+    device_s: float = 0.0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.entry.tokens if self.run is None else self.run.tokens_left
+
+
 class Batcher:
     def __init__(self, engine: Any, device: DeviceThread, metrics: Metrics, *, max_queue: int,
-                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks):
+                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks,
+                 wait_budget_s: float = math.inf, chunk_tokens: int = 0, age_rate: float | None = None,
+                 start_rate: float | None = None):
+        """``wait_budget_s``: admit while the expected wait fits it. ``chunk_tokens``: prompts longer than this
+        run chunked, in chunks of this size (0: never). ``age_rate``: the scheduler's aging in tokens per
+        second of waiting (None: follow the measured device rate; inf: first in, first out)."""
         self._engine = engine
         self._metrics = metrics
-        self._scheduler = Scheduler(max_queue)
+        self._rate = RateMeter(start_rate or admission.START_RATE.get(
+            str(getattr(engine, "device", "cpu")).split(":")[0], admission.START_RATE["cpu"]))
+        self._follow_rate = age_rate is None
+        self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
         self._max_tokens = max_batch_tokens
         self._max_requests = max_batch_requests
+        self._budget_s = wait_budget_s
+        self._chunk = chunk_tokens
         self._device = device
         self._wake = asyncio.Event()
         self._running: list = []  # entries of the batch on the device now
+        self._running_tokens = 0
+        self._long: deque[Entry] = deque()  # long prompts waiting for their chunked run, in arrival order
+        self._active: _Chunked | None = None
         self._task: asyncio.Task | None = None
         self._hooks = hooks
 
@@ -63,13 +104,46 @@ class Batcher:
 
     @property
     def queued(self) -> int:
-        return len(self._scheduler)
+        return len(self._scheduler) + len(self._long)
 
     def full(self) -> bool:
-        return self._scheduler.full()
+        return self.queued >= self._scheduler.capacity
 
     def idle(self) -> bool:
-        return len(self._scheduler) == 0 and not self._running
+        return self.queued == 0 and not self._running and self._active is None
+
+    @property
+    def rate(self) -> float:
+        return self._rate.rate
+
+    def backlog_tokens(self) -> int:
+        """Tokens of accepted work not yet done: queued short prompts, the batch on the device, queued long
+        prompts and what is left of the one running chunked."""
+        tokens = self._scheduler.live_tokens + self._running_tokens + sum(e.tokens for e in self._long)
+        return tokens + (self._active.tokens_left if self._active is not None else 0)
+
+    def refusal(self, tokens: int) -> Refusal | None:
+        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. ``tokens`` 0 asks
+        whether anything could be (the cheap check before tokenizing)."""
+        backlog = self.backlog_tokens()
+        rate = self._rate.rate
+        if self.full():
+            return Refusal("queue_full", admission.retry_after(backlog, rate, self._budget_s),
+                           admission.expected_wait(backlog + tokens, rate), self._budget_s)
+        return admission.check(backlog, tokens, rate, self._budget_s)
+
+    def _publish(self) -> None:
+        backlog = self.backlog_tokens()
+        self._metrics.queue_depth.set(self.queued)
+        self._metrics.queued_tokens.set(backlog)
+        self._metrics.estimated_wait.set(admission.expected_wait(backlog, self._rate.rate))
+
+    def _observe_rate(self, tokens: int, seconds: float) -> None:
+        self._rate.observe(tokens, seconds)
+        self._metrics.device_rate.set(self._rate.rate)
+        if self._follow_rate:
+            # A short prompt passes a long one that arrived less than the long one's own run time earlier.
+            self._scheduler.set_age_rate(self._rate.rate)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="clef-dispatch")
@@ -77,7 +151,8 @@ class Batcher:
     async def stop(self) -> None:
         """The drain timeout has passed: answer everything still queued or on the device with a timeout
         (so no accepted request is cut off without an answer) and stop the dispatcher."""
-        for entry in self._scheduler.drain() + self._running:
+        active = [self._active.entry] if self._active is not None else []
+        for entry in self._scheduler.drain() + self._running + list(self._long) + active:
             _, future = entry.payload
             if not future.done():
                 future.set_exception(DeadlineExceeded())
@@ -86,69 +161,168 @@ class Batcher:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def submit(self, prepared: Any, deadline: float) -> Outcome:
-        """Queue one prepared request and wait for its answer. Raises QueueFull at once when there is no
-        room, DeadlineExceeded when ``deadline`` (time.monotonic) passes first, or the device's error."""
+        """Queue one prepared request and wait for its answer. Raises QueueFull at once when it is not
+        admitted, DeadlineExceeded when ``deadline`` (time.monotonic) passes first, or the device's error."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
         entry = Entry((prepared, future), prepared.num_tokens, deadline, now)
-        if not self._scheduler.push(entry):
-            raise QueueFull()
-        self._metrics.queue_depth.set(len(self._scheduler))
+        refused = self.refusal(entry.tokens)
+        if refused is not None:
+            self._metrics.rejected.labels(refused.reason).inc()
+            raise QueueFull(refused)
+        long = 0 < self._chunk < entry.tokens
+        if long:
+            self._long.append(entry)
+        elif not self._scheduler.push(entry):  # cannot happen after refusal(); kept as the scheduler's word
+            self._metrics.rejected.labels("queue_full").inc()
+            raise QueueFull(Refusal("queue_full", 1, 0.0, self._budget_s))
+        self._publish()
         self._wake.set()
         try:
             return await asyncio.wait_for(future, timeout=max(deadline - now, 0.0))
         except asyncio.TimeoutError:
-            self._scheduler.cancel(entry)
+            self._forget(entry, long)
             raise DeadlineExceeded() from None
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler): give the slot back; if the request is
-            # already on the device its result is simply dropped.
-            if entry.queued:
+            # already on the device its result is simply dropped, and a chunked run stops at its next step.
+            if self._forget(entry, long):
                 self._metrics.cancelled.inc()
-            self._scheduler.cancel(entry)
             raise
         finally:
-            self._metrics.queue_depth.set(len(self._scheduler))
+            self._publish()
+
+    def _forget(self, entry: Entry, long: bool) -> bool:
+        """Drop an abandoned request from whichever queue holds it; True when it was still queued."""
+        if not long:
+            queued = entry.queued
+            self._scheduler.cancel(entry)
+            return queued
+        if entry in self._long:
+            self._long.remove(entry)
+            return True
+        return False  # running chunked: _chunk_step sees its settled future and stops
 
     async def _dispatch(self) -> None:
         while True:
-            if len(self._scheduler) == 0:
+            if len(self._scheduler) == 0 and not self._long and self._active is None:
                 self._wake.clear()
                 await self._wake.wait()
-            batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
-            self._metrics.queue_depth.set(len(self._scheduler))
-            for entry in batch.expired:
-                self._metrics.expired.inc()
-                _, future = entry.payload
-                if not future.done():
-                    future.set_exception(DeadlineExceeded())
-            if not batch.entries:
+            # One chunk of the long prompt, then one batch of short ones: a short request waits for at
+            # most one chunk, and the long prompt still moves at every turn.
+            if self._long or self._active is not None:
+                await self._chunk_step()
+            if len(self._scheduler):
+                await self._short_batch()
+
+    async def _short_batch(self) -> None:
+        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
+        for entry in batch.expired:
+            self._metrics.expired.inc()
+            _, future = entry.payload
+            if not future.done():
+                future.set_exception(DeadlineExceeded())
+        if not batch.entries:
+            self._publish()
+            return
+        started = time.monotonic()
+        prepared = [entry.payload[0] for entry in batch.entries]
+        self._running = batch.entries
+        self._running_tokens = batch.tokens
+        self._publish()
+        self._metrics.running.set(len(prepared))
+        try:
+            results, prefill_s = await self._device.run(self._run_on_device, prepared)
+        finally:
+            self._running = []
+            self._running_tokens = 0
+            self._metrics.running.set(0)
+        self._observe_rate(batch.tokens, prefill_s)
+        self._publish()
+        self._metrics.batches.inc()
+        self._metrics.after_batch(self._engine)
+        self._metrics.batch_requests.observe(len(prepared))
+        self._metrics.batch_tokens.observe(batch.tokens)
+        self._metrics.prefill.observe(prefill_s)
+        for entry, (response, error) in zip(batch.entries, results):
+            _, future = entry.payload
+            wait_s = started - entry.enqueued_at
+            self._metrics.queue_wait.observe(wait_s)
+            if future.done():  # the client left while its request was on the device
                 continue
-            started = time.monotonic()
-            prepared = [entry.payload[0] for entry in batch.entries]
-            self._running = batch.entries
-            self._metrics.running.set(len(prepared))
-            try:
-                results, prefill_s = await self._device.run(self._run_on_device, prepared)
-            finally:
-                self._running = []
-                self._metrics.running.set(0)
-            self._metrics.batches.inc()
-            self._metrics.after_batch(self._engine)
-            self._metrics.batch_requests.observe(len(prepared))
-            self._metrics.batch_tokens.observe(batch.tokens)
-            self._metrics.prefill.observe(prefill_s)
-            for entry, (response, error) in zip(batch.entries, results):
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(Outcome(response, wait_s, prefill_s, len(prepared), batch.tokens))
+
+    async def _chunk_step(self) -> None:
+        """Run the next chunk of the active long prompt (starting the next queued one if none is active)."""
+        now = time.monotonic()
+        if self._active is None:
+            while self._long:
+                entry = self._long.popleft()
                 _, future = entry.payload
-                wait_s = started - entry.enqueued_at
-                self._metrics.queue_wait.observe(wait_s)
-                if future.done():  # the client left while its request was on the device
+                if future.done():  # abandoned while queued
                     continue
+                if entry.deadline <= now:
+                    self._metrics.expired.inc()
+                    future.set_exception(DeadlineExceeded())
+                    continue
+                self._active = _Chunked(entry, started=now)
+                self._metrics.queue_wait.observe(now - entry.enqueued_at)
+                break
+            else:
+                self._publish()
+                return
+        active = self._active
+        _, future = active.entry.payload
+        if future.done():  # the client left, or its deadline passed, between two steps
+            self._active = None
+            self._publish()
+            return
+        if active.entry.deadline <= now:
+            self._metrics.expired.inc()
+            future.set_exception(DeadlineExceeded())
+            self._active = None
+            self._publish()
+            return
+        self._metrics.running.set(1)
+        try:
+            active.run, done, response, tokens, error, seconds = await self._device.run(
+                self._step_on_device, active.entry.payload[0], active.run)
+        finally:
+            self._metrics.running.set(0)
+        active.device_s += seconds
+        self._metrics.chunk_steps.inc()
+        self._observe_rate(tokens, seconds)
+        if done or error is not None:
+            self._active = None
+            self._metrics.after_batch(self._engine)
+            self._metrics.prefill.observe(active.device_s)
+            if not future.done():
                 if error is not None:
                     future.set_exception(error)
                 else:
-                    future.set_result(Outcome(response, wait_s, prefill_s, len(prepared), batch.tokens))
+                    future.set_result(Outcome(response, active.started - active.entry.enqueued_at,
+                                              active.device_s, 1, active.entry.tokens))
+        self._publish()
+
+    def _step_on_device(self, prepared: Any, run: Any) -> tuple:
+        """Device thread: one chunk (making the run at the first). Returns (run, done, response or None,
+        tokens processed, error or None, seconds)."""
+        started = time.perf_counter()
+        try:
+            if run is None:
+                run = self._engine.chunked(prepared, self._chunk)
+            before = run.tokens_left
+            self._device_hooks([prepared], min(self._chunk, before))
+            done = run.step()
+            response = run.response() if done else None
+            # a guard trip restarts the run on the exact path: tokens_left grows back, count nothing
+            return run, done, response, max(0, before - run.tokens_left), None, time.perf_counter() - started
+        except Exception as error:  # noqa: BLE001 - this request alone fails
+            return run, True, None, 0, _as_device_error(error), time.perf_counter() - started
 
     def _run_on_device(self, prepared: list) -> tuple[list[tuple[dict | None, Exception | None]], float]:
         """Device thread. Returns one (response, error) pair per request and the forward's duration."""
@@ -168,15 +342,19 @@ class Batcher:
         return results, time.perf_counter() - started
 
     def _infer(self, prepared: list) -> list[dict]:
+        self._device_hooks(prepared, sum(p.num_tokens for p in prepared))
+        return self._engine.infer(prepared)
+
+    def _device_hooks(self, prepared: list, tokens: int) -> None:
+        """Test hooks (server/testhooks.py) on the device thread; no-ops in production."""
         hooks = self._hooks
-        if hooks.batch_delay_s:
-            time.sleep(hooks.batch_delay_s)
+        if hooks.batch_delay_s or hooks.token_delay_s:
+            time.sleep(hooks.batch_delay_s + hooks.token_delay_s * tokens)
         if hooks.fail_marker is not None:
             for p in prepared:
                 state = p.request.get("state")
                 if isinstance(state, str) and hooks.fail_marker in state:
                     raise DeviceError("injected device fault (test hook)")
-        return self._engine.infer(prepared)
 
 
 def _as_device_error(error: Exception) -> DeviceError:

@@ -140,7 +140,16 @@ def unauthorized() -> ApiError:
 
 def queue_full(capacity: int, retry_after_s: int) -> ApiError:
     return ApiError(429, f"server queue is full ({capacity} requests); retry later", "rate_limit_error",
-                    cf_code=CF_CAPACITY, limit=f"{capacity} queued requests",
+                    cf_code=CF_CAPACITY, limit=f"{capacity} queued requests", extra={"reason": "queue_full"},
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def overloaded(wait_s: float, budget_s: float, retry_after_s: int) -> ApiError:
+    """Admission by work refused the request: the work ahead of it would outlast the wait budget."""
+    return ApiError(429, f"server is overloaded: the work already queued means an expected wait of "
+                         f"{wait_s:.2f} s, over the {budget_s:g} s wait budget; retry in {retry_after_s} s",
+                    "rate_limit_error", cf_code=CF_CAPACITY, limit=f"{budget_s:g} s expected wait",
+                    extra={"reason": "queued_work", "expected_wait_s": round(wait_s, 3)},
                     headers={"Retry-After": str(retry_after_s)})
 
 

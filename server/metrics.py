@@ -73,6 +73,20 @@ class Metrics:
                                  buckets=_SECONDS, registry=r)
         self.e2e = Histogram("clef_request_duration_seconds", "End-to-end latency of decision requests",
                              ["route"], buckets=_SECONDS, registry=r)
+        # Admission by work (server/admission.py): what is waiting, in tokens and in expected seconds, and
+        # what was refused and why (queued_work: over the wait budget; queue_full: over --max-queue).
+        self.queued_tokens = Gauge("clef_queued_tokens", "Prompt tokens accepted and not yet answered: queued, "
+                                   "running and the rest of chunked prompts", registry=r,
+                                   multiprocess_mode="livesum")
+        # livemax: the worst worker is what a client routed there waits.
+        self.estimated_wait = Gauge("clef_estimated_wait_seconds", "Expected wait of a request arriving now "
+                                    "(queued tokens / measured rate)", registry=r, multiprocess_mode="livemax")
+        self.device_rate = Gauge("clef_device_rate_tokens_per_second", "Measured prompt tokens per second of "
+                                 "device time (smoothed)", registry=r, multiprocess_mode="liveall")
+        self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 at admission, by reason",
+                                ["reason"], registry=r)
+        self.chunk_steps = Counter("clef_chunk_steps", "Chunks of long prompts run (chunked prefill)",
+                                   registry=r)
         self.cancelled = Counter("clef_requests_cancelled", "Queued requests dropped because the client left",
                                  registry=r)
         self.expired = Counter("clef_requests_expired", "Queued requests dropped past their deadline",

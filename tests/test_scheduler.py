@@ -129,3 +129,18 @@ def test_packing_follows_the_order_and_stops_at_the_first_misfit():
 def test_age_rate_must_be_positive():
     with pytest.raises(ValueError, match="age_rate"):
         Scheduler(4, 0.0)
+
+
+def test_set_age_rate_applies_to_new_entries_and_refuses_nonpositive():
+    s = Scheduler(8)  # FIFO at first
+    s.push(Entry("long", 1000, 100.0, 0.0))
+    s.set_age_rate(100.0)  # from now on 1000 tokens of difference are worth 10 s of waiting
+    s.push(Entry("short", 10, 100.0, 1.0))  # key 1.1: the FIFO-era entry (key 0.0) keeps its place
+    s.push(Entry("later-long", 1000, 100.0, 0.5))  # key 10.5: arrived before the short one, runs after it
+    order = [e.payload for e in s.take(10_000, 1, 2.0).entries + s.take(10_000, 1, 2.0).entries
+             + s.take(10_000, 1, 2.0).entries]
+    assert order == ["long", "short", "later-long"]
+    assert s.age_rate == 100.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="age_rate"):
+            s.set_age_rate(bad)

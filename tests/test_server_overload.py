@@ -1,0 +1,161 @@
+"""Serving under overload (issue 20), on a real `clefcore serve` with the tiny model: long prompts run chunked
+between batches of short ones, chunked answers equal the engine's unchunked ones, and work beyond the wait
+budget is refused at once with 429 + Retry-After while every accepted request is answered.
+
+CLEFCORE_TEST_TOKEN_DELAY_S makes the device's time grow with the tokens it runs, so that a long prompt is
+measurably long on the tiny model; the assertions compare times with each other, never with absolute ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import MODEL, Server, same_answers  # noqa: E402
+
+TOKEN_DELAY = {"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}  # 1 ms per prompt token
+
+
+def short(n: int = 0) -> dict:  # ~134 prompt tokens
+    return {"model": "clef", "state": f"Checkout fails for customer {n}.",
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+
+
+def long(n: int = 0, repeat: int = 80) -> dict:  # ~1,300 prompt tokens at repeat=80
+    state = " ".join(f"node {i} reports checkout error {n};" for i in range(repeat))
+    return {"model": "clef", "state": state,
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
+                          "team": {"type": "choice", "instructions": "Which team?",
+                                   "criteria": {"billing": "Payments", "technical": "Outages"}}}}
+
+
+def timed(server: Server, body: dict, out: list) -> None:
+    started = time.monotonic()
+    reply = server.decide(body)
+    out.append((time.monotonic() - started, reply))
+
+
+def in_threads(*calls) -> list[threading.Thread]:
+    threads = [threading.Thread(target=fn, args=args) for fn, *args in calls]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_chunked_request_answers_like_the_engines_unchunked_decide():
+    import clefcore
+
+    engine = clefcore.load(str(MODEL))
+    body = long(3, repeat=30)
+    assert engine.prepare(body).num_tokens > 3 * 97
+    with Server("--chunk-tokens", "97") as s:
+        s.wait_ready()
+        reply = s.decide(body)
+        assert reply.status == 200, reply
+        assert same_answers(reply.json(), engine.decide(body))
+        assert s.metric("clef_chunk_steps_total") >= 4  # it did run in chunks
+        small = s.decide(short())
+        assert small.status == 200 and same_answers(small.json(), engine.decide(short()))
+
+
+def test_short_requests_stay_fast_while_long_ones_run_chunked():
+    # 3 ms per token: the device's time is mostly the hook's, so the times below compare work, not noise.
+    # Chunks of 160 tokens: a little more than one short request (~139 tokens, so not chunked itself).
+    with Server("--chunk-tokens", "160", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
+        s.wait_ready()
+        s.decide(short(99))  # warm-up
+        solo = statistics.median(timed_one(s, short(i)) for i in range(3))
+        longs: list = []
+        threads = in_threads((timed, s, long(1, repeat=50), longs))  # ~950 tokens: ~3 s of device time
+        time.sleep(0.3)  # accepted and running chunk by chunk
+        started = time.monotonic()
+        shorts = [timed_one(s, short(10 + i)) for i in range(4)]
+        shorts_done = time.monotonic() - started
+        for t in threads:
+            t.join(60)
+        assert [r.status for _, r in longs] == [200]
+        long_elapsed = longs[0][0]
+        assert shorts_done + 0.3 < long_elapsed, (shorts, long_elapsed)  # they did run beside the long one
+        # A short request waits for at most one chunk of 160 tokens (about its own size), not for the whole
+        # long prompt: each takes about 2x its solo time (unchunked it would wait up to ~3 s, ~7x).
+        assert max(shorts) < 3.5 * solo, (shorts, solo, long_elapsed)
+
+
+def timed_one(server: Server, body: dict) -> float:
+    out: list = []
+    timed(server, body, out)
+    elapsed, reply = out[0]
+    assert reply.status == 200, reply
+    return elapsed
+
+
+def test_over_the_wait_budget_429_with_retry_after_arrives_fast_and_no_accepted_request_is_lost():
+    with Server("--max-queue-wait", "1", "--request-timeout", "20", "--chunk-tokens", "0",
+                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.002"}) as s:
+        s.wait_ready()
+        replies: list = []
+        threads = in_threads(*[(timed, s, long(i, repeat=20), replies) for i in range(24)])
+        for t in threads:
+            t.join(60)
+        statuses = sorted(r.status for _, r in replies)
+        assert set(statuses) == {200, 429}, statuses  # some admitted and answered, the rest refused
+        refused = [(elapsed, r) for elapsed, r in replies if r.status == 429]
+        for _, r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["reason"] in ("queued_work", "queue_full")
+        # refused before any device work: faster than the quickest answered request
+        fastest_answer = min(elapsed for elapsed, r in replies if r.status == 200)
+        assert statistics.median(e for e, _ in refused) < fastest_answer, replies
+        rejected = s.metric("clef_requests_rejected_total")
+        assert rejected == len(refused)
+        assert s.metric("clef_queued_tokens") == 0  # everything accepted was answered
+        assert s.metric("clef_device_rate_tokens_per_second") > 0
+
+
+def test_chunked_requests_fail_alone_time_out_and_drain():
+    env = dict(TOKEN_DELAY, CLEFCORE_TEST_FAIL_MARKER="EXPLODE")
+    # --max-queue-wait above the timeout: admission lets everything in, so the deadline is what is tested
+    with Server("--chunk-tokens", "256", "--request-timeout", "1", "--max-queue-wait", "30", env=env) as s:
+        s.wait_ready()
+        # A device fault in one chunked request: a 500 for it, the short one beside it is answered.
+        broken = long(0)
+        broken["state"] += " EXPLODE"
+        out: list = []
+        threads = in_threads((timed, s, broken, out), (timed, s, short(1), out))
+        for t in threads:
+            t.join(30)
+        assert sorted(r.status for _, r in out) == [200, 500], out
+        # Past its deadline between two chunks: a 503, and the server keeps serving.
+        too_long = s.decide(long(1, repeat=150))
+        assert too_long.status == 503 and too_long.json()["error"]["type"] == "timeout"
+        assert s.decide(short(2)).status == 200
+    with Server("--chunk-tokens", "256", env=TOKEN_DELAY) as s:
+        s.wait_ready()
+        out = []
+        threads = in_threads((timed, s, long(5), out))
+        time.sleep(0.4)  # running chunk by chunk now
+        assert s.terminate() == 0
+        for t in threads:
+            t.join(30)
+        assert [r.status for _, r in out] == [200]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--chunk-tokens", "-1", "must be >= 0"),
+    ("--max-queue-wait", "0", "must be > 0"),
+    ("--age-rate", "fast", "tokens/s, inf or auto"),
+])
+def test_bad_overload_flags_are_refused_by_name(flag, value, message):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), flag, value],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 2
+    assert flag in done.stderr and message in done.stderr

@@ -161,10 +161,17 @@ def test_compile_caches_are_on_the_writable_volume():
 
 
 def test_build_sources_exist():
-    for k, a in dockerfile_instructions():
-        if k == "COPY" and "--from" not in a:
-            for source in shlex.split(a)[:-1]:
-                assert (ROOT / source).exists(), source
+    """The build stage takes the sources from the context (bind-mounted at /ctx): all of them exist, and
+    everything meson.build installs is among them."""
+    build, _ = stages()
+    text = " ".join(a for k, a in build if k in ("RUN", "COPY"))
+    assert "--mount=type=bind,target=/ctx" in text
+    sources = set(re.findall(r"/ctx/([\w.-]+)", text))
+    for source in sources:
+        assert (ROOT / source).exists(), source
+    meson = (ROOT / "meson.build").read_text()
+    installed = set(re.findall(r"install_subdir\('(\w+)'", meson)) | {"pyx", "pyproject.toml", "meson.build"}
+    assert installed <= sources, installed - sources
 
 
 def test_build_script_parses():

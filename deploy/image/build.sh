@@ -10,8 +10,9 @@
 #
 # Usage (as root, from anywhere):  bash deploy/image/build.sh
 # It installs buildah and mmdebstrap with apt-get when they are missing. Environment:
-#   CLEFCORE_IMAGE_WORK   work directory (default ${TMPDIR:-/tmp}/clefcore-image); the OCI layout is left in
-#                         $CLEFCORE_IMAGE_WORK/oci and the layer table in $CLEFCORE_IMAGE_WORK/layers.md
+#   CLEFCORE_IMAGE_WORK   work directory (default: a new ${TMPDIR:-/tmp}/clefcore-image.XXXXXX); the OCI
+#                         layout is left in its oci/, the layer table in layers.md, the build's output in
+#                         build.log
 #   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
@@ -19,7 +20,8 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-work=${CLEFCORE_IMAGE_WORK:-${TMPDIR:-/tmp}/clefcore-image}
+# a fresh directory per run by default: two checkouts building at once must not share buildah's storage
+work=${CLEFCORE_IMAGE_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/clefcore-image.XXXXXX")}
 tag=${CLEFCORE_IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml")}
 limit=${CLEFCORE_LAYER_LIMIT:-100000000}
 suite=bookworm
@@ -90,10 +92,12 @@ for ca in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}" "${SSL_CERT_FILE:-}" /etc/ss
   if [ -n "$ca" ] && [ -s "$ca" ]; then secret=(--secret "id=ca-bundle,src=$ca"); break; fi
 done
 # --layers: one layer per instruction as Docker makes them (without it buildah squashes each stage into one).
-# --format docker: the OCI config has no HEALTHCHECK or SHELL. The build's output goes to build.log.
+# --format docker: the OCI config has no HEALTHCHECK or SHELL. The build's output goes to build.log, each
+# line prefixed with the seconds since build.sh started.
+stamp() { while IFS= read -r line; do printf '[%4d] %s\n' "$SECONDS" "$line"; done; }
 if ! "${B[@]}" bud --layers --isolation chroot --pull=never --format docker \
        -f "$repo/deploy/Dockerfile" --build-arg "BASE_IMAGE=$base" "${secret[@]}" -t "$image" "$repo" \
-       > "$work/build.log" 2>&1; then
+       2>&1 | stamp > "$work/build.log"; then
   tail -n 60 "$work/build.log" >&2
   echo "build.sh: the build failed; its whole output is in $work/build.log" >&2
   exit 1

@@ -1,0 +1,263 @@
+"""`clefcore loadtest`: offered load against a running server, by request class, as in issue 20.
+
+Clients send System One requests whose states are sized to a class's prompt tokens (approximately: the client
+has no tokenizer; the report gives the server's own count from ``usage.input_tokens``). Closed loop (each
+client sends its next request when the last is answered) or a fixed rate (a request every 1/rate seconds,
+at most ``--clients`` in flight). The report: per class, latency percentiles of the answered (200) requests
+and their prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be
+fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_MIX = "short:0.80:1200,medium:0.15:7800,long:0.05:24576"
+ROUTES = {"systemone": "/v1/systemone",
+          "workers-ai": "/client/v4/accounts/loadtest/ai/run/@cf/cloudflare/clef-flash"}
+# Common English words, one token each (with their leading space) in Qwen's vocabulary, so a state of N words
+# is close to N prompt tokens.
+_WORDS = ("the customer order payment failed again after checkout service error page login account team "
+          "billing refund invoice network timeout region server node retry request support ticket urgent "
+          "card bank transfer user reports issue since morning today app mobile web site down slow").split()
+# The schema and chat template around the state take about this many tokens (three questions below).
+_OVERHEAD_TOKENS = 260
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    name: str
+    share: float
+    tokens: int
+
+
+@dataclass
+class Record:
+    cls: str
+    status: int | str      # HTTP status, or the transport error's name
+    latency_s: float
+    input_tokens: int = 0
+
+
+@dataclass
+class Run:
+    records: list = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+
+def parse_mix(text: str) -> list[RequestClass]:
+    """``name:share:tokens,...``; shares are normalised to sum to 1."""
+    classes = []
+    for part in text.split(","):
+        pieces = part.strip().split(":")
+        if len(pieces) != 3 or not pieces[0]:
+            raise ValueError(f"each class is name:share:tokens, got {part.strip()!r}")
+        name, share, tokens = pieces
+        try:
+            share_v, tokens_v = float(share), int(tokens)
+        except ValueError:
+            raise ValueError(f"share must be a number and tokens an integer in {part.strip()!r}") from None
+        if not (share_v > 0 and math.isfinite(share_v)) or tokens_v < 1:
+            raise ValueError(f"share must be > 0 and tokens >= 1 in {part.strip()!r}")
+        if any(c.name == name for c in classes):
+            raise ValueError(f"class {name!r} named twice")
+        classes.append(RequestClass(name, share_v, tokens_v))
+    total = sum(c.share for c in classes)
+    return [RequestClass(c.name, c.share / total, c.tokens) for c in classes]
+
+
+def make_body(tokens: int, rng: random.Random) -> dict:
+    words = max(1, tokens - _OVERHEAD_TOKENS)
+    state = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return {"model": "clef-flash", "state": state, "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+        "team": {"type": "choice", "instructions": "Which team should handle this request?",
+                 "criteria": {"billing": "Payments, invoices, and refunds",
+                              "technical": "Outages, errors, and configuration", "sales": "Plans and upgrades"}},
+        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
+                     "criteria": ["No impact", "Minor", "Major", "Critical"]}}}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summarize(run: Run, classes: list[RequestClass]) -> dict:
+    seconds = max(run.ended - run.started, 1e-9)
+    ok = [r for r in run.records if r.status == 200]
+    report = {"duration_s": round(seconds, 3), "requests": len(run.records), "ok": len(ok),
+              "requests_per_s": round(len(ok) / seconds, 3),
+              "prompt_tokens_per_s": round(sum(r.input_tokens for r in ok) / seconds, 1),
+              "classes": {}, "non_200": {}}
+    for cls in classes:
+        mine = [r for r in run.records if r.cls == cls.name]
+        answered = [r for r in mine if r.status == 200]
+        entry = {"sent": len(mine), "ok": len(answered), "target_tokens": cls.tokens}
+        if answered:
+            latencies = [r.latency_s for r in answered]
+            entry.update({f"p{q}_ms": round(percentile(latencies, q) * 1000, 1) for q in (50, 90, 99)},
+                         mean_input_tokens=round(sum(r.input_tokens for r in answered) / len(answered), 1))
+        report["classes"][cls.name] = entry
+    for r in run.records:
+        if r.status != 200:
+            key = str(r.status)
+            report["non_200"][key] = report["non_200"].get(key, 0) + 1
+    refused = [r.latency_s for r in run.records if r.status == 429]
+    if refused:
+        report["refused_p50_ms"] = round(percentile(refused, 50) * 1000, 1)
+        report["refused_p99_ms"] = round(percentile(refused, 99) * 1000, 1)
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['requests']} requests in {report['duration_s']} s, {report['ok']} answered: "
+             f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s"]
+    for name, c in report["classes"].items():
+        if c["ok"]:
+            lines.append(f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6}  ~{c['mean_input_tokens']:>8} tokens  "
+                         f"p50 {c['p50_ms']:>9} ms  p90 {c['p90_ms']:>9} ms  p99 {c['p99_ms']:>9} ms")
+        else:
+            lines.append(f"  {name:<8} sent {c['sent']:>6} ok      0")
+    if report["non_200"]:
+        lines.append("  non-200: " + ", ".join(f"{k}: {v}" for k, v in sorted(report["non_200"].items())))
+    if "refused_p50_ms" in report:
+        lines.append(f"  429 latency p50 {report['refused_p50_ms']} ms, p99 {report['refused_p99_ms']} ms")
+    return "\n".join(lines)
+
+
+async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict, run: Run) -> float:
+    """Send one request, record it; returns the backoff a 429 asked for (0 otherwise)."""
+    import aiohttp
+
+    sent = time.monotonic()
+    try:
+        async with http.post(path, json=body, headers=headers) as reply:
+            data = await reply.read()
+            record = Record(cls.name, reply.status, time.monotonic() - sent)
+            if reply.status == 200:
+                answer = json.loads(data)
+                answer = answer.get("result", answer)  # the Workers AI envelope
+                record.input_tokens = int(answer.get("usage", {}).get("input_tokens", 0))
+            run.records.append(record)
+            if reply.status in (429, 503):
+                return float(reply.headers.get("Retry-After", "1") or 1)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
+        run.records.append(Record(cls.name, type(error).__name__, time.monotonic() - sent))
+        return 0.1
+    return 0.0
+
+
+async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
+    import aiohttp
+
+    rng = random.Random(args.seed)
+    path = ROUTES[args.route]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # Bodies are built once per class and size: generating a 24k-word state per request would load the client.
+    bodies = {c.name: [make_body(c.tokens, random.Random(rng.random())) for _ in range(4)] for c in classes}
+    weights = [c.share for c in classes]
+    run = Run()
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    connector = aiohttp.TCPConnector(limit=args.clients)
+    async with aiohttp.ClientSession(args.url, timeout=timeout, connector=connector) as http:
+        run.started = time.monotonic()
+        stop_at = run.started + args.duration
+
+        def pick() -> tuple[RequestClass, dict]:
+            cls = rng.choices(classes, weights)[0]
+            return cls, rng.choice(bodies[cls.name])
+
+        if args.rate:
+            slots = asyncio.Semaphore(args.clients)
+            tasks = set()
+
+            async def fire(cls, body):
+                try:
+                    await _one(http, path, cls, body, headers, run)
+                finally:
+                    slots.release()
+
+            next_at = run.started
+            while next_at < stop_at:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                next_at += 1.0 / args.rate
+                if slots.locked():  # every client busy: the offered request is dropped and counted
+                    run.records.append(Record(pick()[0].name, "client_busy", 0.0))
+                    continue
+                await slots.acquire()
+                task = asyncio.ensure_future(fire(*pick()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        else:
+            async def client():
+                while time.monotonic() < stop_at:
+                    backoff = await _one(http, path, *pick(), headers, run)
+                    if backoff:
+                        await asyncio.sleep(min(backoff, args.max_backoff))
+
+            await asyncio.gather(*(client() for _ in range(args.clients)))
+        run.ended = time.monotonic()
+    return run
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _mix(text: str) -> list[RequestClass]:
+    try:
+        return parse_mix(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    parser.add_argument("--route", choices=tuple(ROUTES), default="systemone",
+                        help="POST /v1/systemone or the Workers AI route")
+    parser.add_argument("--clients", type=_positive(int), default=64,
+                        help="concurrent clients (closed loop), or the most requests in flight (--rate)")
+    parser.add_argument("--duration", type=_positive(float), default=45.0, help="seconds of offered load")
+    parser.add_argument("--rate", type=_positive(float), default=None,
+                        help="send this many requests per second (open loop) instead of a closed loop")
+    parser.add_argument("--mix", type=_mix, default=parse_mix(DEFAULT_MIX),
+                        help=f"request classes, name:share:prompt_tokens,... (default {DEFAULT_MIX})")
+    parser.add_argument("--timeout", type=_positive(float), default=120.0, help="client timeout per request, s")
+    parser.add_argument("--max-backoff", type=float, default=1.0,
+                        help="closed loop: after a 429/503 wait Retry-After, at most this many seconds")
+    parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the report as JSON to this file (- : stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = asyncio.run(_drive(args, args.mix))
+    report = summarize(result, args.mix)
+    report["config"] = {"url": args.url, "route": args.route, "clients": args.clients, "duration_s": args.duration,
+                        "rate": args.rate, "mix": [asdict(c) for c in args.mix]}
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    return 0

@@ -1,0 +1,67 @@
+"""`clefcore loadtest`: the mix parser and the report's arithmetic, then a short run of each mode against a
+real server (what it counts must match what the server counted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import Server  # noqa: E402
+
+from clefcore.server.loadtest import Record, RequestClass, Run, parse_mix, percentile, summarize  # noqa: E402
+
+
+def test_parse_mix_normalises_shares_and_names_bad_parts():
+    mix = parse_mix("short:8:1200, long:2:24576")
+    assert [(c.name, c.tokens) for c in mix] == [("short", 1200), ("long", 24576)]
+    assert [round(c.share, 6) for c in mix] == [0.8, 0.2]
+    for bad, words in [("short:0.8", "name:share:tokens"), ("a:x:3", "share must be a number"),
+                       ("a:1:0", "tokens >= 1"), ("a:-1:5", "share must be > 0"), ("a:1:5,a:1:6", "named twice")]:
+        with pytest.raises(ValueError, match=words):
+            parse_mix(bad)
+
+
+def test_percentiles_and_report_by_class():
+    assert percentile([5, 1, 3, 2, 4], 50) == 3
+    assert percentile([5, 1, 3, 2, 4], 99) == 5
+    assert percentile(list(range(1, 101)), 90) == 90
+    classes = [RequestClass("short", 0.5, 100), RequestClass("long", 0.5, 1000)]
+    records = [Record("short", 200, 0.1 * i, 100) for i in range(1, 11)]
+    records += [Record("long", 200, 2.0, 1000), Record("long", 429, 0.004), Record("long", 429, 0.006),
+                Record("short", "ClientOSError", 0.0)]
+    report = summarize(Run(records, started=0.0, ended=2.0), classes)
+    assert report["requests"] == 14 and report["ok"] == 11
+    assert report["requests_per_s"] == 5.5 and report["prompt_tokens_per_s"] == 1000.0
+    assert report["classes"]["short"]["p50_ms"] == 500.0 and report["classes"]["short"]["p99_ms"] == 1000.0
+    assert report["classes"]["long"]["sent"] == 3 and report["classes"]["long"]["mean_input_tokens"] == 1000.0
+    assert report["non_200"] == {"429": 2, "ClientOSError": 1}
+    assert report["refused_p50_ms"] == 4.0
+
+
+def loadtest(server: Server, *args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", server.base,
+                           "--json", "-", *args], capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_closed_loop_and_fixed_rate_against_a_server():
+    with Server("--max-queue-wait", "30") as s:
+        s.wait_ready()
+        closed = loadtest(s, "--route", "workers-ai", "--clients", "3", "--duration", "1.5",
+                          "--mix", "short:0.7:300,long:0.3:900")
+        assert closed["non_200"] == {}
+        assert closed["ok"] == s.metric("clef_requests_total", "/ai/run/") > 0
+        assert sum(c["sent"] for c in closed["classes"].values()) == closed["requests"]
+        short, long = closed["classes"]["short"], closed["classes"]["long"]
+        assert short["p50_ms"] <= short["p90_ms"] <= short["p99_ms"]
+        # the bodies are sized to their class (within the tokenizer's slack)
+        assert 150 < short["mean_input_tokens"] < 600 and 450 < long["mean_input_tokens"] < 1800
+        fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "16", "--mix", "only:1:200")
+        assert 6 <= fixed["requests"] <= 10 and fixed["ok"] == fixed["requests"]
+        assert fixed["ok"] == s.metric("clef_requests_total", "/v1/systemone")

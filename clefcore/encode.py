@@ -1,7 +1,9 @@
 """Request → token ids and spans, exactly as the reference ``encode_record`` (clef-head.md §3).
 
 Every piece is tokenized on its own (token boundaries are forced at piece boundaries), the schema is
-built first, and only the state is cut to fit ``max_length``.
+built first, and only the state is cut to fit ``max_length``. A request with images gets one
+``<|vision_start|>`` + pads + ``<|vision_end|>`` block per image and a ``\n`` right after ``STATE:\n`` (clef-head.md
+§3.8, clef-images.md §7); those tokens count toward ``max_length`` and the positions become M-RoPE's [3, L].
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from clefcore.errors import ContextLengthError
+from clefcore.errors import ContextLengthError, RequestError
 from clefcore.jsonvalue import render
 from clefcore.tokenize import Tokenizer
 
@@ -28,6 +30,8 @@ NOUL_DEFAULTS = {
     "false": "The proposition is false or the answer is no.",
 }
 TYPE_INDEX = {"noul": 0, "choice": 1, "score": 2}
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+MERGE = 2   # the vision tower merges 2x2 patches into one token
 
 
 def field_head(index: int, question_id: str, question_type: str) -> str:
@@ -83,15 +87,21 @@ class EncodedRecord:
     state_span: tuple[int, int]
     state_tokens_before_truncation: int
     state_truncated: bool
+    # with images only: each image's (pads start, pads end, merged grid rows, merged grid columns), the M-RoPE
+    # positions [3, L] int64, and the images' preprocessed pixels (clefcore.preprocess.Pixels) in request order
+    image_spans: tuple[tuple[int, int, int, int], ...] = ()
+    positions: np.ndarray | None = None
+    images: tuple = ()
 
 
 class Encoder:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def encode(self, request: dict, max_length: int) -> EncodedRecord:
+    def encode(self, request: dict, max_length: int, images: tuple = ()) -> EncodedRecord:
         """Encode a request normalised by ``validate_request``; raises ``ContextLengthError`` when the
-        prompt without its state is longer than ``max_length``."""
+        prompt without its state is longer than ``max_length``. ``images``: the request's preprocessed images
+        (``clefcore.preprocess.Pixels``, request order); their placeholders go before the state."""
         tok = self.tokenizer
         plans = []   # per question: (id, type, option ids)
         pieces = []  # the request-dependent pieces, tokenized in one batch
@@ -123,6 +133,8 @@ class Encoder:
             spans.append((question_span, option_spans))
 
         prefix = tok.encode_constant(PREFIX)
+        media, image_spans = self._media(images, len(prefix))
+        prefix = prefix + media            # the media sit between STATE:\n and the state, counted as fixed
         suffix = tok.encode_constant(SUFFIX)
         fixed = len(prefix) + len(schema) + len(suffix)
         if fixed > max_length:
@@ -140,10 +152,57 @@ class Encoder:
                             question_span=shift(question_span), option_ids=option_ids,
                             option_spans=tuple(shift(span) for span in option_spans))
             for (question_id, question_type, option_ids), (question_span, option_spans) in zip(plans, spans))
+        input_ids = np.array(prefix + kept + schema + suffix, dtype=np.int32)
+        positions = None
+        if images:
+            pad = tok.encode_constant(IMAGE_PAD)[0]
+            tokens, features = int(np.count_nonzero(input_ids == pad)), sum(p.num_tokens for p in images)
+            if tokens != features:   # a literal <|image_pad|> in the text: transformers' check, its message
+                in_state = pad in kept
+                raise RequestError(f"Image features and image tokens do not match, tokens: {tokens}, "
+                                   f"features: {features}", field="state" if in_state else "questions",
+                                   limit=f"no literal {IMAGE_PAD} in the text of a request with images")
+            positions = mrope_positions(len(input_ids), image_spans)
         return EncodedRecord(
-            input_ids=np.array(prefix + kept + schema + suffix, dtype=np.int32),
+            input_ids=input_ids,
             questions=questions,
             state_span=(len(prefix), offset),
             state_tokens_before_truncation=len(state),
             state_truncated=len(kept) < len(state),
+            image_spans=image_spans,
+            positions=positions,
+            images=tuple(images),
         )
+
+    def _media(self, images, start: int) -> tuple[list[int], tuple]:
+        """The processor's ids for the images (pads expanded) and each image's pad span, starting at ``start``."""
+        if not images:
+            return [], ()
+        tok = self.tokenizer
+        vs, pad, ve = (tok.encode_constant(t) for t in (VISION_START, IMAGE_PAD, VISION_END))
+        ids, spans = [], []
+        for p in images:
+            ids += vs
+            s = start + len(ids)
+            ids += pad * p.num_tokens
+            spans.append((s, start + len(ids), p.grid_thw[1] // MERGE, p.grid_thw[2] // MERGE))
+            ids += ve
+        ids += tok.encode_constant("\n")
+        return ids, tuple(spans)
+
+
+def mrope_positions(length: int, image_spans) -> np.ndarray:
+    """M-RoPE (temporal, height, width) positions [3, L] (clef-images.md §9): a text token gets (n, n, n) and
+    advances n by 1; an image's pads get (s, s + row, s + col) over its merged grid, row-major, s = the position
+    the first pad would have had as text; the token after them continues at s + max(rows, cols)."""
+    pos = np.empty((3, length), dtype=np.int64)
+    t, n = 0, 0
+    for start, end, rows, cols in image_spans:
+        pos[:, t:start] = n + np.arange(start - t)
+        n += start - t
+        r, c = np.divmod(np.arange(end - start), cols)
+        pos[0, start:end], pos[1, start:end], pos[2, start:end] = n, n + r, n + c
+        n += max(rows, cols)
+        t = end
+    pos[:, t:] = n + np.arange(length - t)
+    return pos

@@ -159,3 +159,24 @@ def test_bad_overload_flags_are_refused_by_name(flag, value, message):
                           capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode == 2
     assert flag in done.stderr and message in done.stderr
+
+
+def test_a_client_that_leaves_stops_its_chunked_run():
+    import json
+    import socket
+
+    with Server("--chunk-tokens", "256", env=TOKEN_DELAY) as s:
+        s.wait_ready()
+        payload = json.dumps(long(7)).encode()  # ~1,460 tokens: 6 chunks of ~0.4 s
+        conn = socket.create_connection(("127.0.0.1", s.port))
+        conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        time.sleep(0.5)  # its first chunk is running
+        conn.close()
+        s.wait_for_events("request", lambda events: any(e.get("status") == 499 for e in events))
+        time.sleep(0.6)  # the step running when it left finishes
+        steps = s.metric("clef_chunk_steps_total")
+        time.sleep(1.0)
+        assert s.metric("clef_chunk_steps_total") == steps < 6  # no further chunks for nobody
+        assert s.decide(short()).status == 200
+        assert s.metric("clef_queued_tokens") == 0

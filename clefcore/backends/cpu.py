@@ -364,3 +364,30 @@ def segment_softmax_sum(scores, values, owner, n_groups):
     out = np.zeros((n_groups, values.shape[1]), np.float32)
     np.add.at(out, owner, (e / den[owner])[:, None] * values)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ vision ops
+
+def gelu_tanh(x):
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in fp32: the vision blocks' MLP."""
+    x = x.astype(np.float32, copy=False)
+    k = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(k * (x + np.float32(0.044715) * x * x * x)))
+
+
+def bidirectional_attention(q, k, v, cu_seqlens, scale):
+    """Softmax attention without a causal mask inside each packed sequence (one image's patches attend to every
+    patch of that image and no other). q, k, v [N, heads, D] -> [N, heads, D]."""
+    out = np.empty(q.shape[:2] + (v.shape[2],), dtype=np.float32)
+    for s0, s1 in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        s0, s1 = int(s0), int(s1)
+        if s0 == s1:
+            continue
+        kk = k[s0:s1].transpose(1, 2, 0)                               # [H, D, L]
+        vv = v[s0:s1].transpose(1, 0, 2)                               # [H, L, D]
+        for b0 in range(s0, s1, ATTN_QUERY_BLOCK):                     # bounds the score matrix to block x L
+            b1 = min(b0 + ATTN_QUERY_BLOCK, s1)
+            sc = (q[b0:b1].transpose(1, 0, 2) @ kk) * np.float32(scale)
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            out[b0:b1] = ((sc / sc.sum(axis=-1, keepdims=True)) @ vv).transpose(1, 0, 2)
+    return out

@@ -1,0 +1,208 @@
+"""The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the op interface like
+``clefcore.model`` (clef-images.md §8): patch embedding, bilinearly resampled learned positions, 2-D RoPE,
+bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 merger to the text width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .config import read_json
+from .errors import CheckpointError
+
+PREFIX = "model.visual."
+LN_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    num_position_embeddings: int
+    out_hidden_size: int
+    in_channels: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def side(self) -> int:
+        """The learned position table is a side x side grid."""
+        return math.isqrt(self.num_position_embeddings)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "VisionConfig":
+        try:
+            cfg = cls(**{k: int(d[k]) for k in (
+                "hidden_size", "intermediate_size", "depth", "num_heads", "patch_size", "temporal_patch_size",
+                "spatial_merge_size", "num_position_embeddings", "out_hidden_size", "in_channels")})
+        except KeyError as e:
+            raise CheckpointError(f"{source}: missing vision_config field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: malformed vision_config value ({e})") from None
+        if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
+            raise CheckpointError(f"{source}: vision head dim {cfg.hidden_size}/{cfg.num_heads} must be a multiple "
+                                  f"of 4 (2-D RoPE)")
+        if cfg.side * cfg.side != cfg.num_position_embeddings:
+            raise CheckpointError(f"{source}: num_position_embeddings {cfg.num_position_embeddings} is not a square")
+        if (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size, cfg.in_channels) != (16, 2, 2, 3):
+            # the preprocessing (clefcore/preprocess.py) is written for these, as the release's processor is
+            raise CheckpointError(f"{source}: vision patch {cfg.patch_size}, temporal {cfg.temporal_patch_size}, "
+                                  f"merge {cfg.spatial_merge_size}, channels {cfg.in_channels}: only 16, 2, 2, 3")
+        return cfg
+
+
+@dataclass
+class VisionParams:
+    config: VisionConfig
+    w: dict = field(default_factory=dict)   # names without "model.visual."; patch_embed.proj.weight as [hidden, 1536]
+
+
+def has_vision(ck: Checkpoint) -> bool:
+    return "vision_config" in read_json(ck.path / "config.json")
+
+
+def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
+    """``model.visual.*`` from the checkpoint's shards into backend storage (CheckpointError naming a missing or
+    misshapen tensor)."""
+    config_path = ck.path / "config.json"
+    cfg = VisionConfig.from_dict(read_json(config_path).get("vision_config") or {}, str(config_path))
+    refs = {}
+    for path in sorted({p for p in _shards(ck)}):
+        f = ck._open(path)    # the checkpoint's own map of each shard: mapped once
+        refs.update({n[len(PREFIX):]: f.ref(n) for n in f.names() if n.startswith(PREFIX)})
+    expected = expected_vision_shapes(cfg)
+    missing = [n for n in expected if n not in refs]
+    if missing:
+        raise CheckpointError(f"{ck.path}: vision tower tensors missing: {[PREFIX + n for n in missing[:5]]}")
+    p = VisionParams(cfg)
+    for i, (name, shape) in enumerate(expected.items()):
+        ref = refs[name]
+        if tuple(ref.shape) != shape:
+            raise CheckpointError(f"{ref.file}: {PREFIX + name} has shape {list(ref.shape)}, expected {list(shape)}")
+        w = ops.weight(ref)
+        if name == "patch_embed.proj.weight":
+            w = w.reshape(cfg.hidden_size, -1)            # Conv3d with kernel = stride: a matmul over 1536 inputs
+        p.w[name] = w
+        if progress is not None:
+            progress(i + 1, len(expected), PREFIX + name)
+    return p
+
+
+def _shards(ck: Checkpoint):
+    index = ck.path / "model.safetensors.index.json"
+    if index.is_file():
+        return [ck.path / s for n, s in read_json(index)["weight_map"].items() if n.startswith(PREFIX)]
+    return [ck.path / "model.safetensors"]
+
+
+def expected_vision_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    H, I, m2 = c.hidden_size, c.intermediate_size, c.hidden_size * c.spatial_merge_size ** 2
+    out = {"patch_embed.proj.weight": (H, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size),
+           "patch_embed.proj.bias": (H,), "pos_embed.weight": (c.num_position_embeddings, H)}
+    for j in range(c.depth):
+        b = f"blocks.{j}."
+        out.update({b + "norm1.weight": (H,), b + "norm1.bias": (H,), b + "norm2.weight": (H,), b + "norm2.bias": (H,),
+                    b + "attn.qkv.weight": (3 * H, H), b + "attn.qkv.bias": (3 * H,),
+                    b + "attn.proj.weight": (H, H), b + "attn.proj.bias": (H,),
+                    b + "mlp.linear_fc1.weight": (I, H), b + "mlp.linear_fc1.bias": (I,),
+                    b + "mlp.linear_fc2.weight": (H, I), b + "mlp.linear_fc2.bias": (H,)})
+    out.update({"merger.norm.weight": (H,), "merger.norm.bias": (H,),
+                "merger.linear_fc1.weight": (m2, m2), "merger.linear_fc1.bias": (m2,),
+                "merger.linear_fc2.weight": (c.out_hidden_size, m2), "merger.linear_fc2.bias": (c.out_hidden_size,)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------- host-side tables
+
+def _block_order(a: np.ndarray, m: int) -> np.ndarray:
+    """[h, w, ...] in raster order -> [h*w, ...] in merge-block order (block row, block col, row, col)."""
+    h, w = a.shape[:2]
+    a = a.reshape((h // m, m, w // m, m) + a.shape[2:]).swapaxes(1, 2)
+    return a.reshape((h * w,) + a.shape[4:])
+
+
+def position_weights(c: VisionConfig, gh: int, gw: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear resampling of the side x side table to gh x gw (align_corners=True), in fp32 as transformers:
+    (table rows [gh*gw, 4], weights [gh*gw, 4]) in merge-block order."""
+    def axis(n):
+        x = np.linspace(0, c.side - 1, n, dtype=np.float32) if n > 1 else np.zeros(1, np.float32)
+        lo = x.astype(np.int64)
+        hi = np.minimum(lo + 1, c.side - 1)
+        return lo, hi, (x - lo.astype(np.float32)).astype(np.float32)
+    h0, h1, dh = axis(gh)
+    w0, w1, dw = axis(gw)
+    one = np.float32(1)
+    rows = np.stack([h0[:, None] * c.side + w0, h0[:, None] * c.side + w1,
+                     h1[:, None] * c.side + w0, h1[:, None] * c.side + w1], axis=-1)
+    weights = np.stack([(one - dh)[:, None] * (one - dw), (one - dh)[:, None] * dw,
+                        dh[:, None] * (one - dw), dh[:, None] * dw], axis=-1)
+    m = c.spatial_merge_size
+    return _block_order(rows, m), _block_order(weights.astype(np.float32), m)
+
+
+def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
+    """2-D RoPE angles [gh*gw, head_dim/2] = [row*f, col*f] per patch (row, column of the patch, not of the merged
+    token), inv_freq = 1/10000^(arange(0, hd/2, 2)/(hd/2)), fp32, merge-block order."""
+    half = c.head_dim // 2
+    inv = np.float32(1.0) / (np.float32(10000.0) ** (np.arange(0, half, 2, dtype=np.float32) / np.float32(half)))
+    rc = np.stack(np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij"), axis=-1)     # [gh, gw, 2]
+    rc = _block_order(rc, c.spatial_merge_size).astype(np.float32)
+    return (rc[:, :, None] * inv[None, None, :]).reshape(len(rc), half).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- tower
+
+def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
+    """pixel_values [N, 1536] (the images' rows, concatenated), grids [(t, gh, gw)] per image -> image embeddings
+    [N / 4, out_hidden] in placeholder order. ``keep`` (a dict) receives the intermediate stages, for checks."""
+    c, w, xp = p.config, p.w, ops.xp
+    sizes = [t * gh * gw for t, gh, gw in grids]
+    cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
+    x = ops.linear(ops.asarray(pixel_values), w["patch_embed.proj.weight"], w["patch_embed.proj.bias"])
+    rows, weights, angles = [], [], []
+    for t, gh, gw in grids:
+        r, wt = position_weights(c, gh, gw)
+        rows += [r] * t
+        weights += [wt] * t
+        angles += [rotary_angles(c, gh, gw)] * t
+    rows, weights = np.concatenate(rows), np.concatenate(weights)
+    table = w["pos_embed.weight"]
+    pos = ops.gather_rows(table, rows[:, 0]) * ops.asarray(weights[:, 0:1])
+    for k in range(1, 4):
+        pos = pos + ops.gather_rows(table, rows[:, k]) * ops.asarray(weights[:, k:k + 1])
+    if keep is not None:
+        keep["patch_embeds"], keep["pos_embeds"], keep["blocks"] = x, pos, []
+    x = x + pos
+    ang = np.concatenate(angles)
+    cos, sin = ops.asarray(np.cos(ang)), ops.asarray(np.sin(ang))
+    n, H, hd = x.shape[0], c.num_heads, c.head_dim
+    for j in range(c.depth):
+        b = f"blocks.{j}."
+        h = ops.layernorm(x, w[b + "norm1.weight"], w[b + "norm1.bias"], LN_EPS)
+        qkv = ops.linear(h, w[b + "attn.qkv.weight"], w[b + "attn.qkv.bias"]).reshape(n, 3, H, hd)
+        q, k = ops.rotary(qkv[:, 0], cos, sin), ops.rotary(qkv[:, 1], cos, sin)
+        o = ops.bidirectional_attention(q, k, qkv[:, 2], cu, 1.0 / math.sqrt(hd))
+        x = x + ops.linear(o.reshape(n, H * hd), w[b + "attn.proj.weight"], w[b + "attn.proj.bias"])
+        h = ops.layernorm(x, w[b + "norm2.weight"], w[b + "norm2.bias"], LN_EPS)
+        h = ops.gelu_tanh(ops.linear(h, w[b + "mlp.linear_fc1.weight"], w[b + "mlp.linear_fc1.bias"]))
+        x = x + ops.linear(h, w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"])
+        ops.watch(x, f"vision block {j} output")
+        if keep is not None:
+            keep["blocks"].append(x)
+    m2 = c.spatial_merge_size ** 2
+    h = ops.layernorm(x, w["merger.norm.weight"], w["merger.norm.bias"], LN_EPS).reshape(n // m2, m2 * c.hidden_size)
+    h = ops.gelu(ops.linear(h, w["merger.linear_fc1.weight"], w["merger.linear_fc1.bias"]))     # erf GELU here
+    out = ops.linear(h, w["merger.linear_fc2.weight"], w["merger.linear_fc2.bias"])
+    ops.watch(out, "vision merger output")
+    return out

@@ -17,6 +17,9 @@
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
 #   CLEFCORE_IMAGE_KEEP=1 keep buildah's storage (several GB) for inspection instead of deleting it
+#   CLEFCORE_IMAGE_PUSH   after every check passed, push the image there, e.g.
+#                         docker://forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.1.0 (log in first with
+#                         `buildah login forgejo.riotpiao.com`)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -116,5 +119,14 @@ ctr=$("${B[@]}" from --quiet --pull=never "$image")
 # chroot isolation shares the caller's network namespace (buildah refuses --network none with it), so the
 # run gets a new, empty one from unshare: only a loopback device that is down. check_image.py verifies that.
 unshare --net -- "${B[@]}" run --isolation chroot --user 10001:10001 "$ctr" -- python3 /tmp/check_image.py
+
+if [ -n "${CLEFCORE_IMAGE_PUSH:-}" ]; then
+  # Docker's manifest format keeps the HEALTHCHECK (OCI's config has none); the layer blobs are the same
+  # bytes as the ones measured above (same digests), so the registry receives exactly what passed.
+  step "push: $CLEFCORE_IMAGE_PUSH"
+  "${B[@]}" push --quiet --format v2s2 --compression-format gzip --digestfile "$work/pushed.digest" \
+    "$image" "$CLEFCORE_IMAGE_PUSH"
+  echo "pushed $CLEFCORE_IMAGE_PUSH@$(cat "$work/pushed.digest")" >&2
+fi
 
 step "image OK: $image, layers in $work/layers.md, OCI layout in $work/oci"

@@ -1,8 +1,9 @@
 """Run inside the built image (build.sh copies it to /tmp and runs it as user 10001 with networking off).
 
-Fails (exit 1) unless: the user is not root, the network is unreachable, no cuBLAS library is in the image and
-importing CuPy and clefcore loads none, NVRTC loads from the wheels (CuPy's binding and clefcore's offline
-compiler, which builds one kernel for sm_70), and `clefcore demo` answers every question of its request.
+Fails (exit 1) unless: the user is not root, the network is unreachable, the compile caches point into the
+writable /cache, no cuBLAS library is in the image and importing CuPy and clefcore loads none, NVRTC loads
+from the wheels (CuPy's binding and clefcore's offline compiler, which builds one kernel for sm_70), and
+`clefcore demo` answers every question of its request.
 Standard library plus what the image installs; no GPU needed.
 """
 
@@ -41,6 +42,13 @@ def main() -> int:
     for host, port in (("pypi.org", 443), ("1.1.1.1", 443), ("8.8.8.8", 53)):
         peer = reachable(host, port)
         check(f"network off ({host}:{port} unreachable)", peer is None, peer or "")
+
+    # the manifests mount a volume at /cache over a read-only root: every compile cache must be in it
+    for var in ("CUPY_CACHE_DIR", "CUDA_CACHE_PATH", "CLEFCORE_KERNEL_CACHE"):
+        path = Path(os.environ.get(var) or "/nonexistent")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        check(f"{var} under /cache and writable", path.is_relative_to("/cache") and os.access(existing, os.W_OK),
+              f"{path} ({existing} exists)")
 
     found = []
     for root in {Path(sys.prefix), Path("/usr/lib"), Path("/usr/local/lib"), Path("/opt")}:

@@ -1,4 +1,4 @@
-"""The attention kernel's work list (``ops.attention_tiles``), checked on the host (no GPU needed): every query
+"""The attention kernel's work list (``attention.attention_tiles``), checked on the host (no GPU needed): every query
 row of the block is in exactly one tile of its own sequence, no tile reaches key rows past the block (the K/V
 cache there is not written yet), and the list is ordered longest causal range first, which the kernel's grid
 relies on to start every head's longest blocks in its first wave."""
@@ -6,7 +6,7 @@ relies on to start every head's longest blocks in its first wave."""
 import numpy as np
 import pytest
 
-from clefcore.backends.cuda.ops import attention_tiles
+from clefcore.backends.cuda.attention import attention_tiles
 
 RNG = np.random.default_rng()
 

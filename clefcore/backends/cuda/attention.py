@@ -1,0 +1,87 @@
+"""The full-attention path of the CUDA backend: rotary, the K/V cache and causal GQA attention (cuda/attention.cu,
+cuda/rotary.cu), with its host-side work list. A mixin of ``CudaOps``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import errors
+from ..cpu import rope_tables as _rope_tables_host
+from .elementwise import ELEM_THREADS, sigmoid_gate_k
+
+
+def attention_tiles(cu, t0: int, t1: int, rows: int) -> np.ndarray:
+    """attention.cu's work list for query rows [t0, t1) of a packed stream (sequence starts ``cu``): int32 rows
+    (seq_start, seq_end, q0, q1), one per ``rows`` queries of a sequence. seq_end is clipped to t1: K/V cache rows
+    past the block are not written yet for this layer. Longest causal range (q1 - seq_start) first: the kernel's
+    grid runs heads fastest over this order, so the longest blocks of every head start in the first wave."""
+    tiles = []
+    for s0, s1 in zip(cu[:-1], cu[1:]):
+        a, e = max(int(s0), t0), min(int(s1), t1)
+        for q0 in range(a, e, rows):
+            tiles.append((int(s0), e, q0, min(q0 + rows, e)))
+    tiles.sort(key=lambda t: t[0] - t[3])
+    return np.array(tiles, dtype=np.int32).reshape(-1, 4)
+
+
+class AttentionOps:
+    def sigmoid_gate(self, o, gate):
+        return sigmoid_gate_k()(self._f32(o), self._f32(gate))
+
+    def rope_tables(self, positions, rotary_dim, theta):
+        c, s = _rope_tables_host(np.asarray(self.to_host(positions)), rotary_dim, theta)
+        return self._to_device(c), self._to_device(s)
+
+    def rotary(self, x, cos, sin):
+        T, H, D = x.shape
+        xr, R, _, rs = self._rows(x)
+        half = cos.shape[1]
+        y = self.cp.empty((T, H, D), dtype=self.cp.float32)
+        self.kernel("rotary.cu", "rotary_rows")(self._grid1(y.size), (ELEM_THREADS,),
+                                                (xr, np.int64(rs), self._c(cos), self._c(sin), y, np.int32(T),
+                                                 np.int32(H), np.int32(D), np.int32(half)))
+        return y
+
+    def kv_cache(self, T, heads, D):
+        """K (or V) rows of a whole packed stream for token-blocked attention, fp16 (what the kernel reads)."""
+        return self.cp.empty((T, heads, D), dtype=self.cp.float16)
+
+    def kv_write(self, cache, t0, x):
+        """cache[t0:t0 + n] = x [n, heads, D], rounded to the cache's fp16 in one pass. x may be a strided view
+        (v is a column slice of the fused q|k|v projection): CuPy's casting copy walks its strides."""
+        self.cp.copyto(cache[t0:t0 + x.shape[0]], self._f32(x), casting="same_kind")
+
+    def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
+        """q [n, Hq, D] = query rows [q_offset, q_offset + n) of the packed stream; k/v [>= q_offset + n, Hkv, D]
+        (fp16 cache or fp32) hold its rows from 0; cu_seqlens describes the whole stream (see cpu.attention)."""
+        cp = self.cp
+        n, hq, D = q.shape
+        hkv = k.shape[1]
+        if D not in (16, 32, 64, 128, 256) or v.shape[2] != D:
+            raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
+        t0 = int(q_offset)
+        t1 = t0 + n
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        smem, warps = self._attn_shape(D)
+        tiles = attention_tiles(cu, t0, t1, 16 * warps)
+        out = cp.empty((n, hq, D), dtype=cp.float32)
+        if not len(tiles):
+            return out
+        tl = self._upload(tiles)
+        q16, k16, v16 = self._half(q), self._half(k[:t1]), self._half(v[:t1])
+        fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
+        for i in range(0, len(tiles), 65535):     # gridDim.y's limit (65,535 one-token sequences in one block)
+            fn((hq, min(65535, len(tiles) - i)), (32 * warps,), (q16, k16, v16, out, tl[i:], np.int32(hq),
+                                                                 np.int32(hkv), np.float32(scale), np.int32(t0)),
+               shared_mem=smem)
+        return out
+
+    def _attn_shape(self, D):
+        """(shared-memory bytes, warps per block) of attn_fwd_d{D} as compiled for this device (attention.cu
+        chooses both per architecture): asked once from the module's attn_launch_d{D}."""
+        got = self._attn_launch.get(D)
+        if got is None:
+            n = self.cp.zeros(2, dtype=self.cp.int32)
+            self.kernel("attention.cu", f"attn_launch_d{D}")((1,), (1,), (n,))
+            got = self._attn_launch[D] = tuple(int(v) for v in n.get())
+        return got

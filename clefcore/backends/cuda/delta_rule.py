@@ -1,0 +1,120 @@
+"""The Gated DeltaNet path of the CUDA backend: causal depthwise conv + SiLU (cuda/conv1d.cu), the gates, and the
+chunked delta rule with carried state (cuda/gated_delta.cu). A mixin of ``CudaOps``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import errors
+from ..cpu import GDN_CHUNK
+from .elementwise import NULL, gdn_gates_k
+
+_CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
+
+
+class DeltaRuleOps:
+    def conv1d_silu(self, x, w, cu_seqlens, prev=None):
+        """See cpu.conv1d_silu: prev [K-1, C] = pre-conv rows before x[0], read by the first sequence only."""
+        cp = self.cp
+        x, R, C, xs = self._rows(x)
+        T = R
+        K = w.shape[1]
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        starts = np.repeat(cu[:-1], np.diff(cu)).astype(np.int32)
+        y = cp.empty((T, C), dtype=cp.float32)
+        if prev is not None:
+            prev = self._c(prev)
+            if prev.shape != (K - 1, C):
+                raise ValueError(f"conv prev must be [{K - 1}, {C}], got {prev.shape}")
+        if K > _CONV_KMAX:
+            raise errors.DeviceError(f"conv1d kernel size {K}: the CUDA kernel takes at most {_CONV_KMAX} taps")
+        grid = (-(-C // 128), -(-T // _CONV_TT))
+        self.kernel("conv1d.cu", "conv1d_silu_k")(grid, (128,), (x, np.int64(xs), self._c(w), self._upload(starts),
+                                                               NULL if prev is None else prev, y,
+                                                               np.int32(T), np.int32(C), np.int32(K)))
+        return y
+
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        g, beta = gdn_gates_k()(self._f32(a), self._f32(b), self._f32(a_log), self._f32(dt_bias))
+        return g, beta
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
+        """cuda/gated_delta.cu: gdn_prep, gdn_scan, gdn_out per group of chunks. state: None or fp32
+        [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
+        cp = self.cp
+        T, hk, dk = k.shape
+        hv, dv = v.shape[1], v.shape[2]
+        C = GDN_CHUNK
+        if dk % 16 or dv % 16 or dk > 128 or dv > 128:
+            raise errors.DeviceError(f"gated delta rule with dk={dk}, dv={dv}: the kernels need multiples of 16 "
+                                     "up to 128")
+        cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
+        nb = len(cu) - 1
+        st = None
+        if state is not None:
+            if tuple(state.shape) != (nb, hv, dk, dv) or state.dtype != cp.float32:
+                raise ValueError(f"state must be float32 [{nb}, {hv}, {dk}, {dv}], got {state.dtype} {state.shape}")
+            st = state if state.flags.c_contiguous and state.data.ptr % 256 == 0 else cp.ascontiguousarray(state)
+        q, k = self._c(q), self._c(k)
+        g, beta = self._c(g), self._c(beta)
+        # v may be a column slice of the conv output: [T, hv, dv] with a token stride
+        v = self._f32(v)
+        if not (v.strides[2] == 4 and v.strides[1] == dv * 4 and v.data.ptr % 4 == 0):
+            v = cp.ascontiguousarray(v)
+        vs = v.strides[0] // 4
+        chunks, seq_of = [], []
+        for b_, (s0, s1) in enumerate(zip(cu[:-1], cu[1:])):
+            for c0 in range(int(s0), int(s1), C):
+                chunks.append((c0, min(C, int(s1) - c0), 0, 0))
+                seq_of.append(b_)
+        out = cp.empty((T, hv, dv), dtype=cp.float32)
+        if not chunks:
+            return out
+        if st is None:
+            st = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
+        chunks_np = np.array(chunks, dtype=np.int32)
+        seq_of = np.array(seq_of)
+        LK, LX = dk + 8, max(dk, dv) + 8
+        prep_smem = 4 * C * LK + max(4 * C * LX, 4 * C * (C + 4)) + 4 * C * (C + 8) + 8192 + 4 * C * 4
+        bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
+        scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
+        out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
+        sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
+        prep = self.kernel("gated_delta.cu", "gdn_prep" + sfx, prep_smem)
+        scan = self.kernel("gated_delta.cu", "gdn_scan" + sfx, scan_smem)
+        outk = self.kernel("gated_delta.cu", "gdn_out" + sfx, out_smem)
+        # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
+        # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
+        per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)
+        ncap = max(1, min(self.gdn_block_chunks, len(chunks), (256 << 20) // per))
+        # groups of equal size (64 chunks: 32 + 32, not 36 + 28): gdn_prep's grid then ends in fewer part-full waves
+        ncap = -(-len(chunks) // -(-len(chunks) // ncap))
+        Nw = cp.empty((ncap, hv, dk, dv), dtype=cp.float32)
+        Mw = cp.empty((ncap, hv, 2, dk, dk), dtype=cp.float16)
+        Qw = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)
+        Hw = cp.empty((ncap, hv, 2, dk, dv), dtype=cp.float16)
+        i32 = np.int32
+        for c0 in range(0, len(chunks), ncap):
+            c1 = min(c0 + ncap, len(chunks))
+            ch = self._upload(chunks_np[c0:c1])
+            prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), out,
+                                         Nw, Mw, Qw), shared_mem=prep_smem)
+            seqs = []
+            for b_ in np.unique(seq_of[c0:c1]):
+                idx = np.nonzero(seq_of[c0:c1] == b_)[0]
+                first_global = c0 + idx[0]
+                zero = state is None and (first_global == 0 or seq_of[first_global - 1] != b_)
+                seqs.append((int(idx[0]), int(idx[-1]) + 1, int(zero), int(b_)))
+            sq = self._upload(np.array(seqs, dtype=np.int32))
+            scan((hv, dv // bv, len(seqs)), (256,), (sq, i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw, st, Hw),
+                 shared_mem=scan_smem)
+            outk((c1 - c0, hv, -(-dv // 64)), (256,), (ch, i32(hv), i32(dk), i32(dv), Qw, Hw, out),
+                 shared_mem=out_smem)
+        if state is not None and st is not state:
+            state[...] = st
+        return out
+
+    def _gdn_bv(self, hv, dv, nseq):
+        """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):
+        32 (two tiles per warp share the M' fragments), or 16 when twice the blocks still fit on the SMs."""
+        return 32 if dv % 32 == 0 and 2 * hv * (dv // 32) * nseq > self.sm_count else 16

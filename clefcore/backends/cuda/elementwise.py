@@ -1,0 +1,53 @@
+"""CuPy elementwise and reduction kernels of the CUDA backend (each names its numpy twin), and the launch
+constants the kernel-calling mixins share."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ELEM_THREADS = 256
+NULL = np.uint64(0)     # a NULL device pointer passed by value
+
+
+_K = {}
+
+
+def ek(name, *args):
+    if name not in _K:
+        import cupy
+        _K[name] = cupy.ElementwiseKernel(*args, name=name)
+    return _K[name]
+
+
+def rowdot_k():
+    if "clef_rowdot" not in _K:
+        import cupy
+        _K["clef_rowdot"] = cupy.ReductionKernel("float32 x, float32 w", "float32 y", "x * w", "a + b", "y = a",
+                                                 "0", name="clef_rowdot")
+    return _K["clef_rowdot"]
+
+
+def sigmoid_k():
+    return ek("clef_sigmoid", "float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))")
+
+
+def silu_k():
+    return ek("clef_silu", "float32 x", "float32 y", "y = x / (1.0f + expf(-x))")
+
+
+def sigmoid_gate_k():
+    # numpy twin: clefcore/backends/cpu.py::sigmoid_gate
+    return ek("clef_sigmoid_gate", "float32 o, float32 g", "float32 y", "y = o / (1.0f + expf(-g))")
+
+
+def gelu_k():
+    # numpy twin: clefcore/backends/cpu.py::gelu (exact erf GELU; evaluated in double like the reference)
+    return ek("clef_gelu", "float32 x", "float32 y",
+               "double xd = (double)x; y = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)))")
+
+
+def gdn_gates_k():
+    # numpy twin: clefcore/backends/cpu.py::gdn_gates
+    return ek("clef_gdn_gates", "float32 a, float32 b, float32 a_log, float32 dt_bias", "float32 g, float32 beta",
+               "float z = a + dt_bias; float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));"
+               "g = -expf(a_log) * sp; beta = 1.0f / (1.0f + expf(-b));")

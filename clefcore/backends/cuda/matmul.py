@@ -1,0 +1,265 @@
+"""The GEMMs of the CUDA backend: the precision paths (fp16; split hi + lo; split8 with fp8 twins; the range-safe
+fallback's scaling), clefcore's own kernels (cuda/gemm.cu, cuda/gemm_rows.cu) against cuBLAS(Lt), chosen per shape
+by a timed trial, and the SwiGLU MLP. A mixin of ``CudaOps``."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from ... import errors
+from . import cublas
+from .elementwise import ELEM_THREADS, NULL, rowdot_k
+
+log = logging.getLogger("clefcore.cuda")
+
+_ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
+
+
+class MatmulOps:
+    def _half(self, x):
+        """fp16, C-contiguous, 16-byte aligned; an fp16 array already so is returned as it is."""
+        cp = self.cp
+        if isinstance(x, cp.ndarray) and x.dtype == cp.float16 and x.flags.c_contiguous and x.data.ptr % 16 == 0:
+            return x
+        x = self._c(x)
+        y = cp.empty(x.shape, dtype=cp.float16)
+        self.kernel("gemm.cu", "to_half")(self._grid1(x.size), (ELEM_THREADS,), (x, y, np.int64(x.size)))
+        return y
+
+    def _cublas(self, a16, w16, out, accumulate=False):
+        """out[M, N] fp32 (+)= a16[M, K] @ w16[N, K]^T through cublasGemmEx (fp32 compute), current stream."""
+        M, K = a16.shape
+        cublas.gemm(self.device.cublas_handle, a16.data.ptr, w16.data.ptr, out.data.ptr, M, w16.shape[0], K,
+                    self.cp.cuda.get_current_stream().ptr, accumulate)
+        return out
+
+    def _range_amax(self, x):
+        """The range-safe fallback's max |x| (fp32 bits, on the device) for range.cuh's scaling; NULL otherwise."""
+        if not self.range_safe:
+            return NULL
+        amax = self.cp.zeros(1, dtype=self.cp.uint32)
+        self.kernel("gemm.cu", "abs_amax")(self._amax_grid(x.size), (ELEM_THREADS,), (x, np.int64(x.size), amax))
+        return amax
+
+    def _split(self, x):
+        """x fp32 [M, K] -> (fp16 [2, M, K]: hi = fp16(x) over lo = fp16(x - hi), amax): in the range-safe fallback
+        x is first scaled by a power of two when it exceeds fp16's range (amax says by how much)."""
+        x = self._c(x)
+        amax = self._range_amax(x)
+        hl = self.cp.empty((2,) + x.shape, dtype=self.cp.float16)
+        self.kernel("gemm.cu", "to_half_split")(self._grid1(x.size), (ELEM_THREADS,),
+                                                (x, hl[0], hl[1], np.int64(x.size), amax))
+        return hl, amax
+
+    def _split_gemm(self, split, w, out):
+        """out[M, N] fp32 = (hi + lo) @ w^T for split = _split(x): two cuBLAS passes, the second accumulating, then
+        the range scaling undone. (One pass over hi stacked on lo, [2M, K], measured 0.81-0.96x of this at 384 and
+        1024 rows on the H200.)"""
+        hl, amax = split
+        self._cublas(hl[0], w, out)
+        self._cublas(hl[1], w, out, accumulate=True)
+        if amax is not NULL:
+            self.kernel("gemm.cu", "range_rescale")(self._amax_grid(out.size), (ELEM_THREADS,),
+                                                    (out, np.int64(out.size), amax))
+        return out
+
+    def _amax_grid(self, n4):
+        return (min(self._grid1(n4)[0], 4 * self.sm_count),)   # a few blocks per SM: one atomic per block
+
+    def _split8(self, x, amax=None):
+        """x fp32 [M, K] -> (hi fp16 [M, K], lo e4m3 [M, K] scaled by a power of two, its inverse scale [1]):
+        the scale comes from max |lo| on the device, so nothing waits for the host. ``amax``: that maximum,
+        already made by x's producer (fp8.cu swiglu_inplace); otherwise lo_amax reads x for it."""
+        cp = self.cp
+        x = self._c(x)
+        if x.size % 4 or x.data.ptr % 16:     # the kernels read float4s (twinned weights have K % 16 == 0)
+            raise errors.DeviceError(f"split8 operand of {x.size} values at {x.data.ptr:#x} is not float4-aligned")
+        inv = cp.empty(1, dtype=cp.float32)
+        hi = cp.empty(x.shape, dtype=cp.float16)
+        lo8 = cp.empty(x.shape, dtype=cp.uint8)
+        n4 = x.size // 4
+        if amax is None:
+            amax = cp.zeros(1, dtype=cp.uint32)
+            self.kernel("fp8.cu", "lo_amax")(self._amax_grid(n4), (ELEM_THREADS,), (x, np.int64(n4), amax))
+        self.kernel("fp8.cu", "split_fp8")(self._grid1(n4), (ELEM_THREADS,), (x, hi, lo8, np.int64(n4), amax, inv))
+        return hi, lo8, inv
+
+    def _split8_gemm(self, s8, w, out):
+        """out[M, N] fp32 = (hi + lo) @ w^T for s8 = _split8(x): lo against w's fp8 twin on the fp8 tensor cores
+        (cuBLASLt, overwriting out), then hi against w in fp16 (cuBLAS, accumulating)."""
+        hi, lo8, inv = s8
+        _, w8, w_inv = self._twin_of(w)
+        self._fp8(lo8, inv, w8, w_inv, out, self.cp.cuda.get_current_stream().ptr)
+        return self._cublas(hi, w, out, accumulate=True)
+
+    def _twin_of(self, w):
+        """w's (weight, fp8 twin, inverse scale), or None. The pointer alone is not enough: a view of a weight's
+        first rows (the head slices its attention in-projections) starts at the same address."""
+        t = self._twins.get(w.data.ptr)
+        return t if t is not None and t[0].shape == w.shape and w.flags.c_contiguous else None
+
+    def _has_twin(self, M, *ws):
+        """split8 applies: every weight has its fp8 twin and cuBLASLt runs the shape."""
+        return (self.precision == "split8" and all(self._twin_of(w) is not None for w in ws)
+                and all(self._fp8.supports(M, w.shape[0], w.shape[1]) for w in ws))
+
+    def _gemm(self, x, w, out, bias=None):
+        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune."""
+        M, K = x.shape
+        N = w.shape[0]
+        split = self.precision != "fp16" and x.dtype == self.cp.float32
+
+        def cublas():
+            if x.dtype == self.cp.float16:
+                self._cublas(x, w, out)
+            elif split and self._has_twin(M, w):
+                self._split8_gemm(self._split8(x), w, out)
+            elif split:
+                self._split_gemm(self._split(x), w, out)
+            else:
+                self._cublas(self._half(x), w, out)
+            if bias is not None:
+                out.__iadd__(bias)
+
+        paths = {"wmma": lambda: self._wmma(x, w, out, bias), "cublas": cublas}
+        if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
+            paths["rows"] = lambda: self._gemm_rows(x, w, out, bias)
+        paths[self._choose(M, N, K, paths, str(x.dtype))]()
+        return out
+
+    def _gemm_rows(self, a, w16, out, bias=None):
+        """gemm_rows.cu: the few-row GEMM on the CUDA cores (fp32 products; the head's questions and options)."""
+        M, K = a.shape
+        N = w16.shape[0]
+        # a block: 16 weight rows (8 warps x NC = 2) against 16 activation rows (RG); gemm_rows.cu's constants
+        self.kernel("gemm_rows.cu", "gemm_rows")((-(-N // 16), -(-M // 16)), (256,),
+                                                 (a, w16, NULL if bias is None else bias, out, np.int32(M),
+                                                  np.int32(N), np.int32(K)))
+        return out
+
+    def _wmma(self, a, w16, out, bias=None, res=None):
+        M, K = a.shape
+        N = w16.shape[0]
+        args = (a, w16, NULL if bias is None else bias, NULL if res is None else res, out, np.int32(M),
+                np.int32(N), np.int32(K))
+        grid = (-(-N // 128), -(-M // 128))
+        if a.dtype == self.cp.float16:
+            self.kernel("gemm.cu", "gemm_f16a")(grid, (256,), args)
+        elif self.precision == "fp16":
+            self.kernel("gemm.cu", "gemm_f32a")(grid, (256,), args)
+        else:
+            self.kernel("gemm.cu", "gemm_f32a_split")(grid, (256,), args + (self._range_amax(a),))
+        return out
+
+    def _choose(self, M, N, K, paths: dict, tag=""):
+        """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
+        first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
+        path."""
+        if self.gemm_mode != "auto":
+            return self.gemm_mode
+        if self.cublas_missing is not None:
+            paths = {name: run for name, run in paths.items() if name != "cublas"}
+        bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
+        key = (N, K, bucket, tag, self.precision)
+        got = self.gemm_choice.get(key)
+        if got is None:
+            cp = self.cp
+            times = {name: math.inf for name in paths}
+            for fn in paths.values():
+                fn()                                   # compile, allocate, warm the clocks
+            for _ in range(5):                         # interleaved, best of 5: a clock ramp or a hiccup during
+                for name, fn in paths.items():         # one candidate's turn does not decide
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record()
+                    fn()
+                    e1.record()
+                    e1.synchronize()
+                    times[name] = min(times[name], cp.cuda.get_elapsed_time(e0, e1))
+            got = min(times, key=times.get)
+            self.gemm_choice[key] = got
+            log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", bucket, N, K, tag,
+                     ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), got)
+        return got
+
+    def linear(self, x, w, b=None):
+        cp = self.cp
+        if w.dtype != cp.float16:                     # small fp32 matrices (e.g. a [1, F] scorer row)
+            # a reduction over broadcast views, not cuBLAS: CuPy's cuBLAS calls refuse a graph capture
+            x2 = self._f32(x).reshape(-1, x.shape[-1])
+            y = rowdot_k()(x2[:, None, :], w[None, :, :], axis=2).reshape(x.shape[:-1] + (w.shape[0],))
+            return y if b is None else y + b
+        lead = x.shape[:-1]
+        x = self._c(x).reshape(-1, x.shape[-1])
+        M, K = x.shape
+        N = w.shape[0]
+        out = cp.empty((M, N), dtype=cp.float32)
+        if M == 0:
+            return out.reshape(lead + (N,))
+        self._gemm(x, w, out, self._c(b) if b is not None else None)
+        return out.reshape(lead + (N,))
+
+    def mlp(self, x, w_gate, w_up, w_down):
+        """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small (model.backbone
+        already hands it blocks of ``token_block`` rows; direct callers get the same bound). Two paths per
+        block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM) and
+        cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale)."""
+        cp = self.cp
+        x = self._c(x)
+        T, H = x.shape
+        I = w_gate.shape[0]
+        out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
+        split = self.precision != "fp16"
+        step = self.token_block if self.token_block > 0 else max(T, 1)
+        for t0 in range(0, T, step):
+            xb = x[t0:t0 + step]
+            M = xb.shape[0]
+            ob = out[t0:t0 + M]
+
+            def run_w():
+                hb = cp.empty((M, I), dtype=cp.float32 if split else cp.float16)
+                grid = (-(-I // 64), -(-M // 128))
+                args = (xb, w_gate, w_up, hb, np.int32(M), np.int32(I), np.int32(H))
+                if split:
+                    self.kernel("gemm.cu", "gemm_swiglu_f32a_split")(grid, (256,), args + (self._range_amax(xb),))
+                else:
+                    self.kernel("gemm.cu", "gemm_swiglu_f32a")(grid, (256,), args)
+                self._gemm(hb, w_down, ob)            # its own autotune (wmma or cuBLAS)
+
+            def run_c():                              # every GEMM on cuBLAS(Lt)
+                gb = cp.empty((M, I), dtype=cp.float32)
+                ub = cp.empty((M, I), dtype=cp.float32)
+                if not split:
+                    a16 = self._half(xb)
+                    self._cublas(a16, w_gate, gb)
+                    self._cublas(a16, w_up, ub)
+                    del a16
+                    hb = cp.empty((M, I), dtype=cp.float16)
+                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (ELEM_THREADS,),
+                                                          (gb, ub, hb, np.int64(gb.size)))
+                    del gb, ub
+                    self._cublas(hb, w_down, ob)
+                    return
+                if self._has_twin(M, w_gate, w_up):
+                    hl, gemm = self._split8(xb), self._split8_gemm
+                else:
+                    hl, gemm = self._split(xb), self._split_gemm
+                gemm(hl, w_gate, gb)
+                gemm(hl, w_up, ub)
+                del hl
+                # gb <- silu(gb) * ub in place; for split8's down GEMM the same pass yields gb's lo amax
+                twin = self._has_twin(M, w_down)
+                amax = cp.zeros(1, dtype=cp.uint32) if twin else NULL
+                self.kernel("fp8.cu", "swiglu_inplace")(self._amax_grid(-(-gb.size // 4)), (ELEM_THREADS,),
+                                                        (ub, gb, np.int64(gb.size), amax))
+                del ub
+                if twin:
+                    self._split8_gemm(self._split8(gb, amax), w_down, ob)
+                else:
+                    self._split_gemm(self._split(gb), w_down, ob)
+
+            paths = {"wmma": run_w, "cublas": run_c}
+            paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
+        return out

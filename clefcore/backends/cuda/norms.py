@@ -1,0 +1,64 @@
+"""RMSNorm (plain, fused with the residual add, gated), LayerNorm and L2 norm on the GPU (cuda/norms.cu): a mixin
+of ``CudaOps``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class NormOps:
+    def _row_launch(self, R, D):
+        """norms.cu launch for R rows of D: (grid, block, G threads per row). A block per row from 1024 values
+        on (a warp per 4096-wide row left the GPU a quarter occupied at 2048 rows); a warp per narrower row."""
+        if D >= 1024:
+            return (max(1, R),), (256,), np.int32(256)
+        return (max(1, -(-R // 8)),), (256,), np.int32(32)
+
+    def rmsnorm(self, x, w, eps):
+        x, R, D, *rmap = self._row_map(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), self._c(w), y, np.int32(R),
+                                                       np.int32(D), G, np.float32(eps)))
+        return y
+
+    def add_rmsnorm(self, x, delta, w, eps):
+        x, d = self._c(x), self._c(delta)
+        D = x.shape[-1]
+        R = x.size // D
+        s = self.cp.empty(x.shape, dtype=self.cp.float32)
+        y = self.cp.empty(x.shape, dtype=self.cp.float32)
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "add_rmsnorm_rows")(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D), G,
+                                                           np.float32(eps)))
+        return s, y
+
+    def gated_rmsnorm(self, x, z, w, eps):
+        """x, z [..., heads, d]; both read through a row map (z is a per-head view of a wider projection)."""
+        shape = x.shape
+        x, R, D, *rmap = self._row_map(x)
+        z, Rz, Dz, *zmap = self._row_map(z)
+        if (Rz, Dz) != (R, D):
+            raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
+        y = self.cp.empty((R, D), dtype=self.cp.float32)
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), z, *self._map_args(*zmap),
+                                                             self._c(w), y, np.int32(R), np.int32(D), G,
+                                                             np.float32(eps)))
+        return y.reshape(shape)
+
+    def layernorm(self, x, w, b, eps=1e-5):
+        x, R, D, *rmap = self._row_map(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, bl, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "layernorm_rows")(g, bl, (x, *self._map_args(*rmap), self._c(w), self._c(b), y,
+                                                          np.int32(R), np.int32(D), G, np.float32(eps)))
+        return y
+
+    def l2norm(self, x, eps, scale=1.0):
+        x, R, D, *rmap = self._row_map(x)
+        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        g, b, G = self._row_launch(R, D)
+        self.kernel("norms.cu", "l2norm_rows")(g, b, (x, *self._map_args(*rmap), y, np.int32(R), np.int32(D), G,
+                                                      np.float32(eps), np.float32(scale)))
+        return y

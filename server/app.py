@@ -127,8 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer (503 after)")
     parser.add_argument("--max-queue-wait", type=_positive(float), default=None,
-                        help="admit a request while the queued work's expected wait (tokens / measured device "
-                             "rate) fits this many seconds, else 429 (default: half of --request-timeout)")
+                        help="admit a request while the queued work's expected wait (tokens / measured "
+                             "device rate) fits this many seconds, else 429 "
+                             "(default: half of --request-timeout)")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
                              "short ones (0: off)")

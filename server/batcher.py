@@ -76,8 +76,8 @@ class Batcher:
                  max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks,
                  wait_budget_s: float = math.inf, chunk_tokens: int = 0, age_rate: float | None = None,
                  start_rate: float | None = None):
-        """``wait_budget_s``: admit while the expected wait fits it. ``chunk_tokens``: prompts longer than this
-        run chunked, in chunks of this size (0: never). ``age_rate``: the scheduler's aging in tokens per
+        """``wait_budget_s``: admit while the expected wait fits it. ``chunk_tokens``: prompts longer than
+        this run chunked, in chunks of this size (0: never). ``age_rate``: the scheduler's aging in tokens per
         second of waiting (None: follow the measured device rate; inf: first in, first out)."""
         self._engine = engine
         self._metrics = metrics

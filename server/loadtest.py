@@ -81,7 +81,8 @@ def make_body(tokens: int, rng: random.Random) -> dict:
         "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
         "team": {"type": "choice", "instructions": "Which team should handle this request?",
                  "criteria": {"billing": "Payments, invoices, and refunds",
-                              "technical": "Outages, errors, and configuration", "sales": "Plans and upgrades"}},
+                              "technical": "Outages, errors, and configuration",
+                              "sales": "Plans and upgrades"}},
         "severity": {"type": "score", "instructions": "How severe is the customer impact?",
                      "criteria": ["No impact", "Minor", "Major", "Critical"]}}}
 
@@ -124,7 +125,8 @@ def format_report(report: dict) -> str:
              f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s"]
     for name, c in report["classes"].items():
         if c["ok"]:
-            lines.append(f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6}  ~{c['mean_input_tokens']:>8} tokens  "
+            lines.append(f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6}  "
+                         f"~{c['mean_input_tokens']:>8} tokens  "
                          f"p50 {c['p50_ms']:>9} ms  p90 {c['p90_ms']:>9} ms  p99 {c['p99_ms']:>9} ms")
         else:
             lines.append(f"  {name:<8} sent {c['sent']:>6} ok      0")
@@ -239,19 +241,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send this many requests per second (open loop) instead of a closed loop")
     parser.add_argument("--mix", type=_mix, default=parse_mix(DEFAULT_MIX),
                         help=f"request classes, name:share:prompt_tokens,... (default {DEFAULT_MIX})")
-    parser.add_argument("--timeout", type=_positive(float), default=120.0, help="client timeout per request, s")
+    parser.add_argument("--timeout", type=_positive(float), default=120.0,
+                        help="client timeout per request, s")
     parser.add_argument("--max-backoff", type=float, default=1.0,
                         help="closed loop: after a 429/503 wait Retry-After, at most this many seconds")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the report as JSON to this file (- : stdout)")
+    parser.add_argument("--json", default=None,
+                        help="also write the report as JSON to this file (- : stdout)")
 
 
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(_drive(args, args.mix))
     report = summarize(result, args.mix)
-    report["config"] = {"url": args.url, "route": args.route, "clients": args.clients, "duration_s": args.duration,
-                        "rate": args.rate, "mix": [asdict(c) for c in args.mix]}
+    report["config"] = {"url": args.url, "route": args.route, "clients": args.clients,
+                        "duration_s": args.duration, "rate": args.rate, "mix": [asdict(c) for c in args.mix]}
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -75,12 +75,13 @@ class Metrics:
                              ["route"], buckets=_SECONDS, registry=r)
         # Admission by work (server/admission.py): what is waiting, in tokens and in expected seconds, and
         # what was refused and why (queued_work: over the wait budget; queue_full: over --max-queue).
-        self.queued_tokens = Gauge("clef_queued_tokens", "Prompt tokens accepted and not yet answered: queued, "
-                                   "running and the rest of chunked prompts", registry=r,
+        self.queued_tokens = Gauge("clef_queued_tokens", "Prompt tokens accepted and not yet answered: "
+                                   "queued, running and the rest of chunked prompts", registry=r,
                                    multiprocess_mode="livesum")
         # livemax: the worst worker is what a client routed there waits.
-        self.estimated_wait = Gauge("clef_estimated_wait_seconds", "Expected wait of a request arriving now "
-                                    "(queued tokens / measured rate)", registry=r, multiprocess_mode="livemax")
+        self.estimated_wait = Gauge("clef_estimated_wait_seconds", "Expected wait of a request arriving "
+                                    "now (queued tokens / measured rate)", registry=r,
+                                    multiprocess_mode="livemax")
         self.device_rate = Gauge("clef_device_rate_tokens_per_second", "Measured prompt tokens per second of "
                                  "device time (smoothed)", registry=r, multiprocess_mode="liveall")
         self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 at admission, by reason",

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import answers, model
+from . import answers, images, model, vision
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord, Encoder
-from .errors import ClefError, ContextLengthError, DeviceError, GuardError
+from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, GuardError, RequestError
+from .preprocess import preprocess
 from .tokenize import Tokenizer
 from .validate import validate_request
 
@@ -87,9 +88,30 @@ class Engine:
         self.precision = getattr(self.ops, "mode", "fp32")
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
+        self.vision, self.images_refused = self._load_vision()
         summary = self.ops.fp16_summary()
         if summary:
             log.warning("%s", summary)
+
+    def _load_vision(self):
+        """(vision params, None) when this engine answers images, else (None, the message image requests get).
+        Only the numpy backend runs the tower so far: a GPU engine refuses images rather than answer them on an
+        untested path or without them."""
+        if not vision.has_vision(self.checkpoint):
+            return None, "images: this model has no vision tower"
+        section = vision.mrope_section(self.checkpoint)
+        if section is None:
+            return None, "images: this model's M-RoPE layout is not supported (interleaved mrope_section expected)"
+        if self.device != "cpu":
+            return None, "images: not supported on the GPU yet"
+        try:
+            params = vision.load_vision(self.checkpoint, self.ops)
+        except CheckpointError as e:
+            # an incomplete tower (synthetic checkpoints carry a stub) leaves text exact: refuse images, load on
+            log.warning("vision tower not loaded, image requests are refused: %s", e.message)
+            return None, "images: this model's vision tower is incomplete"
+        self.params.mrope_section = section
+        return params, None
 
     # ------------------------------------------------------------------------------------------- host side
     def encode(self, body) -> EncodedRecord:
@@ -99,7 +121,13 @@ class Engine:
     def prepare(self, body, on_overflow: str = "truncate") -> Prepared:
         """Validate and encode. ``on_overflow="reject"`` refuses a request whose state would be cut."""
         request = validate_request(body, self.validation)
-        record = self.encoder.encode(request, self.max_length)
+        pixels = ()
+        if request.get("images"):
+            if self.vision is None:
+                raise RequestError(self.images_refused, field="images")
+            # decoded (bounded: clefcore/images.py) and preprocessed here, on the host, before any device work
+            pixels = tuple(preprocess(images.decode(data, i)) for i, data in enumerate(request["images"]))
+        record = self.encoder.encode(request, self.max_length, pixels)
         if on_overflow == "reject" and record.state_truncated:
             need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
                 + record.state_tokens_before_truncation
@@ -143,11 +171,13 @@ class Engine:
         lengths = [len(r.input_ids) for r in records]
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
-        positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+        positions = packed_positions(records)
         ops = self.ops
         ops.begin_forward()   # with a GPU arena, this forward's buffers come from it
         try:
-            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False)
+            rows, embeds = self.image_inputs(records)
+            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
+                                        image_rows=rows, image_embeds=embeds)
             try:
                 # the head is queued behind the backbone without waiting for its guard flags
                 logits = model.heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
@@ -156,6 +186,20 @@ class Engine:
         finally:
             ops.end_forward()
         return logits, hs, layers
+
+    def image_inputs(self, records: list[EncodedRecord]):
+        """The vision tower over every image of the batch at once (each image attends only to itself): (rows of
+        the packed stream that are image pads, their embeddings [n, H]), or (None, None) without images."""
+        if not any(r.images for r in records):
+            return None, None
+        if self.vision is None:     # prepare refuses these; a record made elsewhere must not run without them
+            raise RequestError(self.images_refused, field="images")
+        pixels = np.concatenate([p.values for r in records for p in r.images])
+        grids = [p.grid_thw for r in records for p in r.images]
+        embeds = vision.tower(self.ops, self.vision, pixels, grids)
+        starts = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
+        rows = np.concatenate([np.arange(s, e) + starts[b] for b, r in enumerate(records) for s, e, _, _ in r.image_spans])
+        return rows.astype(np.int64), embeds
 
     def infer(self, prepared: list[Prepared]) -> list[dict]:
         if not prepared:
@@ -187,6 +231,15 @@ class Engine:
         return int(used()) if used is not None else 0
 
 
+def packed_positions(records: list[EncodedRecord]) -> np.ndarray:
+    """Positions of the packed stream: [T] for text-only batches (as always); [3, T] M-RoPE rows as soon as one
+    record has images (a text-only record's three rows are equal, which is the 1-D rope exactly)."""
+    if all(r.positions is None for r in records):
+        return np.concatenate([np.arange(len(r.input_ids)) for r in records]).astype(np.int64)
+    return np.concatenate([r.positions if r.positions is not None else np.tile(np.arange(len(r.input_ids)), (3, 1))
+                           for r in records], axis=1).astype(np.int64)
+
+
 def load(path: str | Path, device: str = "cpu", **options) -> Engine:
     """Load a checkpoint directory (release layout) onto ``device`` ("cpu", "cuda", "cuda:N")."""
     return Engine(path, device=device, **options)
@@ -202,7 +255,13 @@ class ChunkedRun:
     def __init__(self, engine: Engine, prepared: Prepared, chunk: int):
         self.engine, self.prepared, self.chunk = engine, prepared, int(chunk)
         self.safe = False          # running on the range-safe exact path after a guard trip
-        self._prefill = model.ChunkedPrefill(engine.ops, engine.params, prepared.record.input_ids, self.chunk)
+        self._prefill = self._start()
+
+    def _start(self):
+        e, rec = self.engine, self.prepared.record
+        rows, embeds = e.image_inputs([rec])
+        return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk, positions=rec.positions,
+                                    image_rows=rows, image_embeds=embeds)
 
     @property
     def done(self) -> bool:
@@ -227,7 +286,8 @@ class ChunkedRun:
                 raise
             self.engine._count_fallback(first, 1, self._prefill.T)
             self.safe = True
-            self._prefill = model.ChunkedPrefill(ops, self.engine.params, self.prepared.record.input_ids, self.chunk)
+            with self._context():
+                self._prefill = self._start()
         return self.done
 
     def logits(self) -> list:

@@ -39,6 +39,8 @@ class Params:
     lm_head: object
     layers: list[dict] = field(default_factory=list)
     head: dict = field(default_factory=dict)
+    # M-RoPE (requests with images): rope_parameters.mrope_section of the text config, interleaved
+    mrope_section: tuple[int, int, int] | None = None
 
     def place(self, name: str, w) -> None:
         """Store a backbone tensor under its checkpoint name (without the language-model prefix)."""
@@ -132,9 +134,13 @@ def block_plan(cu_seqlens, T: int, block: int) -> list[_Block]:
 
 
 def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False, block: int | None = None,
-             check: bool = True):
+             check: bool = True, image_rows=None, image_embeds=None):
     """ids [T] (packed sequences), cu_seqlens [B+1], positions [T] -> (final-norm states [T, H], per-layer
     residual streams or None).
+
+    With images: positions [3, T] (M-RoPE: temporal, height, width), and the token embeddings of the rows
+    ``image_rows`` (host ints, the image pads in placeholder order) replaced by ``image_embeds`` [n, H] (the vision
+    tower's output). Text-only calls are unchanged.
 
     Layer-outer, block-inner: the fp32 residual stream x [T, H] stays whole; each layer runs its input norm,
     mixer, MLP and residual adds over token blocks of ``block`` tokens (default ``ops.token_block``; 0 or None
@@ -156,6 +162,8 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
         block = getattr(ops, "token_block", 0)
     block = int(block) if block and int(block) > 0 else max(T, 1)
     graphs = getattr(ops, "graphs", None)
+    if image_rows is not None:
+        graphs = None                                   # the graph path replays text-only embeddings and 1-D rope
     Tp = None if keep_layers or graphs is None else graphs.padded_length(T, len(cu_seqlens) - 1)
     if Tp is not None and Tp > T:
         ids = np.concatenate([np.asarray(ids), np.zeros(Tp - T, dtype=np.asarray(ids).dtype)])
@@ -163,8 +171,8 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
         positions = np.concatenate([positions, positions[-1] + 1 + np.arange(Tp - T, dtype=positions.dtype)])
         cu_seqlens = np.array([0, Tp])
     plan = block_plan(cu_seqlens, len(ids), block)
-    x = ops.embed(p.embed, ids)
-    cos, sin = ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
+    x = embed_with_images(ops, p, ids, image_rows, image_embeds)
+    cos, sin = rope(ops, p, positions)
     kept = [] if keep_layers else None
 
     def layers(x, cos, sin):
@@ -180,6 +188,36 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     if check:
         ops.check_watched()                                    # the forward's one wait for the guard flags
     return x, kept
+
+
+def embed_with_images(ops, p: Params, ids, image_rows=None, image_embeds=None):
+    """Token embeddings [T, H], the image pads' rows replaced by the vision tower's embeddings (in order)."""
+    x = ops.embed(p.embed, ids)
+    if image_rows is not None and len(image_rows):
+        if image_embeds.shape != (len(image_rows), x.shape[1]):
+            raise ValueError(f"image embeddings {tuple(image_embeds.shape)} for {len(image_rows)} image rows")
+        x[ops.asarray(np.asarray(image_rows, dtype=np.int64))] = image_embeds
+    return x
+
+
+def rope(ops, p: Params, positions):
+    """cos/sin [T, rotary_dim/2]: 1-D positions [T] as before; M-RoPE positions [3, T] interleaved by
+    frequency (clef-images.md §9): frequency j reads the height row when j % 3 == 1 and j < 3 * section[1], the
+    width row when j % 3 == 2 and j < 3 * section[2], the temporal row otherwise."""
+    c = p.text
+    positions = np.asarray(positions)
+    if positions.ndim == 1:
+        return ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
+    if p.mrope_section is None:
+        raise ValueError("3-row positions need the text config's mrope_section")
+    cos, sin = ops.rope_tables(np.ascontiguousarray(positions[0]), c.rotary_dim, c.rope_theta)
+    half = c.rotary_dim // 2
+    for axis in (1, 2):
+        cols = np.arange(axis, min(3 * p.mrope_section[axis], half), 3)
+        if cols.size and not np.array_equal(positions[axis], positions[0]):
+            ca, sa = ops.rope_tables(np.ascontiguousarray(positions[axis]), c.rotary_dim, c.rope_theta)
+            cos[:, cols], sin[:, cols] = ca[:, cols], sa[:, cols]
+    return cos, sin
 
 
 def _layers(ops, p: Params, x, cu_seqlens, cos, sin, plan, kept):
@@ -231,7 +269,7 @@ class ChunkedPrefill:
     ``step()`` runs the next chunk (its guard flags are left for the caller's ``ops.check_watched``) and returns
     True once the last one has run."""
 
-    def __init__(self, ops, p: Params, ids, chunk: int):
+    def __init__(self, ops, p: Params, ids, chunk: int, positions=None, image_rows=None, image_embeds=None):
         if chunk < 1:
             raise ValueError("chunk must be at least one token")
         c = p.text
@@ -239,7 +277,10 @@ class ChunkedPrefill:
         self.ids = np.asarray(ids, dtype=np.int64)
         self.T = T = len(self.ids)
         self.t = 0
-        self.cos, self.sin = ops.rope_tables(np.arange(T, dtype=np.int64), c.rotary_dim, c.rope_theta)
+        # with images: M-RoPE positions [3, T], and the image rows' embeddings swapped in chunk by chunk
+        self.image_rows = None if image_rows is None else np.asarray(image_rows, dtype=np.int64)
+        self.image_embeds = image_embeds
+        self.cos, self.sin = rope(ops, p, np.arange(T, dtype=np.int64) if positions is None else positions)
         self.cu = np.array([0, T], dtype=np.int64)
         attn = [kind == "full_attention" for kind in c.layer_types]
         self.caches = [(ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
@@ -256,6 +297,10 @@ class ChunkedPrefill:
         t0, t1 = self.t, min(self.t + self.chunk, self.T)
         b = _Block(t0, t1, np.array([0, t1 - t0], dtype=np.int64), t0 > 0, t1 < self.T)
         x = ops.embed(p.embed, self.ids[t0:t1])
+        if self.image_rows is not None:
+            inside = np.nonzero((self.image_rows >= t0) & (self.image_rows < t1))[0]
+            if inside.size:
+                x[ops.asarray(self.image_rows[inside] - t0)] = self.image_embeds[ops.asarray(inside)]
         for i, L in enumerate(p.layers):
             _layer_block(ops, c, i, L, x, b, self.cu, self.cos[t0:t1], self.sin[t0:t1], self.caches[i],
                          self.carries[i])

@@ -5,9 +5,16 @@
 ``mode="cloudflare"`` adds the hosted Workers AI limits (systemone-protocol.md §3, §9, §14) and reports
 the first violation in body order.
 
-Images (protocol §3.7) are not implemented yet, so both modes refuse any request that carries one (the
-reference would answer it with the image; answering without it would be a silent wrong answer). ``images``
+Images (protocol §3.7): both modes take an array of up to 4 items, each a data URL or a
+``{content_type, base64}`` object, within the byte limits (clefcore/images.py; pixels are checked when the
+engine decodes them); the normalised request then carries ``images`` (each image's file bytes). ``images``
 that carry no image, ``[]`` in both modes and ``null`` in reference mode, leave a text-only request.
+
+Reference mode deviates from the reference's processor only where following it would be unsafe or wrong
+(clef-images.md §1): it never opens a path, fetches a URL or decodes bare base64 (each refused by item);
+it accepts ``DATA:`` in any case and the object form (the reference decodes the first to garbage and crashes
+on the second with a TypeError); it applies Cloudflare's count, size and pixel limits (the reference has none);
+and it refuses a lone string or object instead of reading it as one image.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import re
 from typing import Any
 
 from clefcore.errors import RequestError
+from clefcore.images import parse_images
 from clefcore.jsonvalue import join_path
 
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -63,26 +71,28 @@ def _state_key(body: dict) -> str | None:
     return "state" if "state" in body else "document" if "document" in body else None
 
 
-def _check_images(body: dict, mode: str) -> None:
-    """Refuse every ``images`` value that could hold an image; the engine has no vision path yet."""
+def _check_images(body: dict, mode: str) -> list[bytes]:
+    """The images of the request (file bytes, request order); [] when it carries none."""
     if "images" not in body:
-        return
+        return []
     images = body["images"]
-    # An empty array is a valid Cloudflare value (array, maxItems 4) with no image in it: the text-only
-    # answer is exact. The reference calls its processor only when the request has images (clef-head.md
-    # §3.8), and null (JSON's "unset") has none. Cloudflare's schema types the field as an array only.
+    # An empty array is a valid Cloudflare value (array, maxItems 4) with no image in it: the text-only answer is
+    # exact. The reference calls its processor only when the request has images (clef-head.md §3.8), and null
+    # (JSON's "unset") has none. Cloudflare's schema types the field as an array only.
     if (isinstance(images, list) and not images) or (images is None and mode == "reference"):
-        return
-    if mode == "cloudflare" and not isinstance(images, list):
+        return []
+    if not isinstance(images, list):
+        # in reference mode too: the reference would read a string as one image and crash on an object
         raise RequestError(f"images: must be an array of up to 4 images, got {_kind(images)}", field="images",
                            limit="array of up to 4 images")
-    # Everything else, in reference mode too: a string is one image to the reference's processor, an
-    # object form or a falsy scalar is no valid image list anywhere; a refusal is never a wrong answer.
-    raise RequestError("images: images are not supported yet", field="images")
+    return parse_images(images)
 
 
-def _normalised(body: dict, state_key: str) -> dict:
-    return {"model": body["model"], "state": body[state_key], "questions": body["questions"]}
+def _normalised(body: dict, state_key: str, images: list[bytes]) -> dict:
+    out = {"model": body["model"], "state": body[state_key], "questions": body["questions"]}
+    if images:
+        out["images"] = images
+    return out
 
 
 # --- reference -------------------------------------------------------------------------------------
@@ -120,18 +130,19 @@ def _reference(body: dict) -> dict:
     # Last, so bodies the reference itself refuses keep its messages. Unknown fields are ignored here, as
     # the reference does, but `images` and `videos` must not be: it would answer without them. (Cloudflare's
     # schema has no `videos`: the cloudflare mode refuses it as an unknown field.)
-    _check_images(body, "reference")
+    images = _check_images(body, "reference")
     if body.get("videos") not in (None, []):
         raise RequestError("videos: videos are not supported", field="videos")
-    return _normalised(body, state_key)
+    return _normalised(body, state_key, images)
 
 
 # --- cloudflare ------------------------------------------------------------------------------------
 
 def _cloudflare(body: dict) -> dict:
+    images = []
     for key in body:
         if key == "images":
-            _check_images(body, "cloudflare")
+            images = _check_images(body, "cloudflare")
             continue
         if key not in TOP_LEVEL_FIELDS:
             raise RequestError(f"{_show(key)}: unknown field (allowed: {', '.join(TOP_LEVEL_FIELDS)})",
@@ -154,7 +165,7 @@ def _cloudflare(body: dict) -> dict:
                            field="questions", limit=f"1..{MAX_QUESTIONS} questions")
     for qid, question in questions.items():
         _cloudflare_question(qid, question)
-    return _normalised(body, state_key)
+    return _normalised(body, state_key, images)
 
 
 def _cloudflare_question(qid: str, question: Any) -> None:

@@ -72,6 +72,17 @@ def has_vision(ck: Checkpoint) -> bool:
     return "vision_config" in read_json(ck.path / "config.json")
 
 
+def mrope_section(ck: Checkpoint) -> tuple[int, int, int] | None:
+    """The text config's interleaved M-RoPE section (T, H, W frequencies), or None when the checkpoint has none or
+    a layout that model.rope does not implement (non-interleaved sections)."""
+    tc = read_json(ck.path / "config.json").get("text_config") or {}
+    rope = tc.get("rope_parameters") or {}
+    section = rope.get("mrope_section")
+    if not rope.get("mrope_interleaved") or not isinstance(section, list) or len(section) != 3:
+        return None
+    return tuple(int(v) for v in section)
+
+
 def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
     """``model.visual.*`` from the checkpoint's shards into backend storage (CheckpointError naming a missing or
     misshapen tensor)."""

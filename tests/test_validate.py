@@ -3,6 +3,7 @@ whole parse → validate → encode path (every body must give a RequestError or
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import pathlib
@@ -132,20 +133,19 @@ def test_unknown_top_level_field(key, field):
     assert error.field == field and "unknown field" in error.message
 
 
-# --- images (not implemented yet: refused in both modes, issue 21) ---------------------------------------
+# --- images (issue 21): forms and byte limits here, pixels when the engine decodes (tests/test_images.py) ----
 
-# Request 0 of shared/golden-images (png_data_url_noul) in its key order. Its data URL is cut to the PNG
-# signature and IHDR (a 64x48 image): validation refuses before any decoding, so the 3.3 kB image is not
-# needed, and the test does not depend on ../shared existing.
+# Request 0 of shared/golden-images (png_data_url_noul) in its key order, with its image cut to the PNG
+# signature and IHDR: validation checks the form and the size only, so it passes here and fails to decode later.
 GOLDEN_IMAGES_0 = {
     "model": "clef-flash",
     "images": ["data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAAAw"],
     "state": "Screenshot attached: the checkout page shows a red error banner.",
     "questions": {"error_visible": {"type": "noul", "instructions": "Does the screenshot show an error?"}},
 }
-GOLDEN_IMAGES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "golden-images" / "requests.jsonl"
-NOT_SUPPORTED = "images: images are not supported yet"
+GOLDEN_IMAGES = pathlib.Path(__file__).parent / "golden_images" / "requests.jsonl"
 PNG_URL = GOLDEN_IMAGES_0["images"][0]
+PNG_BYTES = base64.b64decode(PNG_URL.split(",", 1)[1])
 PNG_OBJECT = {"content_type": "image/png", "base64": PNG_URL.split(",", 1)[1]}
 
 
@@ -160,36 +160,37 @@ def without_images(body: dict) -> dict:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_golden_images_request_is_refused_not_answered_text_only(mode):
+def test_images_are_carried_not_dropped(mode):
     # Reference mode used to drop `images` like any unknown field and answer from the text alone.
-    error = rejected(GOLDEN_IMAGES_0, mode)
-    assert (error.message, error.field, error.type) == (NOT_SUPPORTED, "images", "invalid_request_error")
-    assert error.to_json()["error"]["field"] == "images"
-    validate_request(without_images(GOLDEN_IMAGES_0), mode=mode)  # the images alone are the reason
+    request = validate_request(GOLDEN_IMAGES_0, mode=mode)
+    assert request["images"] == [PNG_BYTES]
+    assert without_images(request) == validate_request(without_images(GOLDEN_IMAGES_0), mode=mode)
+    both = validate_request(with_images([PNG_URL, PNG_OBJECT, PNG_URL.replace("data:", "DATA:")]), mode=mode)
+    assert both["images"] == [PNG_BYTES] * 3
 
 
-# Lists holding anything: refused the same way in both modes, whatever the items (forms, limits and URLs
-# get their own rules with the vision path).
-IMAGE_LISTS = [[PNG_URL], [PNG_OBJECT], [PNG_URL, PNG_OBJECT, PNG_URL, PNG_OBJECT], [PNG_URL] * 5,
-               ["DATA:image/png;base64,iVBORw0KGgo="], ["https://example.com/a.png"], ["/etc/passwd"],
-               ["iVBORw0KGgo="], [""], [None], [[]], [{}]]
+# Refused in both modes, naming the item (the reference would open the path, fetch the URL, decode the bare
+# base64 and crash on the object inside a list; clefcore/validate.py lists the deviations).
+IMAGE_LISTS = [([PNG_URL] * 5, "images"), (["https://example.com/a.png"], "images[0]"),
+               ([PNG_URL, "/etc/passwd"], "images[1]"), (["iVBORw0KGgo="], "images[0]"), ([""], "images[0]"),
+               ([None], "images[0]"), ([[]], "images[0]"), ([{}], "images[0].content_type"),
+               (["data:image/gif;base64,R0lGODdh"], "images[0]")]
 # Not an array: Cloudflare's schema refuses the type; the reference would read a string as one image and
-# crash on the rest, so reference mode refuses them all as images.
+# crash on the rest: refused in both modes.
 IMAGE_SCALARS = [PNG_URL, PNG_OBJECT, "", {}, 0, 1, False, True]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("images", IMAGE_LISTS, ids=range(len(IMAGE_LISTS)))
-def test_image_lists_are_refused(mode, images):
+@pytest.mark.parametrize("images,field", IMAGE_LISTS, ids=range(len(IMAGE_LISTS)))
+def test_bad_image_lists_are_refused(mode, images, field):
     error = rejected(with_images(images), mode)
-    assert (error.message, error.field) == (NOT_SUPPORTED, "images")
+    assert error.field == field and error.message.startswith(field)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("images", IMAGE_SCALARS, ids=range(len(IMAGE_SCALARS)))
-def test_images_that_are_not_arrays(images):
-    error = rejected(with_images(images), "reference")
-    assert (error.message, error.field) == (NOT_SUPPORTED, "images")
-    error = rejected(with_images(images))
+def test_images_that_are_not_arrays(mode, images):
+    error = rejected(with_images(images), mode)
     assert error.field == "images" and error.limit == "array of up to 4 images"
     assert error.message.startswith("images: must be an array of up to 4 images, got ")
 
@@ -199,6 +200,7 @@ def test_empty_images_array_is_a_text_only_request(mode, encoder):
     # [] is a valid Cloudflare value (array, maxItems 4) holding no image: the text-only answer is exact.
     request = validate_request(with_images([]), mode=mode)
     assert request == validate_request(without_images(GOLDEN_IMAGES_0), mode=mode)
+    assert "images" not in request
     assert isinstance(encoder.encode(request, 16384), EncodedRecord)
 
 
@@ -213,34 +215,27 @@ def test_null_images():
 
 def test_images_refusal_order():
     # Reference mode: the reference's own refusals come first, with its messages.
-    body = {"model": "m", "images": [PNG_URL], "state": "s", "questions": {}}
+    body = {"model": "m", "images": ["https://x/a.png"], "state": "s", "questions": {}}
     assert rejected(body, "reference").message == "at least one question is required"
     # Cloudflare mode: the first violation in body order.
-    body = with_images([PNG_URL], {"model": "m", "temperature": 1, "state": "s", "questions": {}})
+    body = with_images(["https://x/a.png"], {"model": "m", "temperature": 1, "state": "s", "questions": {}})
     assert rejected(body).field == "temperature"
-    body = {"model": "m", "images": [PNG_URL], "temperature": 1, "state": "s", "questions": {}}
-    assert rejected(body).field == "images"
+    body = {"model": "m", "images": ["https://x/a.png"], "temperature": 1, "state": "s", "questions": {}}
+    assert rejected(body).field == "images[0]"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_engine_refuses_images_and_answers_an_empty_list_as_text(mode):
-    import clefcore
-    engine = clefcore.load(TOKENIZER.parent, validation=mode)
-    with pytest.raises(RequestError) as info:
-        engine.decide(copy.deepcopy(GOLDEN_IMAGES_0))
-    assert info.value.field == "images" and info.value.message == NOT_SUPPORTED
-    assert engine.decide(with_images([])) == engine.decide(without_images(GOLDEN_IMAGES_0))
-
-
-@pytest.mark.skipif(not GOLDEN_IMAGES.is_file(), reason="needs ../shared/golden-images (not in the repo)")
-@pytest.mark.parametrize("mode", MODES)
-def test_every_golden_images_request_is_refused(mode):
-    # The real bodies (full images, both forms, 4 images, error rows) when the shared set is checked out.
+def test_every_golden_images_request_validates_with_its_images(mode):
     lines = GOLDEN_IMAGES.read_text().splitlines()
-    assert len(lines) >= 9 and json.loads(lines[0])["images"][0].startswith(PNG_URL)
+    assert len(lines) >= 9
     for line in lines:
-        error = rejected(parse_body(line.encode()), mode)
-        assert (error.message, error.field) == (NOT_SUPPORTED, "images")
+        body = parse_body(line.encode())
+        try:
+            request = validate_request(body, mode)
+        except RequestError as e:   # a question the reference takes and Cloudflare's limits do not
+            assert mode == "cloudflare" and e.field.startswith("questions."), e.message
+            request = validate_request(without_images(body) | {"images": body["images"]}, "reference")
+        assert len(request["images"]) == len(body["images"]) >= 1
 
 
 def test_unknown_question_field():

@@ -110,7 +110,8 @@ _ERROR_STATUSES = {
     "413": "body larger than --max-body-bytes, on the wire or decoded",
     "415": "Content-Type is not application/json, or a Content-Encoding other than gzip, deflate, br, zstd",
     "422": "schema violation; `field` names the path, `limit` the rule",
-    "429": "queue full; honour Retry-After",
+    "429": "overloaded: the queued work would exceed the wait budget (reason queued_work) or the queue is full "
+           "(queue_full); honour Retry-After",
     "500": "the device failed this request",
     "503": "loading, draining, or the request waited past --request-timeout; honour Retry-After",
 }

@@ -156,7 +156,6 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     The prompt is padded at its end to the graph's bucket so that nearby lengths share a graph: every op is
     causal, so the padding changes no row before it, and it is cut off again here.
     """
-    c = p.text
     T = int(len(ids))
     if block is None:
         block = getattr(ops, "token_block", 0)

@@ -177,7 +177,7 @@ def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
 def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     """pixel_values [N, 1536] (the images' rows, concatenated), grids [(t, gh, gw)] per image -> image embeddings
     [N / 4, out_hidden] in placeholder order. ``keep`` (a dict) receives the intermediate stages, for checks."""
-    c, w, xp = p.config, p.w, ops.xp
+    c, w = p.config, p.w
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
     x = ops.linear(ops.asarray(pixel_values), w["patch_embed.proj.weight"], w["patch_embed.proj.bias"])

@@ -82,26 +82,41 @@ def _axis_weights(size_in: int, size_out: int) -> tuple[np.ndarray, np.ndarray, 
     return xmin, w_int, precision
 
 
+STRIP = 64    # rows per strip: the int32 temporaries stay small and are reused (fresh large arrays page-fault)
+
+
 def _resize_axis(img: np.ndarray, size_out: int, axis: int) -> np.ndarray:
-    """One pass over ``axis`` of a uint8 [H, W, C] image: (2^(p-1) + sum pixel * w) >> p, clamped to uint8."""
+    """One pass over ``axis`` (0 or 1) of a uint8 [H, W, C] image: (2^(p-1) + sum pixel * w) >> p, clamped to
+    uint8. Runs in strips of rows, one tap at a time, in int32 (wide enough: see below)."""
     size_in = img.shape[axis]
     xmin, w, p = _axis_weights(size_in, size_out)
-    src = np.ascontiguousarray(np.moveaxis(img, axis, 0))                     # [in, other, C] uint8, rows contiguous
     # int32 holds every sum when 255 * sum|w| fits (always, for the sizes smart_resize allows); else int64
-    wide = 255 * int(np.abs(w).sum(axis=1).max()) + (1 << p) >= (1 << 31)
-    acc_t = np.int64 if wide else np.int32
+    acc_t = np.int64 if 255 * int(np.abs(w).sum(axis=1).max()) + (1 << p) >= (1 << 31) else np.int32
     w = w.astype(acc_t)
-    src = src.astype(acc_t)                                                   # same-type products are much faster
-    acc = np.full((size_out,) + src.shape[1:], 1 << (p - 1), dtype=acc_t)
-    tmp = np.empty_like(acc)
-    for k in range(w.shape[1]):                                               # one tap at a time: bounded memory
-        idx = np.minimum(xmin + k, size_in - 1)                               # beyond-range taps have weight 0
-        np.take(src, idx, axis=0, out=tmp)
-        tmp *= w[:, k].reshape((-1,) + (1,) * (src.ndim - 1))
-        acc += tmp
-    np.right_shift(acc, p, out=acc)                                           # arithmetic shift, as torch
-    out = np.clip(acc, 0, 255).astype(np.uint8)
-    return np.moveaxis(out, 0, axis)
+    idx = np.minimum(xmin[:, None] + np.arange(w.shape[1])[None, :], size_in - 1)   # beyond-range taps weigh 0
+    shape = list(img.shape)
+    shape[axis] = size_out
+    out = np.empty(shape, dtype=np.uint8)
+    rows = size_out if axis == 0 else img.shape[0]          # strips over output rows (axis 0) or input rows (1)
+    strip = (min(STRIP, rows),) + tuple(shape[1:])
+    acc, tmp, gathered = np.empty(strip, acc_t), np.empty(strip, acc_t), np.empty(strip, np.uint8)
+    for r0 in range(0, rows, STRIP):
+        r1 = min(r0 + STRIP, rows)
+        n = r1 - r0
+        a, t, g = acc[:n], tmp[:n], gathered[:n]
+        a.fill(1 << (p - 1))
+        for k in range(w.shape[1]):
+            if axis == 0:
+                np.take(img, idx[r0:r1, k], axis=0, out=g)
+                np.multiply(g, w[r0:r1, k, None, None], out=t)
+            else:
+                np.take(img[r0:r1], idx[:, k], axis=1, out=g)
+                np.multiply(g, w[None, :, k, None], out=t)
+            a += t
+        np.right_shift(a, p, out=a)                          # arithmetic shift, as torch
+        np.clip(a, 0, 255, out=a)
+        out[r0:r1] = a
+    return out
 
 
 def resize(img: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -119,11 +134,14 @@ def patches(img: np.ndarray) -> Pixels:
     block, column in block); each row [channel][t][y][x], the one frame repeated for both temporal slots."""
     H, W, _ = img.shape
     gh, gw = H // PATCH, W // PATCH
-    x = _LEVELS[img]                                                           # [H, W, 3] fp32
-    x = x.reshape(gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH, 3)
-    x = x.transpose(0, 3, 1, 4, 6, 2, 5)                                       # [bh, bw, mh, mw, C, y, x]
-    x = np.broadcast_to(x[..., None, :, :], x.shape[:5] + (TEMPORAL,) + x.shape[5:])
-    return Pixels(np.ascontiguousarray(x).reshape(gh * gw, 3 * TEMPORAL * PATCH * PATCH), (1, gh, gw))
+    n, m = gh * gw, MERGE
+    # the layout is done on the uint8 pixels (4x smaller), then each level looked up once into the output
+    u8 = img.reshape(gh // m, m, PATCH, gw // m, m, PATCH, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    u8 = np.ascontiguousarray(u8).reshape(n, 3, PATCH * PATCH)                    # [bh, bw, mh, mw, C, y, x]
+    values = np.empty((n, 3, TEMPORAL, PATCH * PATCH), dtype=np.float32)
+    np.take(_LEVELS, u8, out=values[:, :, 0], mode="clip")                       # uint8 indices: always in range
+    values[:, :, 1:] = values[:, :, :1]                                           # the frame, repeated
+    return Pixels(values.reshape(n, 3 * TEMPORAL * PATCH * PATCH), (1, gh, gw))
 
 
 def preprocess(rgb: np.ndarray) -> Pixels:

@@ -160,3 +160,14 @@ def test_compression_bomb_is_refused_without_decoding():
 def test_undecodable_or_unsupported_images(make, words):
     error = refused([url(make())])
     assert error.field == "images[0]" and words in error.message
+
+
+def test_exif_orientation_is_applied():
+    # transformers 5.24 (the fixtures' version) applies the EXIF orientation; 6 = rotate 90 degrees clockwise
+    im = Image.new("RGB", (40, 20), (0, 0, 255))
+    im.paste((255, 0, 0), (0, 0, 10, 10))                 # red square top-left
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    got = images.load_images([url(encode(im, "JPEG", exif=exif, quality=95), "image/jpeg")])[0]
+    assert got.shape == (40, 20, 3)                        # rotated: height 40, width 20
+    assert got[2, 17, 0] > 200 and got[2, 17, 2] < 60      # the red square is now top-right

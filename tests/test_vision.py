@@ -85,3 +85,12 @@ def test_gelu_tanh_and_bidirectional_attention_ops():
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         np.testing.assert_allclose(out[s0:s1], np.einsum("hqk,khd->qhd", p, v[s0:s1]), atol=1e-6)
+
+
+def test_bidirectional_attention_blocks_give_the_same_rows(monkeypatch):
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((300, 3, 16)).astype(np.float32) for _ in range(3))
+    cu = np.array([0, 280, 300])
+    whole = cpu.bidirectional_attention(q, k, v, cu, 0.25)
+    monkeypatch.setattr(cpu, "VISION_SCORES", 3 * 280 * 7)         # 7 query rows per block
+    np.testing.assert_allclose(cpu.bidirectional_attention(q, k, v, cu, 0.25), whole, rtol=0, atol=1e-6)

@@ -368,6 +368,8 @@ def segment_softmax_sum(scores, values, owner, n_groups):
 
 # ------------------------------------------------------------------------------------------------ vision ops
 
+VISION_SCORES = 1 << 25      # 128 MiB of fp32 scores per block of the vision attention
+
 def gelu_tanh(x):
     """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in fp32: the vision blocks' MLP."""
     x = x.astype(np.float32, copy=False)
@@ -385,8 +387,10 @@ def bidirectional_attention(q, k, v, cu_seqlens, scale):
             continue
         kk = k[s0:s1].transpose(1, 2, 0)                               # [H, D, L]
         vv = v[s0:s1].transpose(1, 0, 2)                               # [H, L, D]
-        for b0 in range(s0, s1, ATTN_QUERY_BLOCK):                     # bounds the score matrix to block x L
-            b1 = min(b0 + ATTN_QUERY_BLOCK, s1)
+        # query rows per block: the [H, rows, L] scores stay within VISION_SCORES floats even for a 16 MP image
+        rows = max(1, min(ATTN_QUERY_BLOCK, VISION_SCORES // (q.shape[1] * (s1 - s0))))
+        for b0 in range(s0, s1, rows):
+            b1 = min(b0 + rows, s1)
             sc = (q[b0:b1].transpose(1, 0, 2) @ kk) * np.float32(scale)
             sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
             out[b0:b1] = ((sc / sc.sum(axis=-1, keepdims=True)) @ vv).transpose(1, 0, 2)

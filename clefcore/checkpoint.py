@@ -208,6 +208,20 @@ class Checkpoint:
     def text_f32(self, name: str) -> np.ndarray:
         return to_float32(self.text_tensors[name])
 
+    def shard_tensors(self, prefix: str) -> dict[str, TensorRef]:
+        """Every tensor of the model shards whose name starts with ``prefix``, by its name without the prefix (the
+        vision tower's ``model.visual.*``); the shards the index lists for them, or model.safetensors."""
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted({s for n, s in read_json(index)["weight_map"].items() if n.startswith(prefix)})
+        else:
+            shards = ["model.safetensors"]
+        out = {}
+        for shard in shards:
+            f = self._open(self.path / shard)
+            out.update({n[len(prefix):]: f.ref(n) for n in f.names() if n.startswith(prefix)})
+        return out
+
     def head_f32(self, name: str) -> np.ndarray:
         return to_float32(self.head_tensors[name])
 

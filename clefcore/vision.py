@@ -88,10 +88,7 @@ def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
     misshapen tensor)."""
     config_path = ck.path / "config.json"
     cfg = VisionConfig.from_dict(read_json(config_path).get("vision_config") or {}, str(config_path))
-    refs = {}
-    for path in sorted({p for p in _shards(ck)}):
-        f = ck._open(path)    # the checkpoint's own map of each shard: mapped once
-        refs.update({n[len(PREFIX):]: f.ref(n) for n in f.names() if n.startswith(PREFIX)})
+    refs = ck.shard_tensors(PREFIX)
     expected = expected_vision_shapes(cfg)
     missing = [n for n in expected if n not in refs]
     if missing:
@@ -108,13 +105,6 @@ def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
         if progress is not None:
             progress(i + 1, len(expected), PREFIX + name)
     return p
-
-
-def _shards(ck: Checkpoint):
-    index = ck.path / "model.safetensors.index.json"
-    if index.is_file():
-        return [ck.path / s for n, s in read_json(index)["weight_map"].items() if n.startswith(PREFIX)]
-    return [ck.path / "model.safetensors"]
 
 
 def expected_vision_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:

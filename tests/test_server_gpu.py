@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_FP8, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
@@ -28,7 +28,7 @@ def engine():
 
 # split8 with every GEMM on cuBLAS(Lt): at the golden model's small shapes the autotune would pick wmma and
 # the fp8 pass would not run
-PRECISIONS = [("split",), ("split8", "--gemm", "cublas")] if HAVE_FP8 else [("split",)]
+PRECISIONS = [("split",), ("split8", "--gemm", "cublas")] if HAVE_FP8 and HAVE_CUBLAS else [("split",)]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p[0])

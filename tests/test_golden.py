@@ -50,31 +50,35 @@ def assert_same_response(got, want, path="response"):
         assert got == want and type(got) is type(want), f"{path}: {got!r} vs {want!r}"
 
 
-@pytest.mark.parametrize("fx", EXPECTED, ids=[e["name"] for e in EXPECTED])
-def test_cli_reproduces_fixture(fx, tmp_path):
+def check_cli_against_fixture(model, body: bytes, fx: dict, tmp_path, timeout: float = 120):
+    """`clefcore decide --debug` on the CPU with the reference's confidence and validation, against one fixture row:
+    its error text (exit 2), or its ids, spans, option ids, logits (2e-4) and response. Returns the bare output."""
     req = tmp_path / "request.json"
-    req.write_bytes(REQUESTS[fx["index"]])
-    cmd = clefcore_command() + ["decide", "--model", str(MODEL), "--device", "cpu", "--debug",
+    req.write_bytes(body)
+    cmd = clefcore_command() + ["decide", "--model", str(model), "--device", "cpu", "--debug",
                                 "--confidence", "reference", "--validation", "reference",
                                 "--max-length", str(fx["max_length"]), str(req)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     out = json.loads(proc.stdout)
     if "error" in fx:
         assert proc.returncode == 2, proc.stderr
         assert out["error"]["message"] == fx["error"]
-        return
+        return out
     assert proc.returncode == 0, proc.stderr
     debug = out.pop("debug")
     assert debug["input_ids"] == fx["input_ids"]
-    assert len(debug["questions"]) == len(fx["questions"])
-    for got, want in zip(debug["questions"], fx["questions"]):
-        assert got["id"] == want["id"]
-        assert got["question_span"] == want["question_span"]
-        assert got["option_ids"] == want["option_ids"]
-        assert got["option_spans"] == want["option_spans"]
+    for got, want in zip(debug["questions"], fx["questions"], strict=True):
+        assert (got["id"], got["question_span"], got["option_ids"], got["option_spans"]) == \
+            (want["id"], want["question_span"], want["option_ids"], want["option_spans"])
         np.testing.assert_allclose(got["logits"], want["logits"], rtol=0, atol=2e-4)
     assert_same_response(out, fx["response"])
+    return out
+
+
+@pytest.mark.parametrize("fx", EXPECTED, ids=[e["name"] for e in EXPECTED])
+def test_cli_reproduces_fixture(fx, tmp_path):
+    check_cli_against_fixture(MODEL, REQUESTS[fx["index"]], fx, tmp_path)
 
 
 @pytest.fixture(scope="module")

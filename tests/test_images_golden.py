@@ -6,8 +6,6 @@ GPU's refusal. Tolerances are the fixture README's (logits 2e-4 absolute, states
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from clefcore.jsonvalue import parse_body
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file  # noqa: E402
-from test_golden import assert_same_response, clefcore_command  # noqa: E402
+from test_golden import check_cli_against_fixture  # noqa: E402
 
 OK = [fx for fx in EXPECTED if "error" not in fx]
 
@@ -38,27 +36,9 @@ def prepared(engine, index):
 
 @pytest.mark.parametrize("fx", EXPECTED, ids=[fx["name"] for fx in EXPECTED])
 def test_cli_reproduces_fixture(fx, tmp_path):
-    req = tmp_path / "request.json"
-    req.write_bytes(REQUEST_BYTES[fx["index"]])
-    cmd = clefcore_command() + ["decide", "--model", str(MODEL), "--device", "cpu", "--debug", "--confidence",
-                                "reference", "--validation", "reference", "--max-length", str(fx["max_length"]),
-                                str(req)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
-    out = json.loads(proc.stdout)
-    if "error" in fx:
-        assert proc.returncode == 2, proc.stderr
-        assert out["error"]["message"] == fx["error"]
-        return
-    assert proc.returncode == 0, proc.stderr
-    debug = out.pop("debug")
-    assert debug["input_ids"] == fx["input_ids"]
-    for got, want in zip(debug["questions"], fx["questions"], strict=True):
-        assert (got["id"], got["question_span"], got["option_ids"], got["option_spans"]) == \
-            (want["id"], want["question_span"], want["option_ids"], want["option_spans"])
-        np.testing.assert_allclose(got["logits"], want["logits"], rtol=0, atol=2e-4)
-    assert out["usage"]["input_tokens"] == fx["num_tokens"]
-    assert_same_response(out, fx["response"])
+    out = check_cli_against_fixture(MODEL, REQUEST_BYTES[fx["index"]], fx, tmp_path, timeout=300)
+    if "error" not in fx:
+        assert out["usage"]["input_tokens"] == fx["num_tokens"]
 
 
 @pytest.mark.parametrize("fx", OK, ids=[fx["name"] for fx in OK])

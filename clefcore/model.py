@@ -295,11 +295,11 @@ class ChunkedPrefill:
         ops, p, c = self.ops, self.p, self.p.text
         t0, t1 = self.t, min(self.t + self.chunk, self.T)
         b = _Block(t0, t1, np.array([0, t1 - t0], dtype=np.int64), t0 > 0, t1 < self.T)
-        x = ops.embed(p.embed, self.ids[t0:t1])
-        if self.image_rows is not None:
+        rows = embeds = None
+        if self.image_rows is not None:                        # this chunk's image rows, chunk-relative
             inside = np.nonzero((self.image_rows >= t0) & (self.image_rows < t1))[0]
-            if inside.size:
-                x[ops.asarray(self.image_rows[inside] - t0)] = self.image_embeds[ops.asarray(inside)]
+            rows, embeds = self.image_rows[inside] - t0, self.image_embeds[ops.asarray(inside)]
+        x = embed_with_images(ops, p, self.ids[t0:t1], rows, embeds)
         for i, L in enumerate(p.layers):
             _layer_block(ops, c, i, L, x, b, self.cu, self.cos[t0:t1], self.sin[t0:t1], self.caches[i],
                          self.carries[i])

@@ -63,9 +63,9 @@ def test_chunked_equals_whole(engine, chunk):
     got = engine.ops.to_host(run._prefill.hs)
     ref = engine.ops.to_host(hs)
     err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-    # CPU: fp32 summation order (the bound of the blocked prefill's test, tests/test_blocked.py); GPU: GEMMs of
-    # other row counts may take other kernel paths
-    bound = 2e-5 if engine.device == "cpu" else 2e-3
+    # CPU: fp32 summation order (the bound of the blocked prefill's test, tests/test_blocked.py); GPU (exact):
+    # GEMMs of other row counts may take other kernel paths, measured up to 5.2e-5 on the H200 at 580879e
+    bound = 2e-5 if engine.device == "cpu" else 5e-4
     print(f"CHUNKED {engine.device} chunk {chunk}: hidden {err:.2e}")
     assert err <= bound
     for a, b in zip(run.logits(), whole):

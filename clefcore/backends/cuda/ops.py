@@ -133,7 +133,6 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps):
         self.mode = precision_modes.mode_of(self.precision)
         # range_safe: the fallback run (``fallback``): split operands beyond fp16's range are scaled (range.cuh)
         self.range_safe = False
-        self.fallbacks = 0
         if self.precision == "split8":
             from . import cublaslt
             self._fp8 = cublaslt.Fp8Gemm(cupy)
@@ -422,7 +421,6 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps):
         engine runs a batch here again when its guards tripped in the configured path."""
         saved = self.precision, self.range_safe
         self.precision, self.range_safe = "split", True
-        self.fallbacks += 1
         try:
             yield
         finally:

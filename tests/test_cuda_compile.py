@@ -54,3 +54,25 @@ def test_cubin_and_spills(name, target):
     # default path, and attn_fwd_d256 on sm_90), and a spill anywhere is a performance bug worth a failed build
     for k, r in rep.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{k} spills on {target}: {r}"
+
+
+def test_attention_entry_points_match_the_host():
+    """attention.cu defines exactly the kernels attention.py launches: attn_fwd_d{D} for CAUSAL_DIMS, attn_bidir_d{D}
+    for BIDIR_DIMS (the vision tower's 72 among them) and attn_launch_d{D} for both."""
+    from clefcore.backends.cuda.attention import BIDIR_DIMS, CAUSAL_DIMS
+    entries = set(re.findall(r"\.entry (\w+)\(", C.ptx70_path("attention.cu").read_text()))
+    want = ({f"attn_fwd_d{d}" for d in CAUSAL_DIMS} | {f"attn_bidir_d{d}" for d in BIDIR_DIMS}
+            | {f"attn_launch_d{d}" for d in set(CAUSAL_DIMS) | set(BIDIR_DIMS)})
+    assert entries == want
+
+
+def test_gelu_tanh_body_compute_70():
+    """The tanh GELU's CuPy elementwise body (elementwise.GELU_TANH), which CuPy compiles only on a GPU, wrapped in
+    a kernel of the same shape: it builds for Volta."""
+    from clefcore.backends.cuda.elementwise import GELU_TANH
+    src = ('extern "C" __global__ void gelu_tanh(const float* xs, float* ys, long long n) {\n'
+           '    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n'
+           '    if (i >= n) return;\n'
+           f'    const float x = xs[i];\n    float y;\n    {GELU_TANH};\n    ys[i] = y;\n}}\n')
+    c = NV.compile(src, "gelu_tanh.cu", "compute_70")
+    assert b".target sm_70" in c.image and b"gelu_tanh" in c.image

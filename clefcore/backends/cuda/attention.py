@@ -1,5 +1,6 @@
-"""The full-attention path of the CUDA backend: rotary, the K/V cache and causal GQA attention (cuda/attention.cu,
-cuda/rotary.cu), with its host-side work list. A mixin of ``CudaOps``."""
+"""The full-attention path of the CUDA backend: rotary, the K/V cache, causal GQA attention and the vision tower's
+bidirectional attention (cuda/attention.cu, cuda/rotary.cu), with their host-side work list. A mixin of
+``CudaOps``."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ from ... import errors
 from ..cpu import rope_tables as _rope_tables_host
 from .elementwise import ELEM_THREADS, sigmoid_gate_k
 
+# head dims with a kernel in attention.cu: attn_fwd_d{D} (causal), attn_bidir_d{D} (bidirectional)
+CAUSAL_DIMS = (16, 32, 64, 128, 256)
+BIDIR_DIMS = (16, 32, 64, 72, 128, 256)
 
-def attention_tiles(cu, t0: int, t1: int, rows: int) -> np.ndarray:
+
+def attention_tiles(cu, t0: int, t1: int, rows: int, causal: bool = True) -> np.ndarray:
     """attention.cu's work list for query rows [t0, t1) of a packed stream (sequence starts ``cu``): int32 rows
     (seq_start, seq_end, q0, q1), one per ``rows`` queries of a sequence. seq_end is clipped to t1: K/V cache rows
-    past the block are not written yet for this layer. Longest causal range (q1 - seq_start) first: the kernel's
-    grid runs heads fastest over this order, so the longest blocks of every head start in the first wave."""
+    past the block are not written yet for this layer. Longest key range first: the kernel's grid runs heads
+    fastest over this order, so the longest blocks of every head start in the first wave. A causal block's keys
+    end at its last query (q1 - seq_start), a bidirectional one's at its sequence's end (seq_end - seq_start)."""
     tiles = []
     for s0, s1 in zip(cu[:-1], cu[1:]):
         a, e = max(int(s0), t0), min(int(s1), t1)
         for q0 in range(a, e, rows):
             tiles.append((int(s0), e, q0, min(q0 + rows, e)))
-    tiles.sort(key=lambda t: t[0] - t[3])
+    tiles.sort(key=(lambda t: t[0] - t[3]) if causal else (lambda t: t[0] - t[1]))
     return np.array(tiles, dtype=np.int32).reshape(-1, 4)
 
 
@@ -54,22 +60,42 @@ class AttentionOps:
     def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
         """q [n, Hq, D] = query rows [q_offset, q_offset + n) of the packed stream; k/v [>= q_offset + n, Hkv, D]
         (fp16 cache or fp32) hold its rows from 0; cu_seqlens describes the whole stream (see cpu.attention)."""
-        cp = self.cp
         n, hq, D = q.shape
-        hkv = k.shape[1]
-        if D not in (16, 32, 64, 128, 256) or v.shape[2] != D:
+        if D not in CAUSAL_DIMS or v.shape[2] != D:
             raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
         t0 = int(q_offset)
         t1 = t0 + n
+        return self._attn_run(q, k[:t1], v[:t1], cu_seqlens, scale, t0, causal=True)
+
+    def bidirectional_attention(self, q, k, v, cu_seqlens, scale):
+        """See cpu.bidirectional_attention: every query row of a packed sequence (one image's patches) sees all of
+        that sequence's keys. q, k, v [N, heads, D], fp32 or fp16, any strides (v is usually a column slice of the
+        fused q|k|v projection)."""
+        D = q.shape[2]
+        if D not in BIDIR_DIMS or v.shape[2] != D:
+            raise errors.DeviceError(f"bidirectional attention head dim {D} (value dim {v.shape[2]}) has no CUDA "
+                                     f"kernel (head dims with one: {', '.join(map(str, BIDIR_DIMS))})")
+        if not q.shape == k.shape == v.shape:
+            raise errors.DeviceError(f"bidirectional attention needs one shape for q, k and v: q {tuple(q.shape)}, "
+                                     f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        return self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
+
+    def _attn_run(self, q, k, v, cu_seqlens, scale, t0, causal):
+        """attention.cu's attn_fwd_d{D} (causal) or attn_bidir_d{D} over query rows [t0, t0 + n) of the packed
+        stream (k/v: its rows from 0 on) -> fp32 [n, Hq, D]; q/k/v are converted to the fp16 the kernel reads
+        where they are not already."""
+        cp = self.cp
+        n, hq, D = q.shape
+        hkv = k.shape[1]
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
         smem, warps = self._attn_shape(D)
-        tiles = attention_tiles(cu, t0, t1, 16 * warps)
+        tiles = attention_tiles(cu, t0, t0 + n, 16 * warps, causal)
         out = cp.empty((n, hq, D), dtype=cp.float32)
         if not len(tiles):
             return out
         tl = self._upload(tiles)
-        q16, k16, v16 = self._half(q), self._half(k[:t1]), self._half(v[:t1])
-        fn = self.kernel("attention.cu", f"attn_fwd_d{D}", smem)
+        q16, k16, v16 = self._half(q), self._half(k), self._half(v)
+        fn = self.kernel("attention.cu", f"attn_{'fwd' if causal else 'bidir'}_d{D}", smem)
         for i in range(0, len(tiles), 65535):     # gridDim.y's limit (65,535 one-token sequences in one block)
             fn((hq, min(65535, len(tiles) - i)), (32 * warps,), (q16, k16, v16, out, tl[i:], np.int32(hq),
                                                                  np.int32(hkv), np.float32(scale), np.int32(t0)),
@@ -77,8 +103,8 @@ class AttentionOps:
         return out
 
     def _attn_shape(self, D):
-        """(shared-memory bytes, warps per block) of attn_fwd_d{D} as compiled for this device (attention.cu
-        chooses both per architecture): asked once from the module's attn_launch_d{D}."""
+        """(shared-memory bytes, warps per block) of attn_fwd_d{D} and attn_bidir_d{D} as compiled for this device
+        (attention.cu chooses both per architecture): asked once from the module's attn_launch_d{D}."""
         got = self._attn_launch.get(D)
         if got is None:
             n = self.cp.zeros(2, dtype=self.cp.int32)

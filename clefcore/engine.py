@@ -17,7 +17,7 @@ import numpy as np
 from . import answers, images, model, vision
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord, Encoder
-from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, GuardError, RequestError
+from .errors import ClefError, ContextLengthError, DeviceError, GuardError, RequestError
 from .preprocess import preprocess
 from .tokenize import Tokenizer
 from .validate import validate_request
@@ -25,6 +25,7 @@ from .validate import validate_request
 log = logging.getLogger("clefcore")
 
 DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
+NO_IMAGES = "images: this deployment was started without images (--no-images); send text only"
 
 SELF_CHECK_REQUEST = {
     "model": "clef-flash",
@@ -69,7 +70,7 @@ def backend_for(device: str, **options):
 class Engine:
     def __init__(self, path: str | Path, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH,
                  confidence: str = "cloudflare", validation: str = "cloudflare", regex: str | None = None,
-                 progress=None, **backend_options):
+                 progress=None, images: bool = True, **backend_options):
         if confidence not in answers.CONFIDENCE_MODES:
             raise ClefError(f"confidence {confidence!r}: expected one of {', '.join(answers.CONFIDENCE_MODES)}")
         if validation not in ("cloudflare", "reference"):
@@ -88,30 +89,13 @@ class Engine:
         self.precision = getattr(self.ops, "mode", "fp32")
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
-        self.vision, self.images_refused = self._load_vision()
+        if images:
+            self.vision, self.images_refused = vision.attach(self.checkpoint, self.ops, self.params, progress)
+        else:   # a text-only deployment leaves model.visual.* on disk (0.9 GB of GPU memory on the 9B)
+            self.vision, self.images_refused = None, NO_IMAGES
         summary = self.ops.fp16_summary()
         if summary:
             log.warning("%s", summary)
-
-    def _load_vision(self):
-        """(vision params, None) when this engine answers images, else (None, the message image requests get).
-        Only the numpy backend runs the tower so far: a GPU engine refuses images rather than answer them on an
-        untested path or without them."""
-        if not vision.has_vision(self.checkpoint):
-            return None, "images: this model has no vision tower"
-        section = vision.mrope_section(self.checkpoint)
-        if section is None:
-            return None, "images: this model's M-RoPE layout is not supported (interleaved mrope_section expected)"
-        if self.device != "cpu":
-            return None, "images: not supported on the GPU yet"
-        try:
-            params = vision.load_vision(self.checkpoint, self.ops)
-        except CheckpointError as e:
-            # an incomplete tower (synthetic checkpoints carry a stub) leaves text exact: refuse images, load on
-            log.warning("vision tower not loaded, image requests are refused: %s", e.message)
-            return None, "images: this model's vision tower is incomplete"
-        self.params.mrope_section = section
-        return params, None
 
     # ------------------------------------------------------------------------------------------- host side
     def encode(self, body) -> EncodedRecord:
@@ -125,8 +109,7 @@ class Engine:
         if request.get("images"):
             if self.vision is None:
                 raise RequestError(self.images_refused, field="images")
-            # decoded (bounded: clefcore/images.py) and preprocessed here, on the host, before any device work
-            pixels = tuple(preprocess(images.decode(data, i)) for i, data in enumerate(request["images"]))
+            pixels = request_pixels(request)       # on the host, before any device work
         record = self.encoder.encode(request, self.max_length, pixels)
         if on_overflow == "reject" and record.state_truncated:
             need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
@@ -188,18 +171,11 @@ class Engine:
         return logits, hs, layers
 
     def image_inputs(self, records: list[EncodedRecord]):
-        """The vision tower over every image of the batch at once (each image attends only to itself): (rows of
-        the packed stream that are image pads, their embeddings [n, H]), or (None, None) without images."""
-        if not any(r.images for r in records):
-            return None, None
-        if self.vision is None:     # prepare refuses these; a record made elsewhere must not run without them
+        """See the module's image_inputs; refuses when this engine does not answer images."""
+        if any(r.images for r in records) and self.vision is None:
+            # prepare refuses these; a record made elsewhere must not run without them
             raise RequestError(self.images_refused, field="images")
-        pixels = np.concatenate([p.values for r in records for p in r.images])
-        grids = [p.grid_thw for r in records for p in r.images]
-        embeds = vision.tower(self.ops, self.vision, pixels, grids)
-        starts = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
-        rows = np.concatenate([np.arange(s, e) + starts[b] for b, r in enumerate(records) for s, e, _, _ in r.image_spans])
-        return rows.astype(np.int64), embeds
+        return image_inputs(self.ops, self.vision, records)
 
     def infer(self, prepared: list[Prepared]) -> list[dict]:
         if not prepared:
@@ -229,6 +205,24 @@ class Engine:
     def memory_in_use(self) -> int:
         used = getattr(self.ops, "memory_in_use", None)
         return int(used()) if used is not None else 0
+
+
+def request_pixels(request: dict) -> tuple:
+    """A validated request's images, decoded (bounded: clefcore/images.py) and preprocessed, in request order."""
+    return tuple(preprocess(images.decode(data, i)) for i, data in enumerate(request.get("images") or ()))
+
+
+def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecord]):
+    """The vision tower over every image of a packed batch at once (each image attends only to itself): (rows of
+    the packed stream that are image pads, their embeddings [n, H]), or (None, None) without images."""
+    if not any(r.images for r in records):
+        return None, None
+    pixels = [p.values for r in records for p in r.images]
+    pixels = pixels[0] if len(pixels) == 1 else np.concatenate(pixels)      # one image: no host copy of it
+    embeds = vision.tower(ops, vp, pixels, [p.grid_thw for r in records for p in r.images])
+    starts = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
+    rows = np.concatenate([np.arange(s, e) + starts[b] for b, r in enumerate(records) for s, e, _, _ in r.image_spans])
+    return rows.astype(np.int64), embeds
 
 
 def packed_positions(records: list[EncodedRecord]) -> np.ndarray:

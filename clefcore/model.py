@@ -215,6 +215,7 @@ def rope(ops, p: Params, positions):
         cols = np.arange(axis, min(3 * p.mrope_section[axis], half), 3)
         if cols.size and not np.array_equal(positions[axis], positions[0]):
             ca, sa = ops.rope_tables(np.ascontiguousarray(positions[axis]), c.rotary_dim, c.rope_theta)
+            cols = ops.asarray(cols)                  # an index into the backend's arrays lives where they do
             cos[:, cols], sin[:, cols] = ca[:, cols], sa[:, cols]
     return cos, sin
 

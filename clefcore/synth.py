@@ -3,12 +3,18 @@
 The answers of such a model are meaningless; the shapes, dtypes, file layout, tokenizer conventions (Qwen
 special tokens, byte-level BPE, NFC + Split regex) are the release's. ``clef-flash`` has the real 9B shapes
 (~19 GB) and is written tensor by tensor, shard by shard, so memory stays bounded.
+
+The vision tower is a one-tensor stub by default (a text-only loader must skip ``model.visual.*``, and image
+requests are refused as "incomplete"); ``vision=True`` writes the whole tower at the preset's shapes with its
+``vision_config``. Also here: ``picture_png``, a deterministic test picture for image requests.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import contextlib
+import io
 import json
 import multiprocessing
 import os
@@ -31,6 +37,8 @@ PRESETS = {
                            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                            linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=2048),
                  head=dict(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4, feedforward=96),
+                 # the golden-images fixture model's tower (tests/golden_images/model)
+                 vision=dict(depth=2, hidden_size=48, intermediate_size=112, num_heads=3, num_position_embeddings=36),
                  learned=2000, special_base=2000, shard_bytes=1 << 20),
     "clef-flash": dict(text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                                  num_attention_heads=16, num_key_value_heads=4, head_dim=256,
@@ -38,6 +46,9 @@ PRESETS = {
                                  linear_value_head_dim=128, vocab_size=248320),
                        head=dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16,
                                  feedforward=4096),
+                       # the release's tower: qwen35-backbone.md §1 (vision_config) and §2 (model.visual.*)
+                       vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                   num_position_embeddings=2304),
                        learned=4000, special_base=248044, shard_bytes=5 << 30),
 }
 
@@ -59,6 +70,23 @@ CORPUS = [
     "billing technical support sales urgent severity payments invoices refunds outages bugs configuration",
     "The quick brown fox jumps over the lazy dog 0123456789 user assistant system",
 ]
+
+
+def vision_config_json(v: dict, out_hidden_size: int) -> dict:
+    """config.json's vision_config as the release has it (qwen35-backbone.md §1)."""
+    return dict(deepstack_visual_indexes=[], depth=v["depth"], hidden_act="gelu_pytorch_tanh",
+                hidden_size=v["hidden_size"], in_channels=3, initializer_range=0.02,
+                intermediate_size=v["intermediate_size"], model_type="qwen3_5", num_heads=v["num_heads"],
+                num_position_embeddings=v["num_position_embeddings"], out_hidden_size=out_hidden_size,
+                patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def config_json(preset: str, vision: bool) -> dict:
+    P = PRESETS[preset]
+    cfg = text_config_json(P["text"], P["special_base"])
+    if vision:
+        cfg["vision_config"] = vision_config_json(P["vision"], P["text"]["hidden_size"])
+    return cfg
 
 
 def text_config_json(t: dict, special_base: int) -> dict:
@@ -117,7 +145,8 @@ def _maker(rng_seed: int, name: str, shape: tuple, kind: str, tag: str):
             return np.full(shape, rng.uniform(1.0, 5.0))   # sometimes above ln(100): the clamp matters
         if kind == "conv":
             return rng.normal(0.0, 0.3, shape)
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[-1]))
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[-1]      # the patch embedding's is 1536
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(fan_in))
 
     def make():
         rng = np.random.default_rng(np.random.SeedSequence([rng_seed, *name.encode()]))
@@ -149,19 +178,27 @@ def _kind(name: str, zero_centred: bool) -> str:
     return "matrix"
 
 
-def _text_shards(preset: str, seed: int) -> list[tuple[str, dict]]:
-    """The text tensors' specs, cut into shards of at most ``shard_bytes``: [(file name, {name: spec})]."""
+def _text_shards(preset: str, seed: int, vision: bool = False) -> list[tuple[str, dict]]:
+    """The model shards' tensor specs (text, MTP stub, vision tower or its stub), cut into shards of at most
+    ``shard_bytes``: [(file name, {name: spec})]."""
     P = PRESETS[preset]
-    text = TextConfig.from_dict(text_config_json(P["text"], P["special_base"]))
+    cfg = config_json(preset, vision)
+    text = TextConfig.from_dict(cfg)
     specs = {}
     for short, shape in expected_text_shapes(text).items():
         full = short if short == "lm_head.weight" else TEXT_PREFIX + short
         tag = "F32" if short.endswith(("A_log", "linear_attn.norm.weight")) else "BF16"
         specs[full] = (tag, shape, _maker(seed, full, shape, _kind(short, True), tag))
     # the release also ships an MTP block and a vision tower; a text-only loader must skip them
-    for extra, shape in (("mtp.fc.weight", (text.hidden_size, 2 * text.hidden_size)),
-                         ("model.visual.merger.norm.weight", (32,))):
-        specs[extra] = ("BF16", shape, _maker(seed, extra, shape, "matrix", "BF16"))
+    extras = [("mtp.fc.weight", (text.hidden_size, 2 * text.hidden_size), "matrix")]
+    if vision:
+        from .vision import PREFIX, VisionConfig, expected_vision_shapes
+        extras += [(PREFIX + n, shape, _kind(n, False))
+                   for n, shape in expected_vision_shapes(VisionConfig.from_dict(cfg["vision_config"])).items()]
+    else:
+        extras.append(("model.visual.merger.norm.weight", (32,), "matrix"))
+    for extra, shape, kind in extras:
+        specs[extra] = ("BF16", shape, _maker(seed, extra, shape, kind, "BF16"))
     shards, current, size = [], {}, 0
     for name, spec in specs.items():
         nbytes = int(np.prod(spec[1], dtype=np.int64)) * (4 if spec[0] == "F32" else 2)
@@ -174,31 +211,33 @@ def _text_shards(preset: str, seed: int) -> list[tuple[str, dict]]:
     return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sh) for i, sh in enumerate(shards)]
 
 
-def _write_shard(preset: str, seed: int, out: Path, index: int) -> int:
+def _write_shard(preset: str, seed: int, vision: bool, out: Path, index: int) -> int:
     # a worker process rebuilds the plan (the tensor makers are closures, not picklable); values are seeded
     # per tensor name, so the files do not depend on which process writes them
-    fname, shard = _text_shards(preset, seed)[index]
+    fname, shard = _text_shards(preset, seed, vision)[index]
     return write_safetensors(out / fname, shard)
 
 
-def write(preset: str, seed: int, out: str | Path, progress=None, jobs: int | None = None) -> Path:
-    """Write the checkpoint; shards are generated by up to ``jobs`` processes (default: one per CPU)."""
+def write(preset: str, seed: int, out: str | Path, progress=None, jobs: int | None = None,
+          vision: bool = False) -> Path:
+    """Write the checkpoint; shards are generated by up to ``jobs`` processes (default: one per CPU).
+    ``vision``: a complete random vision tower instead of the stub (see the module doc)."""
     if preset not in PRESETS:
         raise ValueError(f"preset {preset!r}: expected one of {', '.join(PRESETS)}")
     P = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = text_config_json(P["text"], P["special_base"])
+    cfg = config_json(preset, vision)
     head = HeadConfig.from_dict(P["head"])
-    shards = _text_shards(preset, seed)
+    shards = _text_shards(preset, seed, vision)
     jobs = max(1, min(len(shards), jobs or os.cpu_count() or 1))
     sizes = [0] * len(shards)
     with contextlib.ExitStack() as stack:
         if jobs == 1:
-            done = ((i, _write_shard(preset, seed, out, i)) for i in range(len(shards)))
+            done = ((i, _write_shard(preset, seed, vision, out, i)) for i in range(len(shards)))
         else:
             pool = stack.enter_context(cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")))
-            futs = {pool.submit(_write_shard, preset, seed, out, i): i for i in range(len(shards))}
+            futs = {pool.submit(_write_shard, preset, seed, vision, out, i): i for i in range(len(shards))}
             done = ((futs[f], f.result()) for f in cf.as_completed(futs))
         for n, (i, size) in enumerate(done, 1):
             sizes[i] = size
@@ -222,5 +261,28 @@ def write(preset: str, seed: int, out: str | Path, progress=None, jobs: int | No
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "add_bos_token": False, "add_prefix_space": False,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 262144}, indent=2))
-    (out / "SYNTHETIC").write_text(f"random weights: preset {preset}, seed {seed}; answers are meaningless\n")
+    (out / "SYNTHETIC").write_text(f"random weights: preset {preset}, seed {seed}"
+                                   f"{', full vision tower' if vision else ''}; answers are meaningless\n")
     return out
+
+
+def picture_png(width: int, height: int, seed: int = 0) -> bytes:
+    """A deterministic RGB picture as PNG bytes, for image requests in tests, ``clefcore verify`` and the bench:
+    smooth colour gradients under a few flat discs, like a screenshot or a simple diagram (no noise, so it
+    compresses and decodes like one)."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    img = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * 255
+    for _ in range(6):
+        cx, cy = rng.uniform(0, width), rng.uniform(0, height)
+        r = rng.uniform(0.05, 0.25) * min(width, height)
+        img[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
+    buf = io.BytesIO()
+    Image.fromarray(img.astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    """PNG bytes as the wire's data URL form of an image."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()

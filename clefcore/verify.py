@@ -2,7 +2,11 @@
 
 Runs a short built-in request through the GPU path and the fp32 numpy path, prints per-layer max abs / rel
 differences of the residual stream, the head logits side by side (and the answers when ``clefcore.engine``
-can make them), and exits non-zero when any difference is beyond tolerance.
+can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
+tower (and ``--no-images`` is not given) the same request with an image is packed beside it: the tower's
+output is compared too, and the backbone runs both requests in one forward with M-RoPE positions, as the
+server packs them. The numpy side streams the backbone from disk but holds the tower in fp32 (1.8 GB on
+Clef-flash).
 """
 
 from __future__ import annotations
@@ -30,9 +34,20 @@ REQUEST = {
 }
 
 
+# the image of the second request: resized to 320x224 (a real resize), a 7x10 grid of merged tokens (not square)
+IMAGE_SIZE = (320, 208)
+
+
+def image_request() -> dict:
+    from .synth import data_url, picture_png
+    return dict(REQUEST, images=[data_url(picture_png(*IMAGE_SIZE))])
+
+
 def add_arguments(parser):
+    from .cli import image_options
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--device", default="cuda:0")
+    image_options(parser)
     parser.add_argument("--layer-tol", type=float, default=None,
                         help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, 2e-3 exact, 3e-2 fast)")
     parser.add_argument("--prob-tol", type=float, default=None,
@@ -91,56 +106,90 @@ def streamed_reference_params(ck):
     return p
 
 
-def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print) -> bool:
-    """Run REQUEST through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
-    print the side-by-side report; True when every layer and probability is within tolerance and the answers
-    agree."""
-    from . import model
-    from .backends import cpu
+def records(ck, with_image: bool) -> list:
+    """The encoded requests verify runs: REQUEST, and with an image the same request with one."""
     from .encode import Encoder
+    from .engine import request_pixels
     from .tokenize import Tokenizer
     from .validate import validate_request
-    rec = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(REQUEST, "cloudflare"), 16384)
-    ids, questions = np.asarray(rec.input_ids, np.int64), rec.questions
-    L = len(ids)
-    cu, pos = np.array([0, L]), np.arange(L)
+    enc = Encoder(Tokenizer(ck.tokenizer_path))
+    bodies = [REQUEST] + ([image_request()] if with_image else [])
+    requests = [validate_request(b, "cloudflare") for b in bodies]
+    return [enc.encode(r, 16384, request_pixels(r)) for r in requests]
+
+
+def _rel(a, b) -> tuple[float, float]:
+    d = float(np.max(np.abs(a - b)))
+    return d, d / max(float(np.max(np.abs(b))), 1e-30)
+
+
+def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print, vision_params=None) -> bool:
+    """Run REQUEST through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
+    with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
+    too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
+    within tolerance and the answers agree."""
+    from . import model, vision
+    from .backends import cpu
+    from .engine import image_inputs, packed_positions
+    recs = records(ck, vision_params is not None)
+    lens = [len(r.input_ids) for r in recs]
+    ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
+    cu, pos = np.concatenate([[0], np.cumsum(lens)]), packed_positions(recs)
     p_cpu = streamed_reference_params(ck)
-    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True)
-    h_g, kept_g = model.backbone(ops, params, ids, cu, pos, keep_layers=True)
     ok = True
-    out(f"{L} tokens; per-layer residual stream, device vs fp32 numpy:")
+    rows = e_c = e_g = None
+    if vision_params is not None:
+        p_cpu.mrope_section = params.mrope_section
+        rows, e_c = image_inputs(cpu, vision.load_vision(ck, cpu), recs)
+        _, e_g = image_inputs(ops, vision_params, recs)
+        d, r_ = _rel(ops.to_host(e_g), e_c)
+        ok &= r_ <= layer_tol
+        _, gh, gw = recs[1].images[0].grid_thw
+        out(f"vision tower, one {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG ({gh} x {gw} patches, {len(rows)} image tokens): "
+            f"max abs {d:.3e}, max rel {r_:.3e}" + ("" if r_ <= layer_tol else "  <-- beyond tolerance"))
+    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_c)
+    h_g, kept_g = model.backbone(ops, params, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_g)
+    what = " + ".join(f"{n} ({'with an image' if r.images else 'text'})" for n, r in zip(lens, recs))
+    out(f"{sum(lens)} tokens = {what}; per-layer residual stream, device vs fp32 numpy:")
     out(f"{'layer':>5} {'kind':18} {'max abs':>10} {'max rel':>10}")
     for i, (a, b) in enumerate(zip(kept_g, kept_c)):
-        a = ops.to_host(a)
-        d = float(np.max(np.abs(a - b)))
-        r_ = d / max(float(np.max(np.abs(b))), 1e-30)
+        d, r_ = _rel(ops.to_host(a), b)
         flag = "" if r_ <= layer_tol else "  <-- beyond tolerance"
         ok &= r_ <= layer_tol
         out(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
-    z_c = model.heads(cpu, p_cpu, h_c, ids, cu, [questions])[0]
-    z_g = model.heads(ops, params, h_g, ids, cu, [questions])[0]
+    questions = [r.questions for r in recs]
+    z_c = model.heads(cpu, p_cpu, h_c, ids, cu, questions)
+    z_g = model.heads(ops, params, h_g, ids, cu, questions)
     out("head logits (device | cpu) and probabilities:")
-    for qi, (zg, zc) in enumerate(zip(z_g, z_c)):
-        pg, pc = _softmax(zg), _softmax(zc)
-        dp = float(np.max(np.abs(pg - pc)))
-        same = int(np.argmax(pg)) == int(np.argmax(pc))
-        ok &= dp <= prob_tol and same
-        flag = "" if dp <= prob_tol and same else "  <-- beyond tolerance"
-        out(f"  question {qi}: answer device {int(np.argmax(pg))} cpu {int(np.argmax(pc))}, max |dp| {dp:.2e}{flag}")
-        for a, b, x, y in zip(zg, zc, pg, pc):
-            out(f"      {a:10.5f} | {b:10.5f}    p {x:.5f} | {y:.5f}")
+    for rec, zs_g, zs_c in zip(recs, z_g, z_c):
+        if len(recs) > 1:
+            out(f" request {'with an image' if rec.images else 'text'}:")
+        for qi, (zg, zc) in enumerate(zip(zs_g, zs_c)):
+            pg, pc = _softmax(zg), _softmax(zc)
+            dp = float(np.max(np.abs(pg - pc)))
+            same = int(np.argmax(pg)) == int(np.argmax(pc))
+            ok &= dp <= prob_tol and same
+            flag = "" if dp <= prob_tol and same else "  <-- beyond tolerance"
+            out(f"  question {qi}: answer device {int(np.argmax(pg))} cpu {int(np.argmax(pc))}, "
+                f"max |dp| {dp:.2e}{flag}")
+            for a, b, x, y in zip(zg, zc, pg, pc):
+                out(f"      {a:10.5f} | {b:10.5f}    p {x:.5f} | {y:.5f}")
     out("verify: " + ("PASS" if ok else "FAIL"))
     return bool(ok)
 
 
 def run(args) -> int:
-    from . import model
+    from . import model, vision
     from .backends.cuda import CudaOps
     from .checkpoint import Checkpoint
     ck = Checkpoint(args.model)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
-    p_gpu = model.load_params(ck, gpu, progress=terminal_bar(f"loading onto {gpu.device_name}"))
+    bar = terminal_bar(f"loading onto {gpu.device_name}")
+    p_gpu = model.load_params(ck, gpu, progress=bar)
+    vp, why = (None, "--no-images") if args.no_images else vision.attach(ck, gpu, p_gpu, progress=bar)
+    if vp is None:
+        print(f"request with an image: not run ({why})")
     if gpu.fp16_summary():
         print("WARNING:", gpu.fp16_summary())
     layer_bound, prob_bound = precision.VERIFY_BOUND[gpu.mode]
@@ -149,7 +198,7 @@ def run(args) -> int:
     print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.precision}), gemm {gpu.gemm_mode}"
           + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
           + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")
-    return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol) else 1
+    return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol, vision_params=vp) else 1
 
 
 def main(argv=None):

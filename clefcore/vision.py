@@ -5,14 +5,17 @@ bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 m
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, to_float32
 from .config import read_json
 from .errors import CheckpointError
+
+log = logging.getLogger("clefcore")
 
 PREFIX = "model.visual."
 LN_EPS = 1e-6
@@ -83,9 +86,28 @@ def mrope_section(ck: Checkpoint) -> tuple[int, int, int] | None:
     return tuple(int(v) for v in section)
 
 
+def attach(ck: Checkpoint, ops, params, progress=None) -> tuple[VisionParams | None, str | None]:
+    """Load the tower for a backbone already loaded into ``params`` (which then gets the M-RoPE section):
+    (vision params, None), or (None, the message an image request gets) when this checkpoint cannot answer images.
+    An incomplete tower (synthetic checkpoints carry a stub) leaves text exact: it is refused, not fatal."""
+    if not has_vision(ck):
+        return None, "images: this model has no vision tower"
+    section = mrope_section(ck)
+    if section is None:
+        return None, "images: this model's M-RoPE layout is not supported (interleaved mrope_section expected)"
+    try:
+        vp = load_vision(ck, ops, progress)
+    except CheckpointError as e:
+        log.warning("vision tower not loaded, image requests are refused: %s", e.message)
+        return None, "images: this model's vision tower is incomplete"
+    params.mrope_section = section
+    return vp, None
+
+
 def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
     """``model.visual.*`` from the checkpoint's shards into backend storage (CheckpointError naming a missing or
-    misshapen tensor)."""
+    misshapen tensor). Matrices go through ``ops.weight`` like the backbone's (on the GPU: fp16, with the
+    precision modes' paths)."""
     config_path = ck.path / "config.json"
     cfg = VisionConfig.from_dict(read_json(config_path).get("vision_config") or {}, str(config_path))
     refs = ck.shard_tensors(PREFIX)
@@ -98,10 +120,15 @@ def load_vision(ck: Checkpoint, ops, progress=None) -> VisionParams:
         ref = refs[name]
         if tuple(ref.shape) != shape:
             raise CheckpointError(f"{ref.file}: {PREFIX + name} has shape {list(ref.shape)}, expected {list(shape)}")
-        w = ops.weight(ref)
         if name == "patch_embed.proj.weight":
-            w = w.reshape(cfg.hidden_size, -1)            # Conv3d with kernel = stride: a matmul over 1536 inputs
-        p.w[name] = w
+            # Conv3d with kernel = stride: a matmul over 1536 inputs, stored as that matrix (so a GPU keeps it fp16)
+            raw = ref.raw.reshape(cfg.hidden_size, -1)
+            ref = replace(ref, shape=raw.shape, raw=raw)
+        if name == "pos_embed.weight":
+            # rows gathered and blended per patch, never a GEMM operand: fp32 on every backend
+            p.w[name] = ops.asarray(to_float32(ref))
+        else:
+            p.w[name] = ops.weight(ref)
         if progress is not None:
             progress(i + 1, len(expected), PREFIX + name)
     return p
@@ -188,19 +215,27 @@ def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     ang = np.concatenate(angles)
     cos, sin = ops.asarray(np.cos(ang)), ops.asarray(np.sin(ang))
     n, H, hd = x.shape[0], c.num_heads, c.head_dim
+    # the MLP runs over row blocks of the backend's token_block (0: all rows, the CPU), so its [rows, intermediate]
+    # activations stay bounded when the images of a batch have tens of thousands of patches
+    step = int(getattr(ops, "token_block", 0) or 0) or max(n, 1)
     for j in range(c.depth):
         b = f"blocks.{j}."
         h = ops.layernorm(x, w[b + "norm1.weight"], w[b + "norm1.bias"], LN_EPS)
         qkv = ops.linear(h, w[b + "attn.qkv.weight"], w[b + "attn.qkv.bias"]).reshape(n, 3, H, hd)
         q, k = ops.rotary(qkv[:, 0], cos, sin), ops.rotary(qkv[:, 1], cos, sin)
         o = ops.bidirectional_attention(q, k, qkv[:, 2], cu, 1.0 / math.sqrt(hd))
+        del h, qkv, q, k
         x = x + ops.linear(o.reshape(n, H * hd), w[b + "attn.proj.weight"], w[b + "attn.proj.bias"])
-        h = ops.layernorm(x, w[b + "norm2.weight"], w[b + "norm2.bias"], LN_EPS)
-        h = ops.gelu_tanh(ops.linear(h, w[b + "mlp.linear_fc1.weight"], w[b + "mlp.linear_fc1.bias"]))
-        x = x + ops.linear(h, w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"])
+        del o
+        for r0 in range(0, n, step):
+            xb = x[r0:r0 + step]                                   # a view: the residual add lands in x
+            h = ops.layernorm(xb, w[b + "norm2.weight"], w[b + "norm2.bias"], LN_EPS)
+            h = ops.gelu_tanh(ops.linear(h, w[b + "mlp.linear_fc1.weight"], w[b + "mlp.linear_fc1.bias"]))
+            xb += ops.linear(h, w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"])
+            del h
         ops.watch(x, f"vision block {j} output")
         if keep is not None:
-            keep["blocks"].append(x)
+            keep["blocks"].append(x.copy())
     m2 = c.spatial_merge_size ** 2
     h = ops.layernorm(x, w["merger.norm.weight"], w["merger.norm.bias"], LN_EPS).reshape(n // m2, m2 * c.hidden_size)
     h = ops.gelu(ops.linear(h, w["merger.linear_fc1.weight"], w["merger.linear_fc1.bias"]))     # erf GELU here

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.answers import CONFIDENCE_MODES
-from clefcore.cli import backend_options, gpu_options
+from clefcore.cli import backend_options, gpu_options, image_options
 from clefcore.errors import ClefError, RequestError
 
 from . import errors
@@ -106,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
     parser.add_argument("--workers", type=int, default=0,
                         help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU")
+    image_options(parser)
     gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
@@ -217,7 +218,7 @@ async def _load(state: ServerState) -> None:
     try:
         engine = await state.device.run(lambda: clefcore.load(
             cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
-            validation=cfg.validation, **backend_options(cfg)))
+            validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)))
         state.lifecycle.set(LOADING, "warming up and running the self-check")
         await state.device.run(engine.self_check)
     except Exception as error:  # noqa: BLE001 - any load failure ends the process with a clear line
@@ -234,7 +235,8 @@ async def _load(state: ServerState) -> None:
     state.batcher.start()
     state.lifecycle.set(READY, "ready")
     state.metrics.ready.set(1)
-    log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3))
+    log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3),
+        images=engine.images_refused or "answered")
 
 
 def wait_budget(cfg: argparse.Namespace) -> float:

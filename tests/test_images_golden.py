@@ -1,7 +1,7 @@
 """Requests with images end to end on the CPU (numpy) path against shared/golden-images: the CLI with --debug,
-the engine's logits, responses and per-layer states, packing with text-only requests, chunked prefill, and the
-GPU's refusal. Tolerances are the fixture README's (logits 2e-4 absolute, states 2e-4 relative, response numbers
-1e-4)."""
+the engine's logits, responses and per-layer states, packing with text-only requests, chunked prefill, and a
+deployment without images. Tolerances are the fixture README's (logits 2e-4 absolute, states 2e-4 relative,
+response numbers 1e-4)."""
 
 from __future__ import annotations
 
@@ -84,19 +84,54 @@ def test_chunked_equals_whole(engine):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
-def test_gpu_engine_refuses_images_by_name(engine):
-    """No GPU here: an engine whose device is not the CPU must get the refusal, never a text-only answer."""
-    saved = (engine.device, engine.vision, engine.images_refused)
-    try:
-        engine.device = "cuda:0"
-        engine.vision, engine.images_refused = engine._load_vision()
-        assert engine.vision is None
-        with pytest.raises(RequestError) as info:
-            prepared(engine, 0)
-        assert info.value.message == "images: not supported on the GPU yet" and info.value.field == "images"
-        assert info.value.to_json()["error"]["type"] == "invalid_request_error"   # a 422 at the server
-    finally:
-        engine.device, engine.vision, engine.images_refused = saved
+def test_no_images_deployment_refuses_images_by_name():
+    """images=False (--no-images): the tower is never loaded and image requests get a 422 naming the field;
+    text-only requests answer as before."""
+    eng = clefcore.load(MODEL, device="cpu", validation="reference", images=False)
+    assert eng.vision is None and eng.params.mrope_section is None
+    body = json.loads(REQUEST_BYTES[0])
+    with pytest.raises(RequestError) as info:
+        eng.decide(body)
+    assert info.value.message == clefcore.engine.NO_IMAGES and info.value.field == "images"
+    assert "--no-images" in info.value.message
+    assert info.value.to_json()["error"]["type"] == "invalid_request_error"   # a 422 at the server
+    del body["images"]
+    assert eng.decide(body)["usage"]["input_tokens"] == EXPECTED[0]["num_tokens"] - EXPECTED[0]["image_tokens"] - 3
+
+
+def test_serve_no_images_answers_422_naming_images():
+    """The server's --no-images: an image request gets a 422 on field images, its ready line says why; the same
+    server answers text, and one started without the flag answers the image."""
+    from clefcore.synth import data_url, picture_png
+    from server_harness import SUPPORT_TICKET, Server
+    body = dict(SUPPORT_TICKET, images=[data_url(picture_png(64, 48))])
+    with Server("--no-images") as s:
+        s.wait_ready()
+        reply = s.decide(body)
+        assert reply.status == 422, reply
+        err = reply.json()["error"]
+        assert err["field"] == "images" and err["message"] == clefcore.engine.NO_IMAGES
+        assert s.events("ready")[0]["images"] == clefcore.engine.NO_IMAGES
+        assert s.decide(SUPPORT_TICKET).status == 200
+    with Server() as s:
+        s.wait_ready()
+        reply = s.decide(body)
+        assert reply.status == 200, reply
+        assert s.events("ready")[0]["images"] == "answered"
+
+
+def test_tower_row_blocks_give_the_same_embeddings(engine):
+    """On the GPU the tower's MLP runs over row blocks of token_block; on numpy the blocks change nothing (the
+    four-image request: block borders inside images and between them)."""
+    import types
+    p = prepared(engine, 3)
+    pixels = np.concatenate([px.values for px in p.record.images])
+    grids = [px.grid_thw for px in p.record.images]
+    whole = clefcore.vision.tower(engine.ops, engine.vision, pixels, grids)
+    blocked = types.SimpleNamespace(**{k: getattr(engine.ops, k) for k in dir(engine.ops) if not k.startswith("__")})
+    blocked.token_block = 37
+    np.testing.assert_allclose(clefcore.vision.tower(blocked, engine.vision, pixels, grids), whole, rtol=0,
+                               atol=1e-6 * np.abs(whole).max())
 
 
 def test_model_without_a_vision_tower_refuses_images(tmp_path):

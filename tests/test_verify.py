@@ -1,5 +1,6 @@
-"""`clefcore verify`'s comparison on the golden tiny checkpoint: it passes when the two paths agree, flags the
-layer a broken weight touches, and (on a GPU) passes for the CUDA backend through the command line with each GEMM choice."""
+"""`clefcore verify`'s comparison on the golden tiny checkpoint (which has a one-block vision tower, so a request
+with an image is packed beside the text one): it passes when the two paths agree, flags the layer or the tower a
+broken weight touches, and (on a GPU) passes for the CUDA backend through the command line with each GEMM choice."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
 
-from clefcore import model, verify  # noqa: E402
+from clefcore import model, verify, vision  # noqa: E402
 from clefcore.backends import cpu  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402
 
@@ -30,25 +31,58 @@ def test_builtin_request_is_valid_and_covers_every_question_type():
     assert len(rec.input_ids) > 100
 
 
-def test_compare_passes_for_the_reference_itself():
+def loaded():
     ck = Checkpoint(MODEL)
+    p = model.load_params(ck, cpu)
+    vp, why = vision.attach(ck, cpu, p)
+    assert vp is not None, why
+    return ck, p, vp
+
+
+def test_builtin_image_request_is_resized_and_not_square():
+    ck = Checkpoint(MODEL)
+    text, image = verify.records(ck, with_image=True)
+    (start, end, rows, cols), = image.image_spans
+    assert (rows, cols) == (7, 10) and end - start == 70                 # 208 px high -> 224: a real resize
+    assert len(image.input_ids) == len(text.input_ids) + 70 + 3          # pads, vision start / end, "\n"
+
+
+def test_compare_passes_for_the_reference_itself():
+    ck, p, vp = loaded()
     lines = []
-    assert verify.compare(ck, cpu, model.load_params(ck, cpu), out=lines.append)
+    assert verify.compare(ck, cpu, p, out=lines.append, vision_params=vp)
     assert lines[-1] == "verify: PASS"
+    assert lines[0].startswith("vision tower, one 320x208 PNG (14 x 20 patches, 70 image tokens)")
+    assert "(with an image)" in lines[1] and " request with an image:" in lines
     assert not any("beyond tolerance" in line for line in lines)
 
 
 def test_compare_flags_a_perturbed_layer():
-    ck = Checkpoint(MODEL)
-    p = model.load_params(ck, cpu)
+    ck, p, vp = loaded()
     layer = 2
     w = p.layers[layer]["mlp.down_proj.weight"]
     p.layers[layer]["mlp.down_proj.weight"] = w * np.float32(1.5)
     lines = []
-    assert not verify.compare(ck, cpu, p, out=lines.append)
+    assert not verify.compare(ck, cpu, p, out=lines.append, vision_params=vp)
     assert lines[-1] == "verify: FAIL"
     flagged = [line for line in lines if "beyond tolerance" in line]
     assert flagged and flagged[0].split()[0] == str(layer)
+
+
+def test_compare_flags_a_perturbed_vision_tower():
+    ck, p, vp = loaded()
+    vp.w["blocks.0.mlp.linear_fc2.weight"] = vp.w["blocks.0.mlp.linear_fc2.weight"] * np.float32(1.5)
+    lines = []
+    assert not verify.compare(ck, cpu, p, out=lines.append, vision_params=vp)
+    flagged = [line for line in lines if "beyond tolerance" in line]
+    assert flagged[0].startswith("vision tower")
+
+
+def test_compare_without_the_tower_runs_the_text_request_alone():
+    ck = Checkpoint(MODEL)
+    lines = []
+    assert verify.compare(ck, cpu, model.load_params(ck, cpu), out=lines.append)
+    assert "(text); per-layer" in lines[0] and not any("image" in line for line in lines)
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])
@@ -64,3 +98,12 @@ def test_verify_command_on_gpu(device, gemm, precision):
     assert f"precision {precision} (" in r.stdout
     assert f"gemm {gemm}" in r.stdout
     assert "verify: PASS" in r.stdout and "beyond tolerance" not in r.stdout
+    assert "vision tower, one 320x208 PNG" in r.stdout and "(with an image)" in r.stdout
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda:0", marks=MARKS)])
+def test_verify_command_no_images(device):
+    r = subprocess.run([sys.executable, "-m", "clefcore.verify", "--model", str(MODEL), "--device", device,
+                        "--no-images"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "request with an image: not run (--no-images)" in r.stdout and "vision tower" not in r.stdout

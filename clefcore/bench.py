@@ -6,6 +6,13 @@ Without ``--model`` the end-to-end part uses random clef-flash-shaped weights ge
 checkpoint would hold after loading; with ``--model DIR`` the checkpoint is loaded through ``load_params``
 (and the load time reported). When torch and transformers import, a transformers Qwen3.5 text model with the
 same shapes (bf16, sdpa) runs the same lengths in the same process.
+
+``--image 1024x1024`` adds the image case: one request with a PNG of that size (1,024 image tokens at
+1024x1024) timed end to end, decoding and preprocessing on the host, the vision tower, backbone and head, against
+a text-only request of the same length in the same run; the ratio goes into the JSON beside the 1.5x target.
+The tower is random at the release's shapes without ``--model``, else the checkpoint's (``clefcore synth
+--vision`` writes one). Where transformers runs, a Qwen3.5 model with the same text and vision shapes answers the
+same request (its image processor on the same PNG, then tower and backbone) and its text twin.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import statistics
 import subprocess
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +32,11 @@ import numpy as np
 from . import precision
 
 LENGTHS = (346, 2048, 8192, 24576)
+# the image case: text tokens before the image (the prompt's system prefix) and after it (state, schema,
+# suffix), as a short request with one image is laid out; the image's time may be at most IMAGE_TARGET x the
+# text-only request's of the same length
+IMAGE_TEXT = (32, 224)
+IMAGE_TARGET = 1.5
 
 
 def add_arguments(parser):
@@ -39,6 +52,9 @@ def add_arguments(parser):
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
     parser.add_argument("--graph-tokens", type=int, default=1024,
                         help="CudaOps graph_tokens: single prompts up to this length replay a CUDA graph (0 = off)")
+    parser.add_argument("--image", default=None, metavar="WxH",
+                        help="also time one request with a WxH PNG (1024x1024: 1,024 image tokens) end to end "
+                             "against a text-only request of the same length, per precision")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", default=None, help="write all numbers here")
@@ -259,18 +275,23 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
     return rows
 
 
+def _random_maker(cp, ops, rs):
+    """mat(shape, std): an N(0, std) weight made on the GPU and stored as ops.weight would store it (matrices
+    fp16 with split8's twin, the rest fp32)."""
+    def mat(shape, std=0.02):
+        if len(shape) == 2 and min(shape) >= 16:
+            return ops.twin((rs.standard_normal(shape, dtype=cp.float32) * std).astype(cp.float16))
+        return rs.standard_normal(shape, dtype=cp.float32) * np.float32(std)
+    return mat
+
+
 def random_params(cp, ops, text_cfg, head_cfg):
     """clef-flash-shaped random weights made on the GPU (see module doc)."""
     from .backends.cuda.ops import DeviceTable
     from .checkpoint import expected_head_shapes, expected_text_shapes
     from .model import Params, stored_groups
     rs = cp.random.RandomState(0)
-
-    def mat(shape, std=0.02):
-        if len(shape) == 2 and min(shape) >= 16:
-            return ops.twin((rs.standard_normal(shape, dtype=cp.float32) * std).astype(cp.float16))
-        return rs.standard_normal(shape, dtype=cp.float32) * np.float32(std)
-
+    mat = _random_maker(cp, ops, rs)
     layers = [dict() for _ in range(text_cfg.num_layers)]
     p = Params(text_cfg, head_cfg, None, None, None, layers)
     shapes = expected_text_shapes(text_cfg)
@@ -290,6 +311,25 @@ def random_params(cp, ops, text_cfg, head_cfg):
         p.place(name, w)
     for name, shape in expected_head_shapes(head_cfg).items():
         p.head[name] = mat(shape, 0.02) if shape else cp.asarray(np.float32(0.5))
+    return p
+
+
+def random_vision_params(cp, ops, cfg):
+    """A random tower at ``cfg``'s shapes made on the GPU, stored as vision.load_vision stores one (the patch
+    embedding as its matrix, the position table fp32; LayerNorm weights around 1)."""
+    from .vision import VisionParams, expected_vision_shapes
+    rs = cp.random.RandomState(1)
+    mat = _random_maker(cp, ops, rs)
+    p = VisionParams(cfg)
+    for name, shape in expected_vision_shapes(cfg).items():
+        if name == "patch_embed.proj.weight":
+            p.w[name] = mat((shape[0], int(np.prod(shape[1:]))))
+        elif name == "pos_embed.weight":
+            p.w[name] = rs.standard_normal(shape, dtype=cp.float32) * np.float32(0.02)
+        elif "norm" in name and name.endswith(".weight"):
+            p.w[name] = mat(shape, 0.1) + np.float32(1)
+        else:
+            p.w[name] = mat(shape)
     return p
 
 
@@ -339,6 +379,89 @@ def _spread(ts) -> str:
     return f"{min(ts):.1f}-{max(ts):.1f} ms"
 
 
+def _record(ids, **images):
+    """An EncodedRecord of the bench's making: random ids, the bench's questions, no tokenizer."""
+    from .encode import EncodedRecord
+    L = len(ids)
+    return EncodedRecord(input_ids=ids, questions=tuple(_questions(L)), state_span=(0, 0),
+                         state_tokens_before_truncation=0, state_truncated=False, **images)
+
+
+def forward_run(ops, params, records, vp=None, image: bytes | None = None):
+    """One call = what Engine.forward does for ``records`` (the head queued before the guard read). With
+    ``image`` (file bytes, for records[0]'s one image) each call first decodes and preprocesses it on the host,
+    then runs the vision tower (``vp``) before the backbone."""
+    from . import images, model
+    from .engine import image_inputs, packed_positions
+    from .preprocess import preprocess
+    lens = [len(r.input_ids) for r in records]
+    ids = np.concatenate([r.input_ids for r in records])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    pos = packed_positions(records)
+
+    def run():
+        recs = records
+        if image is not None:
+            recs = [replace(records[0], images=(preprocess(images.decode(image, 0)),))] + records[1:]
+        rows, embeds = image_inputs(ops, vp, recs)
+        hs, _ = model.backbone(ops, params, ids, cu, pos, check=False, image_rows=rows, image_embeds=embeds)
+        outs = model.heads(ops, params, hs, ids, cu, [r.questions for r in recs])
+        ops.check_watched()
+        return outs
+    return run
+
+
+def image_record(data: bytes, vocab: int):
+    """The record of a request with one image (file bytes ``data``) as the engine lays it out: IMAGE_TEXT random
+    text ids before and after the image's pads, M-RoPE positions, the bench's questions at the end; without its
+    pixels (forward_run makes them in each timed call)."""
+    from . import images
+    from .encode import MERGE, mrope_positions
+    from .preprocess import preprocess
+    px = preprocess(images.decode(data, 0))
+    (a, b), n = IMAGE_TEXT, px.num_tokens
+    T = a + n + b
+    spans = ((a, a + n, px.grid_thw[1] // MERGE, px.grid_thw[2] // MERGE),)
+    return _record(np.random.default_rng(1).integers(0, vocab, T), image_spans=spans,
+                   positions=mrope_positions(T, spans)), px
+
+
+def _measure(cp, ops, label, T, run, reps):
+    """One case: warm-up, one untimed forward for the memory figures (see end_to_end), then ``reps`` timed ones.
+    Printed, and returned as the JSON row."""
+    pool = cp.get_default_memory_pool()
+    run()                                   # warm-up: compiles, autotunes the GEMM shapes
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    base = pool.used_bytes()                # the weights (and whatever else outlives a forward)
+    dev0 = _device_used(cp)
+    with PeakInUse(cp) as pk:               # one untimed forward for the memory figures
+        run()
+        cp.cuda.Device().synchronize()
+    peak = pk.peak - base
+    reserved = pool.total_bytes() - base
+    dev = _device_used(cp) - dev0
+    ts = []
+    graphs = getattr(ops, "graphs", None)
+    l0 = graphs.launches if graphs is not None else 0
+    for _ in range(reps if T <= 8192 else max(1, reps - 1)):
+        t0 = time.perf_counter()
+        run()
+        cp.cuda.Device().synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(ts)
+    graphed = graphs is not None and graphs.launches > l0
+    print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
+          f"(runs {_spread(ts)})  "
+          f"beyond weights: peak in use "
+          f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
+    pool.free_all_blocks()
+    return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3,
+                token_block=getattr(ops, "token_block", 0),
+                cuda_graph=graphed, graph_pools_gib=(graphs.nbytes() if graphs is not None else 0) / 2 ** 30,
+                peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30, device_gib=dev / 2 ** 30)
+
+
 def end_to_end(cp, ops, params, lengths, packed, reps, out):
     """Times per case and GPU memory beyond the weights, three ways (GiB):
     peak_in_use: high-water of the CuPy default pool's in-use bytes during one untimed forward (after the
@@ -348,59 +471,62 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
         makes it >= peak_in_use);
     device: cudaMemGetInfo used-bytes growth over that forward (the pool plus anything else the driver or
         cuBLAS took)."""
-    from . import model
     V = params.text.vocab_size
     rng = np.random.default_rng(0)
-    res = []
-    pool = cp.get_default_memory_pool()
     cases = [(f"{L} tokens", [L]) for L in lengths]
     if packed:
         n, l_ = (int(v) for v in packed.split("x"))
         cases.append((f"{n}x{l_} packed", [l_] * n))
+    res = []
     for label, lens in cases:
-        T = sum(lens)
-        ids = rng.integers(0, V, T)
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        pos = np.concatenate([np.arange(n_) for n_ in lens])
-
-        def run():                              # what Engine.forward does: the head queued before the guard read
-            hs, _ = model.backbone(ops, params, ids, cu, pos, check=False)
-            outs = model.heads(ops, params, hs, ids, cu, [_questions(n_) for n_ in lens])
-            ops.check_watched()
-            return outs
-
-        run()                                   # warm-up: compiles, autotunes the GEMM shapes
-        cp.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        base = pool.used_bytes()                # the weights (and whatever else outlives a forward)
-        dev0 = _device_used(cp)
-        with PeakInUse(cp) as pk:               # one untimed forward for the memory figures
-            run()
-            cp.cuda.Device().synchronize()
-        peak = pk.peak - base
-        reserved = pool.total_bytes() - base
-        dev = _device_used(cp) - dev0
-        ts = []
-        graphs = getattr(ops, "graphs", None)
-        l0 = graphs.launches if graphs is not None else 0
-        for _ in range(reps if T <= 8192 else max(1, reps - 1)):
-            t0 = time.perf_counter()
-            run()
-            cp.cuda.Device().synchronize()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(ts)
-        graphed = graphs is not None and graphs.launches > l0
-        res.append(dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3,
-                        token_block=getattr(ops, "token_block", 0),
-                        cuda_graph=graphed, graph_pools_gib=(graphs.nbytes() if graphs is not None else 0) / 2 ** 30,
-                        peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30,
-                        device_gib=dev / 2 ** 30))
-        print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
-              f"(runs {_spread(ts)})  "
-              f"beyond weights: peak in use "
-              f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
-        pool.free_all_blocks()
+        ids = rng.integers(0, V, sum(lens))
+        cuts = np.cumsum(lens)[:-1]
+        run = forward_run(ops, params, [_record(x) for x in np.split(ids, cuts)])
+        res.append(_measure(cp, ops, label, sum(lens), run, reps))
     return res
+
+
+def _wall_ms(fn, reps) -> float:
+    """Median wall time of ``fn`` (which waits for its own device work) after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def image_case(cp, ops, params, vp, size, reps):
+    """One request with a ``size`` (w, h) PNG against a text-only request of the same length (the same ids, 1-D
+    positions), each through _measure; then the image path's parts alone: host decoding + preprocessing, and the
+    tower with its upload."""
+    from . import images
+    from .engine import image_inputs
+    from .preprocess import preprocess
+    from .synth import picture_png
+    w, h = size
+    data = picture_png(w, h)
+    rec, px = image_record(data, params.text.vocab_size)
+    T, n = len(rec.input_ids), px.num_tokens
+    image = _measure(cp, ops, f"{T} tokens, one {w}x{h} image", T, forward_run(ops, params, [rec], vp, data), reps)
+    text = _measure(cp, ops, f"{T} tokens, text only", T, forward_run(ops, params, [_record(rec.input_ids)]), reps)
+    host_ms = _wall_ms(lambda: preprocess(images.decode(data, 0)), reps)
+    with_px = replace(rec, images=(px,))
+
+    def tower():
+        image_inputs(ops, vp, [with_px])
+        ops.check_watched()                    # waits for the device
+    tower_ms = _wall_ms(tower, reps)
+    ratio = image["ms"] / text["ms"]
+    print(f"  image {w}x{h} PNG ({len(data)} bytes, {len(px.values)} patches, {n} image tokens of {T}): "
+          f"{image['ms']:.1f} ms against text-only {text['ms']:.1f} ms = {ratio:.2f}x (target {IMAGE_TARGET}x: "
+          f"{'met' if ratio <= IMAGE_TARGET else 'NOT met'}); parts: decode + preprocess {host_ms:.1f} ms (host), "
+          f"tower with upload {tower_ms:.1f} ms")
+    return dict(image=f"{w}x{h} PNG", png_bytes=len(data), patches=len(px.values), image_tokens=n, tokens=T,
+                image_ms=image["ms"], text_ms=text["ms"], ratio=ratio, target=IMAGE_TARGET,
+                within_target=ratio <= IMAGE_TARGET, preprocess_ms=host_ms, tower_ms=tower_ms,
+                image_case=image, text_case=text)
 
 
 def transformers_side(text_cfg, lengths, packed, reps, out):
@@ -414,26 +540,17 @@ def transformers_side(text_cfg, lengths, packed, reps, out):
     try:
         cfg_cls = getattr(transformers, "Qwen3_5TextConfig")
         mdl_cls = getattr(transformers, "Qwen3_5TextModel", None) or getattr(transformers, "Qwen3_5ForCausalLM")
-        c = text_cfg
-        cfg = cfg_cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
-                      linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab_size,
-                      layer_types=list(c.layer_types), attn_implementation="sdpa")
+        cfg = cfg_cls(**_hf_text_kwargs(text_cfg), attn_implementation="sdpa")
         with torch.device("cuda"):
             m = mdl_cls._from_config(cfg, torch_dtype=torch.bfloat16).eval()
-        try:
-            import fla  # noqa: F401
-            fla_v = "with flash-linear-attention"
-        except ImportError:
-            fla_v = "without flash-linear-attention (torch fallback)"
+        fla_v = _fla_variant()
         res = []
         cases = [(f"{L} tokens", 1, L) for L in lengths]
         if packed:
             n, l_ = (int(v) for v in packed.split("x"))
             cases.append((f"{n}x{l_} padded batch", n, l_))
         for label, B, L in cases:
-            ids = torch.randint(0, c.vocab_size, (B, L), device="cuda")
+            ids = torch.randint(0, text_cfg.vocab_size, (B, L), device="cuda")
             with torch.no_grad():
                 t0 = time.perf_counter()
                 m(input_ids=ids)
@@ -459,6 +576,92 @@ def transformers_side(text_cfg, lengths, packed, reps, out):
     except Exception as e:  # noqa: BLE001
         print(f"  transformers: failed ({e.__class__.__name__}: {e})")
         out["transformers"] = f"failed: {e}"
+
+
+def _hf_text_kwargs(c) -> dict:
+    """transformers' Qwen3.5 text config fields for clefcore's TextConfig ``c``."""
+    return dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
+                linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab_size,
+                layer_types=list(c.layer_types))
+
+
+def _fla_variant() -> str:
+    try:
+        import fla  # noqa: F401
+        return "with flash-linear-attention"
+    except ImportError:
+        return "without flash-linear-attention (torch fallback)"
+
+
+def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, device="cuda"):
+    """The image case on transformers: a Qwen3_5Model (tower + backbone; bf16, sdpa, random weights) with the
+    same text and vision shapes and M-RoPE section. Each timed call hands its image processor the same PNG as a
+    data URL (as the reference's processor gets it: decoding, resize, patches) and runs the model; its text twin
+    is the same ids without the image. Recorded in out["transformers_image"], or why it did not run."""
+    try:
+        import torch
+        import transformers
+    except Exception as e:  # noqa: BLE001
+        print(f"  transformers (image): not run ({e.__class__.__name__}: {e})")
+        out["transformers_image"] = f"not importable: {e}"
+        return
+    try:
+        from .synth import data_url, picture_png
+        w, h = size
+        data = picture_png(w, h)
+        rec, px = image_record(data, text_cfg.vocab_size)
+        (start, end, _, _), = rec.image_spans
+        V = text_cfg.vocab_size
+        pad_id, start_id, end_id = V - 3, V - 2, V - 1        # the vision specials: ids the text never draws
+        text_ids = np.asarray(rec.input_ids) % (V - 3)
+        image_ids = text_ids.copy()
+        image_ids[start - 1], image_ids[start:end], image_ids[end] = start_id, pad_id, end_id
+        c, v = text_cfg, vision_cfg
+        rope = dict(rope_type="default", rope_theta=c.rope_theta, partial_rotary_factor=c.rotary_dim / c.head_dim,
+                    mrope_section=list(section), mrope_interleaved=True)
+        cfg = transformers.Qwen3_5Config(
+            text_config=dict(_hf_text_kwargs(c), rope_parameters=rope),
+            vision_config=dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                               num_heads=v.num_heads, num_position_embeddings=v.num_position_embeddings,
+                               out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
+                               temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+                               in_channels=v.in_channels),
+            image_token_id=pad_id, vision_start_token_id=start_id, vision_end_token_id=end_id,
+            attn_implementation="sdpa")
+        with torch.device(device):
+            m = transformers.Qwen3_5Model._from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        proc = transformers.Qwen2VLImageProcessor(
+            patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size,
+            size={"shortest_edge": 65536, "longest_edge": 16777216}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        url = data_url(data)
+        image_t = torch.tensor(image_ids[None], device=device)
+        text_t = torch.tensor(text_ids[None], device=device)
+        mm = (image_t == pad_id).long()
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+        def run_image():
+            inputs = proc(images=[url], return_tensors="pt")
+            m(input_ids=image_t, pixel_values=inputs["pixel_values"].to(device, torch.bfloat16),
+              image_grid_thw=inputs["image_grid_thw"].to(device), mm_token_type_ids=mm)
+            sync()
+
+        def run_text():
+            m(input_ids=text_t)
+            sync()
+
+        with torch.no_grad():
+            image_ms, text_ms = _wall_ms(run_image, reps), _wall_ms(run_text, reps)
+        res = dict(version=transformers.__version__, variant=_fla_variant(), processor=type(proc).__name__,
+                   tokens=len(image_ids), image_tokens=px.num_tokens, image_ms=image_ms, text_ms=text_ms,
+                   ratio=image_ms / text_ms)
+        print(f"  transformers image {w}x{h}: {image_ms:.1f} ms against text-only {text_ms:.1f} ms = "
+              f"{image_ms / text_ms:.2f}x ({res['processor']}; {res['variant']})")
+        out["transformers_image"] = res
+    except Exception as e:  # noqa: BLE001
+        print(f"  transformers (image): failed ({e.__class__.__name__}: {e})")
+        out["transformers_image"] = f"failed: {e.__class__.__name__}: {e}"
 
 
 def _text_config(pr):
@@ -504,10 +707,13 @@ def run(args) -> int:
     for p in precisions:
         precision.resolve(p, False)      # an unknown name fails here, before any load
     lengths = [int(v) for v in args.lengths.split(",") if v]
+    image_size = _image_size(args.image) if args.image else None
     out = dict(date=time.strftime("%Y-%m-%d"), **provenance(), host=platform.node(), precisions=precisions,
                graph_tokens=args.graph_tokens, token_block=args.token_block, end_to_end={}, paths={},
                gemm_choice={}, weights_gib={}, load_s={})
-    text_cfg = None
+    if image_size:
+        out.update(image={}, vision_weights_gib={})
+    text_cfg = vision_cfg = section = ck = None
     for i, prec in enumerate(precisions):
         ops = CudaOps(dev, precision=prec, tables="device", token_block=args.token_block,
                       graph_tokens=args.graph_tokens)
@@ -542,19 +748,56 @@ def run(args) -> int:
               f"{load_s:.1f} s")
         print(f"end to end, {prec} (backbone + head, in-process):")
         out["end_to_end"][prec] = end_to_end(cp, ops, params, lengths, args.packed, args.reps, out)
+        if image_size:
+            vp = _vision(cp, ops, params, ck)
+            vision_cfg = vp.config
+            out["vision_weights_gib"][prec] = (cp.get_default_memory_pool().used_bytes() - wbytes) / 2 ** 30
+            print(f"image case, {prec} (decode + preprocess + tower + backbone + head; vision tower "
+                  f"{out['vision_weights_gib'][prec]:.2f} GiB on the GPU):")
+            out["image"][prec] = image_case(cp, ops, params, vp, image_size, args.reps)
+            section = params.mrope_section
+            del vp
         out["gemm_choice"][prec] = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v for k, v in ops.gemm_choice.items()}
         print("gemm autotune choices:", json.dumps(out["gemm_choice"][prec]))
         del params, ops
         cp.get_default_memory_pool().free_all_blocks()
     if not args.no_transformers:
         print("transformers (same shapes, random bf16 weights):")
-        transformers_side(text_cfg, lengths, args.packed, args.reps, out)
+        if lengths or args.packed:
+            transformers_side(text_cfg, lengths, args.packed, args.reps, out)
+        if image_size:
+            transformers_image_side(text_cfg, vision_cfg, section, image_size, args.reps, out)
     print("summary (speedup = transformers' time / clefcore's, same run):")
     out["summary"] = _summary(out)
+    for prec, r in out.get("image", {}).items():
+        print(f"  image {r['image']}, {r['tokens']} tokens  {prec}: {r['ratio']:.2f}x the text-only request's time "
+              f"(target {IMAGE_TARGET}x: {'met' if r['within_target'] else 'NOT met'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+        raise SystemExit(f"--image {text!r}: expected WxH in pixels, such as 1024x1024")
+    return int(w), int(h)
+
+
+def _vision(cp, ops, params, ck):
+    """The image case's tower, attached to ``params``: the checkpoint's with --model, else a random one at the
+    release's shapes (clef-flash's vision_config and M-RoPE section, as synth --vision writes them)."""
+    from . import vision
+    if ck is not None:
+        vp, why = vision.attach(ck, ops, params)
+        if vp is None:
+            raise SystemExit(f"--image: {ck.path}: {why} (clefcore synth --vision writes a model with a tower)")
+        return vp
+    from .synth import config_json
+    cfg = config_json("clef-flash", vision=True)
+    params.mrope_section = tuple(cfg["text_config"]["rope_parameters"]["mrope_section"])
+    return random_vision_params(cp, ops, vision.VisionConfig.from_dict(cfg["vision_config"]))
 
 
 def main(argv=None):

@@ -87,3 +87,93 @@ def test_a_wrong_kernel_stops_the_bench(ops, monkeypatch):
     monkeypatch.setattr(ops, "_gemm_rows", lambda x, w, o, bias=None: o.fill(0))
     with pytest.raises(DeviceError, match="gemm_rows 3x130x1024: max .* = 1.000e\\+00"):
         bench.kernels(cupy, ops, {"precision": ops.precision}, **SMALL)
+
+
+# ------------------------------------------------------------------------------------------------ the image case
+
+IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tower():
+    from clefcore import model, vision
+    from clefcore.backends import cpu
+    from clefcore.checkpoint import Checkpoint
+    ck = Checkpoint(IMAGES_MODEL)
+    params = model.load_params(ck, cpu)
+    vp, why = vision.attach(ck, cpu, params)
+    assert vp is not None, why
+    return ck, params, vp
+
+
+def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_with_tower):
+    """The bench's image request without a tokenizer: 32 text tokens, the image's pads, 224 text tokens; M-RoPE
+    positions as the encoder makes them; a run from the PNG bytes answers as a run from its pixels."""
+    from dataclasses import replace
+
+    from clefcore.backends import cpu
+    from clefcore.encode import mrope_positions
+    from clefcore.synth import picture_png
+    _, params, vp = tiny_with_tower
+    data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
+    rec, px = bench.image_record(data, params.text.vocab_size)
+    assert px.grid_thw == (1, 14, 20) and rec.image_spans == ((32, 102, 7, 10),)
+    assert len(rec.input_ids) == 32 + 70 + 224 and rec.questions[0].question_span[0] >= 102
+    assert np.array_equal(rec.positions, mrope_positions(326, rec.image_spans))
+    from_bytes = bench.forward_run(cpu, params, [rec], vp, data)()
+    from_pixels = bench.forward_run(cpu, params, [replace(rec, images=(px,))], vp)()
+    text_only = bench.forward_run(cpu, params, [bench._record(rec.input_ids)])()
+    for a, b, t in zip(from_bytes[0], from_pixels[0], text_only[0]):
+        assert np.array_equal(a, b) and not np.allclose(a, t)
+
+
+def test_image_size_argument():
+    assert bench._image_size("1024x1024") == (1024, 1024) and bench._image_size("640X480") == (640, 480)
+    for bad in ("1024", "0x5", "axb", "-3x4"):
+        with pytest.raises(SystemExit, match="expected WxH"):
+            bench._image_size(bad)
+
+
+def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
+    """The transformers side of the image case at the tiny shapes, on the CPU (the bench runs it on the GPU):
+    the request is accepted (the pad count matches its processor's grid) and both times are recorded."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from clefcore import vision
+    from clefcore.config import read_json
+    ck, params, vp = tiny_with_tower
+    cfg = vision.VisionConfig.from_dict(read_json(IMAGES_MODEL / "config.json")["vision_config"])
+    out = {}
+    bench.transformers_image_side(ck.text, cfg, params.mrope_section, (64, 48), 1, out, device="cpu")
+    got = out["transformers_image"]
+    assert isinstance(got, dict), got
+    assert got["image_tokens"] == 70 and got["tokens"] == 326 and got["image_ms"] > 0 and got["text_ms"] > 0
+
+
+@gpu
+def test_image_case_on_the_gpu(tiny_with_tower):
+    """bench.image_case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
+    from clefcore import model, vision
+    from clefcore.backends.cuda import CudaOps
+    ck = tiny_with_tower[0]
+    ops = CudaOps(0, precision="exact")
+    params = model.load_params(ck, ops)
+    vp, why = vision.attach(ck, ops, params)
+    assert vp is not None, why
+    r = bench.image_case(cupy, ops, params, vp, (64, 48), 2)
+    assert r["image_tokens"] == 70 and r["tokens"] == 326 and r["patches"] == 280
+    assert r["ratio"] == pytest.approx(r["image_ms"] / r["text_ms"]) and r["within_target"] == (r["ratio"] <= 1.5)
+    assert r["image_case"]["tokens"] == r["text_case"]["tokens"] == 326
+    assert r["preprocess_ms"] > 0 and r["tower_ms"] > 0
+
+
+@gpu
+def test_random_tower_has_the_release_shapes():
+    from clefcore import vision
+    from clefcore.backends.cuda import CudaOps
+    from clefcore.synth import config_json
+    cfg = vision.VisionConfig.from_dict(config_json("clef-flash", vision=True)["vision_config"])
+    vp = bench.random_vision_params(cupy, CudaOps(0, precision="fast"), cfg)
+    assert vp.w["patch_embed.proj.weight"].shape == (1152, 1536) and vp.w["pos_embed.weight"].dtype == np.float32
+    n = sum(int(np.prod(w.shape)) for w in vp.w.values())
+    assert n == 456_010_480                   # qwen35-backbone.md §2: model.visual.*, 456,010,480 parameters

@@ -1,7 +1,8 @@
 """The whole model (backbone + joint head) on the GPU against the golden fixtures in tests/golden/:
 per-question probabilities within each precision mode's contract of the reference (exact 2e-4, fast 1e-2), hidden
 states close, packed == one by one. Runs both modes for the native build and for the compute_70 PTX of the pip
-NVRTC 12 (the Volta code path, JIT-compiled), and split8 with every GEMM on cuBLAS(Lt) where fp8 exists."""
+NVRTC 12 (the Volta code path, JIT-compiled), and split8 with every GEMM on cuBLAS(Lt) where fp8 exists.
+tests/test_vision_gpu.py runs the image fixtures over the same modes and bounds (_modes, cuda_options, BOUND)."""
 
 import json
 import sys
@@ -41,14 +42,18 @@ def _modes():
             + (["split8"] if HAVE_FP8 and HAVE_CUBLAS else []))
 
 
+def cuda_options(mode: str) -> dict:
+    """CudaOps keyword arguments (also clefcore.load's) for one of _modes()."""
+    if mode == "split8":     # cuBLAS(Lt) for every GEMM: at these small shapes the autotune picks wmma
+        return dict(precision="split8", gemm="cublas")
+    build, precision = mode.split("-")
+    return dict(ptx70=build == "ptx70", precision=precision)
+
+
 @pytest.fixture(scope="module", params=_modes())
 def loaded(request):
     from clefcore.backends.cuda import CudaOps
-    if request.param == "split8":     # cuBLAS(Lt) for every GEMM: at these small shapes the autotune picks wmma
-        ops = CudaOps(0, precision="split8", gemm="cublas")
-    else:
-        build, mode = request.param.split("-")
-        ops = CudaOps(0, ptx70=build == "ptx70", precision=mode)
+    ops = CudaOps(0, **cuda_options(request.param))
     ck = Checkpoint(GOLD / "model")
     params = model.load_params(ck, ops)
     if ops.precision == "split8":      # the fp8 pass must really run (not every matrix falling back to split)

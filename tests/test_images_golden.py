@@ -148,3 +148,23 @@ def test_model_without_a_vision_tower_refuses_images(tmp_path):
     assert info.value.message == "images: this model has no vision tower" and info.value.field == "images"
     del body["images"]
     assert eng.decide(body)["usage"]["input_tokens"] == EXPECTED[0]["num_tokens"] - EXPECTED[0]["image_tokens"] - 3
+
+
+def test_synth_vision_writes_a_complete_tower(tmp_path):
+    """synth --vision: the tiny preset's tower answers an image request; clef-flash's plan holds the release's
+    tower (333 tensors, 456,010,480 parameters, qwen35-backbone.md §2) and its vision_config."""
+    from clefcore import synth
+    from clefcore.vision import PREFIX
+    out = synth.write("tiny", 0, tmp_path / "tiny", jobs=1, vision=True)
+    eng = clefcore.load(out)
+    assert eng.vision is not None and eng.vision.config.depth == 2
+    body = dict(clefcore.engine.SELF_CHECK_REQUEST, images=[synth.data_url(synth.picture_png(64, 48))])
+    assert eng.decide(body)["usage"]["input_tokens"] == eng.decide(clefcore.engine.SELF_CHECK_REQUEST)[
+        "usage"]["input_tokens"] + 70 + 3
+    plan = {n: spec for _, shard in synth._text_shards("clef-flash", 0, vision=True) for n, spec in shard.items()}
+    tower = {n: spec[1] for n, spec in plan.items() if n.startswith(PREFIX)}
+    assert len(tower) == 333 and sum(int(np.prod(s)) for s in tower.values()) == 456_010_480
+    assert tower[PREFIX + "patch_embed.proj.weight"] == (1152, 3, 2, 16, 16)
+    vc = synth.config_json("clef-flash", vision=True)["vision_config"]
+    assert (vc["depth"], vc["hidden_size"], vc["num_heads"], vc["out_hidden_size"]) == (27, 1152, 16, 4096)
+    assert "vision_config" not in synth.config_json("clef-flash", vision=False)

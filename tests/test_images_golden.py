@@ -168,3 +168,11 @@ def test_synth_vision_writes_a_complete_tower(tmp_path):
     vc = synth.config_json("clef-flash", vision=True)["vision_config"]
     assert (vc["depth"], vc["hidden_size"], vc["num_heads"], vc["out_hidden_size"]) == (27, 1152, 16, 4096)
     assert "vision_config" not in synth.config_json("clef-flash", vision=False)
+
+
+def test_tower_load_reports_progress():
+    """The tower's tensors tick the same progress callback as the backbone's (clefcore/progress.py's bar)."""
+    calls = []
+    clefcore.load(MODEL, device="cpu", progress=lambda done, total, what: calls.append((done, total, what)))
+    tower = [c for c in calls if c[2].startswith("model.visual.")]
+    assert tower and tower[-1][0] == tower[-1][1] == len(tower) and calls.index(tower[0]) > 0

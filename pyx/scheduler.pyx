@@ -118,6 +118,32 @@ cdef class Scheduler:
             self.live -= 1
             self.live_tokens -= entry.tokens
 
+    cpdef double key(self, long tokens, double now):
+        """The order key an entry of ``tokens`` pushed at ``now`` would get (smaller runs first)."""
+        return now + tokens / self.age_rate
+
+    cpdef double head_key(self):
+        """The key of the entry that runs next, inf when none is queued (cancelled heads are dropped here)."""
+        cdef Entry entry
+        while self._heap:
+            entry = <Entry>self._heap[0][2]
+            if not entry.cancelled:
+                return self._heap[0][0]
+            heapq.heappop(self._heap)
+            entry.queued = False
+        return float("inf")
+
+    cpdef long tokens_before(self, double key):
+        """Prompt tokens of the live entries that run before one of order ``key``: the work ahead of a new
+        short request, which is what its wait depends on (O(queue), bounded by ``capacity``)."""
+        cdef long total = 0
+        cdef Entry entry
+        for item in self._heap:
+            entry = <Entry>item[2]
+            if not entry.cancelled and item[0] <= key:
+                total += entry.tokens
+        return total
+
     cpdef Batch take(self, long max_tokens, long max_requests, double now):
         """Remove and return the next batch: the longest run of the queue's order with at most ``max_requests``
         entries and at most ``max_tokens`` prompt tokens (the first entry always goes). Cancelled and expired

@@ -3,8 +3,13 @@ request fits the wait budget.
 
 The device's rate (prompt tokens per second) is measured as it serves: an exponentially weighted mean over
 forwards and chunk steps, weighted by their tokens so that a tiny batch's fixed overhead does not swing it.
-Until the first forwards it is a start value per device kind. The expected wait of a new request is the
-backlog (queued + running + the chunked remainder, in tokens) over that rate.
+Until the first forwards it is a start value per device kind.
+
+A request's expected time to its answer is the work that will run before it (tokens, over that rate) plus its
+own. Its budget grows with its own size: ``slowdown`` times its own device time, at least MIN_BUDGET_S, at most
+the cap (``--max-queue-wait``). A one-second prompt may so wait a few seconds, while a short decision is only
+admitted where it can be answered in a fraction of a second; past that it gets a 429 it can act on at once,
+instead of a long wait that looks the same to its caller as a dead server.
 """
 
 from __future__ import annotations
@@ -48,6 +53,17 @@ class Refusal:
     budget_s: float
 
 
+# Below this a device step's own length dominates the estimate's error: no budget is tighter.
+MIN_BUDGET_S = 0.25
+
+
+def budget(own_tokens: int, rate: float, slowdown: float, cap_s: float) -> float:
+    """Seconds to its answer a request of ``own_tokens`` may be admitted into (see the module doc)."""
+    if math.isinf(slowdown):
+        return cap_s
+    return min(cap_s, max(MIN_BUDGET_S, slowdown * own_tokens / rate))
+
+
 def expected_wait(backlog_tokens: int, rate: float) -> float:
     return backlog_tokens / rate if backlog_tokens > 0 else 0.0
 
@@ -59,9 +75,9 @@ def retry_after(backlog_tokens: int, rate: float, budget_s: float) -> int:
 
 
 def check(backlog_tokens: int, own_tokens: int, rate: float, budget_s: float) -> Refusal | None:
-    """None when a request of ``own_tokens`` may join a backlog of ``backlog_tokens``. An idle device admits
-    anything (a prompt longer than the budget would otherwise never run); the budget bounds the wait for
-    the request's own answer: the backlog ahead of it plus itself."""
+    """None when a request of ``own_tokens`` may be admitted behind ``backlog_tokens`` of work that runs before
+    it. With nothing ahead it is always admitted (a prompt longer than the budget would otherwise never run);
+    the budget bounds the time to its own answer: the work ahead of it plus itself."""
     if backlog_tokens <= 0:
         return None
     wait = expected_wait(backlog_tokens + own_tokens, rate)

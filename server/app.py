@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import math
 import os
 import re
 import time
@@ -99,6 +100,16 @@ def _age_rate(text: str) -> float | None:
     return value
 
 
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or inf, got {text}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a request cannot answer before its own run), got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model directory (config.json, safetensors, tokenizer)")
@@ -131,6 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admit a request while the queued work's expected wait (tokens / measured "
                              "device rate) fits this many seconds, else 429 "
                              "(default: half of --request-timeout)")
+    parser.add_argument("--max-slowdown", type=_slowdown, default=4.0,
+                        help="nor admit a request into an expected time to its answer over this many times its "
+                             "own device time (at least 0.25 s; inf: --max-queue-wait alone): short decisions "
+                             "get a fast 429 rather than a long wait")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
                              "short ones (0: off)")
@@ -230,6 +245,7 @@ async def _load(state: ServerState) -> None:
     state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                             hooks=state.hooks, wait_budget_s=wait_budget(cfg),
+                            slowdown=getattr(cfg, "max_slowdown", math.inf),
                             chunk_tokens=getattr(cfg, "chunk_tokens", 0),
                             age_rate=getattr(cfg, "age_rate", None))
     state.batcher.start()
@@ -399,7 +415,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         batcher = state.batcher
         # Refuse before tokenizing when the queue is already full or its work alone is over the budget:
         # shedding load must be cheap.
-        refusal = batcher.refusal(0)
+        refusal = batcher.refusal()
         if refusal is not None:
             state.metrics.rejected.labels(refusal.reason).inc()
             raise _refused(refusal, batcher.capacity)

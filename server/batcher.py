@@ -9,11 +9,13 @@ packed into the next one, so under load batches grow by themselves and an idle s
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
 get a 500, the rest of the batch is answered normally.
 
-Overload (issue 20): a request is admitted while the work ahead of it, in tokens over the measured device
-rate, fits the wait budget (server/admission.py); otherwise it gets a 429 at once. Short prompts are ordered
-shortest first with aging. A prompt longer than ``chunk_tokens`` runs as a ChunkedRun whose steps alternate
-with packed batches of short prompts, so a short request waits for at most one chunk, not a whole long
-prompt. Long prompts run one at a time, in arrival order.
+Overload (issue 20): a request is admitted while the work that will run before it plus its own, in tokens
+over the measured device rate, fits its budget, which grows with its size (server/admission.py); otherwise it
+gets a 429 at once. Short prompts are ordered shortest first with aging. A prompt longer than ``chunk_tokens``
+runs as a ChunkedRun, one chunk per step; each next chunk takes its turn in the same order as a queued request
+of a chunk's size that arrived when the previous step ended. So a short request waits for at most one chunk,
+not a whole long prompt, and a long prompt still moves under a stream of short ones. Long prompts run one at a
+time, in arrival order.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class _Chunked:
     run: Any = None
     started: float = 0.0
     device_s: float = 0.0
+    ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
     @property
     def tokens_left(self) -> int:
@@ -74,11 +77,13 @@ class _Chunked:
 class Batcher:
     def __init__(self, engine: Any, device: DeviceThread, metrics: Metrics, *, max_queue: int,
                  max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks,
-                 wait_budget_s: float = math.inf, chunk_tokens: int = 0, age_rate: float | None = None,
-                 start_rate: float | None = None):
-        """``wait_budget_s``: admit while the expected wait fits it. ``chunk_tokens``: prompts longer than
-        this run chunked, in chunks of this size (0: never). ``age_rate``: the scheduler's aging in tokens per
-        second of waiting (None: follow the measured device rate; inf: first in, first out)."""
+                 wait_budget_s: float = math.inf, slowdown: float = math.inf, chunk_tokens: int = 0,
+                 age_rate: float | None = None, start_rate: float | None = None):
+        """``wait_budget_s``: no request is admitted into a longer expected time to its answer; ``slowdown``:
+        nor into more than this many times its own device time (at least admission.MIN_BUDGET_S).
+        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
+        ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
+        rate; inf: first in, first out)."""
         self._engine = engine
         self._metrics = metrics
         self._rate = RateMeter(start_rate or admission.START_RATE.get(
@@ -88,11 +93,13 @@ class Batcher:
         self._max_tokens = max_batch_tokens
         self._max_requests = max_batch_requests
         self._budget_s = wait_budget_s
+        self._slowdown = slowdown
         self._chunk = chunk_tokens
         self._device = device
         self._wake = asyncio.Event()
         self._running: list = []  # entries of the batch on the device now
         self._running_tokens = 0
+        self._step_tokens = 0  # the chunk on the device now
         self._long: deque[Entry] = deque()  # long prompts waiting for their chunked run, in arrival order
         self._active: _Chunked | None = None
         self._task: asyncio.Task | None = None
@@ -122,15 +129,45 @@ class Batcher:
         tokens = self._scheduler.live_tokens + self._running_tokens + sum(e.tokens for e in self._long)
         return tokens + (self._active.tokens_left if self._active is not None else 0)
 
-    def refusal(self, tokens: int) -> Refusal | None:
-        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. ``tokens`` 0 asks
-        whether anything could be (the cheap check before tokenizing)."""
-        backlog = self.backlog_tokens()
+    def _chunked(self, tokens: int) -> bool:
+        return 0 < self._chunk < tokens
+
+    def _chunk_key(self) -> float:
+        """The next chunk step's place in the scheduler's order: that of a queued request of the chunk's size
+        that arrived when the chunk became due (inf: no chunked work)."""
+        if self._active is not None:
+            ready, left = self._active.ready_at, self._active.tokens_left
+        elif self._long:
+            ready, left = self._long[0].enqueued_at, self._long[0].tokens
+        else:
+            return math.inf
+        return ready + min(self._chunk, left) / self._scheduler.age_rate
+
+    def tokens_ahead(self, tokens: int) -> int:
+        """Tokens that run before a request of ``tokens`` admitted now. A prompt that runs whole waits for the
+        step on the device, the queued prompts ahead of it in the scheduler's order and the next chunk if that
+        is due first; a chunked one waits for all accepted work."""
+        if self._chunked(tokens):
+            return self.backlog_tokens()
+        key = self._scheduler.key(tokens, time.monotonic())
+        ahead = self._running_tokens + self._step_tokens + self._scheduler.tokens_before(key)
+        if self._chunk_key() <= key:
+            ahead += self._chunk
+        return ahead
+
+    def refusal(self, tokens: int | None = None) -> Refusal | None:
+        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. None asks whether
+        anything could be (the cheap check before tokenizing): not while the step on the device alone is past
+        the largest budget."""
         rate = self._rate.rate
         if self.full():
+            backlog = self.backlog_tokens()
             return Refusal("queue_full", admission.retry_after(backlog, rate, self._budget_s),
-                           admission.expected_wait(backlog + tokens, rate), self._budget_s)
-        return admission.check(backlog, tokens, rate, self._budget_s)
+                           admission.expected_wait(backlog + (tokens or 0), rate), self._budget_s)
+        if tokens is None:
+            return admission.check(self._running_tokens + self._step_tokens, 0, rate, self._budget_s)
+        return admission.check(self.tokens_ahead(tokens), tokens, rate,
+                               admission.budget(tokens, rate, self._slowdown, self._budget_s))
 
     def _publish(self) -> None:
         backlog = self.backlog_tokens()
@@ -171,7 +208,7 @@ class Batcher:
         if refused is not None:
             self._metrics.rejected.labels(refused.reason).inc()
             raise QueueFull(refused)
-        long = 0 < self._chunk < entry.tokens
+        long = self._chunked(entry.tokens)
         if long:
             self._long.append(entry)
         elif not self._scheduler.push(entry):  # cannot happen after refusal(); kept as the scheduler's word
@@ -209,10 +246,11 @@ class Batcher:
             if len(self._scheduler) == 0 and not self._long and self._active is None:
                 self._wake.clear()
                 await self._wake.wait()
-            # One chunk of the long prompt, then one batch of short ones: a short request waits for at
-            # most one chunk, and the long prompt still moves at every turn.
-            if self._long or self._active is not None:
-                await self._chunk_step()
+            # The next chunk runs when it is first in the scheduler's order (see the module doc).
+            if len(self._scheduler) == 0 or self._chunk_key() <= self._scheduler.head_key():
+                if self._long or self._active is not None:
+                    await self._chunk_step()
+                    continue
             if len(self._scheduler):
                 await self._short_batch()
 
@@ -269,7 +307,7 @@ class Batcher:
                     self._metrics.expired.inc()
                     future.set_exception(DeadlineExceeded())
                     continue
-                self._active = _Chunked(entry, started=now)
+                self._active = _Chunked(entry, started=now, ready_at=entry.enqueued_at)
                 self._metrics.queue_wait.observe(now - entry.enqueued_at)
                 break
             else:
@@ -288,11 +326,14 @@ class Batcher:
             self._publish()
             return
         self._metrics.running.set(1)
+        self._step_tokens = min(self._chunk, active.tokens_left)
         try:
             active.run, done, response, tokens, error, seconds = await self._device.run(
                 self._step_on_device, active.entry.payload[0], active.run)
         finally:
             self._metrics.running.set(0)
+            self._step_tokens = 0
+            active.ready_at = time.monotonic()
         active.device_s += seconds
         self._metrics.chunk_steps.inc()
         self._observe_rate(tokens, seconds)

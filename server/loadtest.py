@@ -1,7 +1,8 @@
 """`clefcore loadtest`: offered load against a running server, by request class, as in issue 20.
 
-Clients send System One requests whose states are sized to a class's prompt tokens (approximately: the client
-has no tokenizer; the report gives the server's own count from ``usage.input_tokens``). Closed loop (each
+Clients send System One requests whose states are sized to a class's prompt tokens. The client has no
+tokenizer: two probe requests first measure the server's tokens per state word and the prompt's fixed part
+(``usage.input_tokens``), and the states are sized from those; the report gives the server's own count. Closed loop (each
 client sends its next request when the last is answered) or a fixed rate (a request every 1/rate seconds,
 at most ``--clients`` in flight). The report: per class, latency percentiles of the answered (200) requests
 and their prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be
@@ -22,13 +23,26 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_MIX = "short:0.80:1200,medium:0.15:7800,long:0.05:24576"
 ROUTES = {"systemone": "/v1/systemone",
           "workers-ai": "/client/v4/accounts/loadtest/ai/run/@cf/cloudflare/clef-flash"}
-# Common English words, one token each (with their leading space) in Qwen's vocabulary, so a state of N words
-# is close to N prompt tokens.
+# Common English words: one token each (with their leading space) in Qwen's vocabulary; other tokenizers
+# (a synthetic checkpoint's) split them, which the probes measure.
 _WORDS = ("the customer order payment failed again after checkout service error page login account team "
           "billing refund invoice network timeout region server node retry request support ticket urgent "
           "card bank transfer user reports issue since morning today app mobile web site down slow").split()
-# The schema and chat template around the state take about this many tokens (three questions below).
+# The schema and chat template around the state take about this many tokens with Qwen's vocabulary (three
+# questions below): the sizing used when the probes cannot run.
 _OVERHEAD_TOKENS = 260
+_PROBE_WORDS = 400
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Prompt tokens = fixed + per_word * state words, as the server counted them for the probes."""
+    fixed: float = _OVERHEAD_TOKENS
+    per_word: float = 1.0
+    measured: bool = False
+
+    def words(self, tokens: int) -> int:
+        return max(1, round((tokens - self.fixed) / self.per_word))
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ class Record:
 @dataclass
 class Run:
     records: list = field(default_factory=list)
+    sizing: Sizing = field(default_factory=Sizing)
     started: float = 0.0
     ended: float = 0.0
 
@@ -74,9 +89,8 @@ def parse_mix(text: str) -> list[RequestClass]:
     return [RequestClass(c.name, c.share / total, c.tokens) for c in classes]
 
 
-def make_body(tokens: int, rng: random.Random) -> dict:
-    words = max(1, tokens - _OVERHEAD_TOKENS)
-    state = " ".join(rng.choice(_WORDS) for _ in range(words))
+def make_body(tokens: int, rng: random.Random, sizing: Sizing = Sizing()) -> dict:
+    state = " ".join(rng.choice(_WORDS) for _ in range(sizing.words(tokens)))
     return {"model": "clef-flash", "state": state, "questions": {
         "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
         "team": {"type": "choice", "instructions": "Which team should handle this request?",
@@ -159,19 +173,47 @@ async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict, ru
     return 0.0
 
 
+async def _count(http, path: str, body: dict, headers: dict) -> int | None:
+    """The server's prompt tokens for ``body`` (None when it did not answer 200)."""
+    async with http.post(path, json=body, headers=headers) as reply:
+        if reply.status != 200:
+            return None
+        answer = json.loads(await reply.read())
+        return int(answer.get("result", answer).get("usage", {}).get("input_tokens", 0)) or None
+
+
+async def calibrate(http, path: str, headers: dict, rng: random.Random) -> Sizing:
+    """Two probes, one state word and _PROBE_WORDS words: the server's fixed tokens and tokens per word."""
+    import aiohttp
+
+    one = Sizing(fixed=0.0, per_word=1.0)
+    try:
+        counts = [await _count(http, path, make_body(n, rng, one), headers) for n in (1, _PROBE_WORDS)]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
+        counts = [type(error).__name__]
+    if None in counts or counts[1] <= counts[0]:
+        print(f"loadtest: the probes were not answered ({counts}); states sized for Qwen's vocabulary",
+              file=sys.stderr)
+        return Sizing()
+    per_word = (counts[1] - counts[0]) / (_PROBE_WORDS - 1)
+    return Sizing(fixed=counts[0] - per_word, per_word=per_word, measured=True)
+
+
 async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
     import aiohttp
 
     rng = random.Random(args.seed)
     path = ROUTES[args.route]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # Bodies are built once per class and size: generating a 24k-word state per request would load the client.
-    bodies = {c.name: [make_body(c.tokens, random.Random(rng.random())) for _ in range(4)] for c in classes}
     weights = [c.share for c in classes]
     run = Run()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=args.clients)
     async with aiohttp.ClientSession(args.url, timeout=timeout, connector=connector) as http:
+        run.sizing = await calibrate(http, path, headers, rng)
+        # Bodies are built once per class: generating a 24k-word state per request would load the client.
+        bodies = {c.name: [make_body(c.tokens, random.Random(rng.random()), run.sizing) for _ in range(4)]
+                  for c in classes}
         run.started = time.monotonic()
         stop_at = run.started + args.duration
 
@@ -254,6 +296,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(_drive(args, args.mix))
     report = summarize(result, args.mix)
+    report["sizing"] = asdict(result.sizing)
     report["config"] = {"url": args.url, "route": args.route, "clients": args.clients,
                         "duration_s": args.duration, "rate": args.rate, "mix": [asdict(c) for c in args.mix]}
     if args.json == "-":

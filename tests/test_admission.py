@@ -6,7 +6,12 @@ import math
 
 import pytest
 
-from clefcore.server.admission import RateMeter, check, expected_wait, retry_after
+import time
+from types import SimpleNamespace
+
+from clefcore.scheduler import Entry
+from clefcore.server.admission import MIN_BUDGET_S, RateMeter, budget, check, expected_wait, retry_after
+from clefcore.server.batcher import Batcher
 
 
 def test_rate_meter_starts_at_its_guess_and_follows_the_device():
@@ -48,3 +53,49 @@ def test_wait_and_retry_after_edges():
     assert expected_wait(0, 1_000) == 0.0
     assert retry_after(0, 1_000, 5.0) == 1
     assert retry_after(3_500, 1_000, 1.0) == math.ceil(2.5)
+
+
+def test_budget_grows_with_the_request_between_the_floor_and_the_cap():
+    assert budget(10, rate=1_000, slowdown=4, cap_s=10) == MIN_BUDGET_S     # 4 x 0.01 s is below the floor
+    assert budget(500, rate=1_000, slowdown=4, cap_s=10) == pytest.approx(2.0)
+    assert budget(5_000, rate=1_000, slowdown=4, cap_s=10) == 10           # 20 s, capped
+    assert budget(0, rate=1_000, slowdown=math.inf, cap_s=7) == 7           # inf: the cap alone
+
+
+def batcher(**kw) -> Batcher:
+    options = dict(max_queue=64, max_batch_tokens=4096, max_batch_requests=8, hooks=None, wait_budget_s=10.0,
+                   slowdown=4.0, chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+    options.update(kw)
+    return Batcher(SimpleNamespace(device="cpu"), None, None, **options)
+
+
+def test_a_request_counts_only_the_work_that_runs_before_it():
+    b = batcher()  # 1,000 tokens/s, chunks of 1,000 tokens, aging at the rate
+    now = time.monotonic()
+    b._long.append(Entry(None, 8_000, now + 60, now))  # 8 s of chunked work accepted
+    # A long prompt runs after all of it: 8 s + its own 5 s is past the 10 s cap.
+    refused = b.refusal(5_000)
+    assert refused is not None and refused.reason == "queued_work" and refused.retry_after_s >= 3
+    # A short one passes the queued chunk (due at now + 1 s): nothing runs before it.
+    assert b.tokens_ahead(100) == 0 and b.refusal(100) is None
+    for _ in range(3):
+        b._scheduler.push(Entry(None, 300, now + 60, now))
+    assert b.tokens_ahead(100) == 0          # shortest first: it goes before the three 300-token ones
+    assert b.tokens_ahead(400) == 900        # they arrived first and are smaller
+    assert b.refusal(400) is None            # (900 + 400) / 1000 = 1.3 s <= 4 x 0.4 s
+    assert b.refusal(150) is None and b.refusal(None) is None
+    b._running_tokens = 2_000                 # a 2 s batch on the device now: every short one waits for it
+    assert b.tokens_ahead(100) == 2_000
+    refused = b.refusal(100)                  # 2.1 s > max(0.25 s, 4 x 0.1 s)
+    assert refused is not None and refused.budget_s == pytest.approx(0.4)
+    assert b.refusal(None) is None            # the cheap check: a larger request could still fit
+
+
+def test_the_next_chunk_counts_for_a_short_request_once_it_is_due():
+    b = batcher()
+    now = time.monotonic()
+    b._long.append(Entry(None, 8_000, now + 60, now - 5))  # due since now - 4 s
+    assert b.tokens_ahead(100) == 1_000
+    b._running_tokens = 20_000                # the step on the device alone is past the 10 s cap
+    refused = b.refusal(None)
+    assert refused is not None and refused.reason == "queued_work"

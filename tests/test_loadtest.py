@@ -52,17 +52,22 @@ def loadtest(server: Server, *args: str) -> dict:
 
 
 def test_closed_loop_and_fixed_rate_against_a_server():
-    with Server("--max-queue-wait", "30") as s:
+    with Server("--max-queue-wait", "30", "--max-slowdown", "inf") as s:
         s.wait_ready()
         closed = loadtest(s, "--route", "workers-ai", "--clients", "4", "--duration", "1.5",
                           "--mix", "short:0.5:200,long:0.5:500")
         assert closed["non_200"] == {}
-        assert closed["ok"] == s.metric("clef_requests_total", "/ai/run/") > 0
+        # the server also answered the two sizing probes, which the report does not count
+        assert closed["ok"] + 2 == s.metric("clef_requests_total", "/ai/run/") > 2
         assert sum(c["sent"] for c in closed["classes"].values()) == closed["requests"]
         short, long = closed["classes"]["short"], closed["classes"]["long"]
         assert short["p50_ms"] <= short["p90_ms"] <= short["p99_ms"]
-        # the bodies are sized to their class (within the tokenizer's slack)
-        assert 100 < short["mean_input_tokens"] < 450 < long["mean_input_tokens"] < 1200
+        # the probes measured this tokenizer (the tiny model's splits the words in ~2 tokens each), so a
+        # class's bodies land near its size; the short class asks for less than the fixed part alone
+        sizing = closed["sizing"]
+        assert sizing["measured"] and 1.5 < sizing["per_word"] < 5 and sizing["fixed"] > 100
+        assert abs(long["mean_input_tokens"] - 500) < 40
+        assert short["mean_input_tokens"] < sizing["fixed"] + 10
         fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "16", "--mix", "only:1:200")
         assert 6 <= fixed["requests"] <= 10 and fixed["ok"] == fixed["requests"]
-        assert fixed["ok"] == s.metric("clef_requests_total", "/v1/systemone")
+        assert fixed["ok"] + 2 == s.metric("clef_requests_total", "/v1/systemone")

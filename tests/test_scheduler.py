@@ -144,3 +144,19 @@ def test_set_age_rate_applies_to_new_entries_and_refuses_nonpositive():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="age_rate"):
             s.set_age_rate(bad)
+
+
+def test_keys_head_and_the_work_before_a_new_entry():
+    s = Scheduler(10, age_rate=100.0)  # 100 tokens of priority per second waited
+    assert s.head_key() == float("inf") and s.tokens_before(1e9) == 0
+    a, b, c = Entry("a", 300, FAR, 0.0), Entry("b", 50, FAR, 0.0), Entry("c", 200, FAR, 2.5)
+    for e in (a, b, c):
+        s.push(e)
+    assert s.key(300, 0.0) == 3.0 and s.key(50, 1.0) == 1.5
+    assert s.head_key() == 0.5  # b: 50 tokens at t = 0
+    # a new 100-token entry at t = 1 (key 2.0) runs after b (0.5), before a (3.0) and c (4.5)
+    assert s.tokens_before(s.key(100, 1.0)) == 50
+    assert s.tokens_before(s.key(300, 1.0)) == 50 + 300  # a's key 3.0 <= 4.0: it arrived first
+    s.cancel(b)  # a cancelled entry is not work ahead, and the head moves past it
+    assert s.tokens_before(s.key(100, 1.0)) == 0 and s.head_key() == 3.0
+    assert ids(s.take(10_000, 10, 0.0)) == ["a", "c"]

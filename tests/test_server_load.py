@@ -56,7 +56,8 @@ def percentile(values: list[float], q: float) -> float:
 
 @pytest.mark.slow
 def test_load_32_clients_20_seconds():
-    with Server("--max-queue", "64", "--max-batch-requests", "16") as s:
+    # admission by the wait budget alone: this test wants the deep queue it measures memory and batching under
+    with Server("--max-queue", "64", "--max-batch-requests", "16", "--max-slowdown", "inf") as s:
         s.wait_ready()
         record: list = []
         rss: list[tuple[float, int]] = []
@@ -94,7 +95,8 @@ def test_load_32_clients_20_seconds():
 
 @pytest.mark.slow
 def test_sigterm_during_load_answers_every_accepted_request():
-    with Server("--shutdown-timeout", "15", "--max-queue", "256") as s:
+    # admission by the wait budget alone (no --max-slowdown): a deep queue at the signal is what is drained
+    with Server("--shutdown-timeout", "15", "--max-queue", "256", "--max-slowdown", "inf") as s:
         s.wait_ready()
         record: list = []
 

@@ -151,6 +151,7 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
     ("--chunk-tokens", "-1", "must be >= 0"),
     ("--max-queue-wait", "0", "must be > 0"),
     ("--age-rate", "fast", "tokens/s, inf or auto"),
+    ("--max-slowdown", "0.5", "must be >= 1"),
 ])
 def test_bad_overload_flags_are_refused_by_name(flag, value, message):
     import subprocess
@@ -180,3 +181,35 @@ def test_a_client_that_leaves_stops_its_chunked_run():
         assert s.metric("clef_chunk_steps_total") == steps < 6  # no further chunks for nobody
         assert s.decide(short()).status == 200
         assert s.metric("clef_queued_tokens") == 0
+
+
+def test_a_long_prompt_still_finishes_under_a_stream_of_short_ones():
+    # 3 ms per token. Three clients send short requests back to back for as long as the long one runs: each
+    # next chunk takes its turn in the scheduler's order, so the long prompt keeps moving (no starvation) and
+    # the short ones keep being answered beside it.
+    with Server("--chunk-tokens", "160", "--max-slowdown", "inf", "--max-queue-wait", "30",
+                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
+        s.wait_ready()
+        s.decide(short(99))  # warm-up
+        solo = timed_one(s, long(2, repeat=30))  # ~600 tokens: ~1.8 s of device time alone
+        longs: list = []
+        shorts: list = []
+        done = threading.Event()
+
+        def stream(n):
+            while not done.is_set():
+                timed(s, short(n), shorts)
+
+        streams = in_threads(*[(stream, 100 + i) for i in range(3)])
+        time.sleep(0.2)
+        timed(s, long(3, repeat=30), longs)
+        done.set()
+        for t in streams:
+            t.join(30)
+        assert [r.status for _, r in longs] == [200]
+        assert all(r.status == 200 for _, r in shorts) and len(shorts) >= 6, shorts
+        # Shorts queued before a chunk became due run first, so at most one batch of the three streams' shorts
+        # (3 x ~139 tokens) runs per chunk of 160: the long prompt keeps at least 160 / (160 + 417) of the
+        # device, ~3.6x its solo time at worst (plus a quarter for batches' overhead); starved, it would wait
+        # for as long as the streams run.
+        assert longs[0][0] < 4.5 * solo, (longs[0][0], solo, len(shorts))

@@ -160,3 +160,25 @@ def test_bidirectional_attention_unsupported_dims(ops, D, Dv):
     q, k, v = r(5, 2, D), r(5, 2, D), r(5, 2, Dv)
     with pytest.raises(DeviceError, match=f"head dim {D} \\(value dim {Dv}\\)"):
         ops.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.array([0, 5]), 0.25)
+
+
+# fp32 products: the only differences from numpy are summation order and the exponential's last bits
+EXACT_TOL = 2e-6
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["split"])
+@pytest.mark.parametrize("cu,heads,D", [([0, 1], 3, 16), ([0, 4, 68, 1092], 3, 72), ([0, 63, 191], 16, 72)])
+def test_bidirectional_attention_exact(precision, cu, heads, D):
+    """The exact modes' vision attention runs on fp32 products (attention.py says why): numpy's numbers to fp32
+    rounding, ~1,000x closer than the fp16 kernel's ATTN_TOL."""
+    from clefcore.backends.cuda import CudaOps
+
+    exact = CudaOps(0, precision=precision)
+    N = cu[-1]
+    qkv = r(N, 3, heads, D)
+    d = exact.asarray(qkv)
+    cu = np.array(cu)
+    got = exact.bidirectional_attention(d[:, 0], d[:, 1], d[:, 2], cu, D ** -0.5)
+    check(f"bidirectional exact D{D} H{heads} cu{list(cu)}", exact.to_host(got),
+          cpu.bidirectional_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, D ** -0.5), EXACT_TOL)

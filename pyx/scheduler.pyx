@@ -133,6 +133,10 @@ cdef class Scheduler:
             entry.queued = False
         return float("inf")
 
+    cpdef object head(self):
+        """The entry that runs next, None when none is queued."""
+        return self._heap[0][2] if self.head_key() != float("inf") else None
+
     cpdef long tokens_before(self, double key):
         """Prompt tokens of the live entries that run before one of order ``key``: the work ahead of a new
         short request, which is what its wait depends on (O(queue), bounded by ``capacity``)."""

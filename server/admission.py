@@ -84,3 +84,25 @@ def check(backlog_tokens: int, own_tokens: int, rate: float, budget_s: float) ->
     if wait <= budget_s:
         return None
     return Refusal("queued_work", retry_after(backlog_tokens + own_tokens, rate, budget_s), wait, budget_s)
+
+
+class BodySizer:
+    """Prompt tokens from a body's size, at the bytes per token of recent requests (smoothed): the estimate the
+    admission check uses before a body is read and tokenized, so that shedding load costs no parsing."""
+
+    def __init__(self):
+        self.bytes_per_token: float | None = None
+
+    def observe(self, nbytes: int | None, tokens: int) -> None:
+        if not nbytes or tokens <= 0:
+            return
+        sample = nbytes / tokens
+        self.bytes_per_token = sample if self.bytes_per_token is None else (
+            self.bytes_per_token + 0.1 * (sample - self.bytes_per_token))
+
+    def estimates(self, nbytes: int | None) -> tuple[int, ...]:
+        """Token counts spanning the estimate's error (half to twice it); empty until a request was measured."""
+        if not nbytes or self.bytes_per_token is None:
+            return ()
+        guess = nbytes / self.bytes_per_token
+        return tuple(max(1, round(guess * f)) for f in (0.5, 1.0, 2.0))

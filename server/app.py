@@ -406,19 +406,21 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         raise errors.unavailable(lifecycle.reason, retry_after_s=5 if lifecycle.phase == LOADING else 1)
     lifecycle.in_flight += 1
     try:
+        batcher = state.batcher
+        # Refuse before reading and tokenizing when the queue is already full or the work before a body of
+        # this size is over its budget: shedding load must be cheap. A compressed body's size says little.
+        plain = request.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
+        body_bytes = request.content_length if plain else None
+        refusal = batcher.early_refusal(body_bytes)
+        if refusal is not None:
+            state.metrics.rejected.labels(refusal.reason).inc()
+            raise _refused(refusal, batcher.capacity)
         body = await read_json(request, cfg.max_body_bytes, state.cpu)
         if path_model is not None and isinstance(body, dict):
             # Workers AI takes the model from the path: a body may leave it out or name it either way.
             body_model = body.setdefault("model", path_model)
             if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
-        batcher = state.batcher
-        # Refuse before tokenizing when the queue is already full or its work alone is over the budget:
-        # shedding load must be cheap.
-        refusal = batcher.refusal()
-        if refusal is not None:
-            state.metrics.rejected.labels(refusal.reason).inc()
-            raise _refused(refusal, batcher.capacity)
         loop = asyncio.get_running_loop()
         try:
             prepared = await loop.run_in_executor(
@@ -426,6 +428,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         except RequestError as error:
             raise errors.invalid_request(error) from None
         request["log"]["prompt_tokens"] = prepared.num_tokens
+        batcher.sizer.observe(body_bytes, prepared.num_tokens)
         deadline = time.monotonic() + cfg.request_timeout
         try:
             outcome = await batcher.submit(prepared, deadline)

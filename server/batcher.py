@@ -15,7 +15,7 @@ gets a 429 at once. Short prompts are ordered shortest first with aging. A promp
 runs as a ChunkedRun, one chunk per step; each next chunk takes its turn in the same order as a queued request
 of a chunk's size that arrived when the previous step ended. So a short request waits for at most one chunk,
 not a whole long prompt, and a long prompt still moves under a stream of short ones. Long prompts run one at a
-time, in arrival order.
+time, shortest first with the same aging (a medium prompt does not queue behind every long one).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +93,15 @@ class Batcher:
         self._max_requests = max_batch_requests
         self._budget_s = wait_budget_s
         self._slowdown = slowdown
+        self.sizer = admission.BodySizer()
         self._chunk = chunk_tokens
         self._device = device
         self._wake = asyncio.Event()
         self._running: list = []  # entries of the batch on the device now
         self._running_tokens = 0
         self._step_tokens = 0  # the chunk on the device now
-        self._long: deque[Entry] = deque()  # long prompts waiting for their chunked run, in arrival order
+        # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together)
+        self._long = Scheduler(max_queue, self._scheduler.age_rate)
         self._active: _Chunked | None = None
         self._task: asyncio.Task | None = None
         self._hooks = hooks
@@ -126,7 +127,7 @@ class Batcher:
     def backlog_tokens(self) -> int:
         """Tokens of accepted work not yet done: queued short prompts, the batch on the device, queued long
         prompts and what is left of the one running chunked."""
-        tokens = self._scheduler.live_tokens + self._running_tokens + sum(e.tokens for e in self._long)
+        tokens = self._scheduler.live_tokens + self._running_tokens + self._long.live_tokens
         return tokens + (self._active.tokens_left if self._active is not None else 0)
 
     def _chunked(self, tokens: int) -> bool:
@@ -137,8 +138,9 @@ class Batcher:
         that arrived when the chunk became due (inf: no chunked work)."""
         if self._active is not None:
             ready, left = self._active.ready_at, self._active.tokens_left
-        elif self._long:
-            ready, left = self._long[0].enqueued_at, self._long[0].tokens
+        elif len(self._long):
+            head = self._long.head()
+            ready, left = head.enqueued_at, head.tokens
         else:
             return math.inf
         return ready + min(self._chunk, left) / self._scheduler.age_rate
@@ -147,13 +149,26 @@ class Batcher:
         """Tokens that run before a request of ``tokens`` admitted now. A prompt that runs whole waits for the
         step on the device, the queued prompts ahead of it in the scheduler's order and the next chunk if that
         is due first; a chunked one waits for all accepted work."""
+        now = time.monotonic()
         if self._chunked(tokens):
-            return self.backlog_tokens()
-        key = self._scheduler.key(tokens, time.monotonic())
+            running = self._running_tokens + self._scheduler.live_tokens
+            active = self._active.tokens_left if self._active is not None else 0
+            return running + active + self._long.tokens_before(self._long.key(tokens, now))
+        key = self._scheduler.key(tokens, now)
         ahead = self._running_tokens + self._step_tokens + self._scheduler.tokens_before(key)
         if self._chunk_key() <= key:
             ahead += self._chunk
         return ahead
+
+    def early_refusal(self, body_bytes: int | None) -> Refusal | None:
+        """The check before a body is read: refused when the step on the device alone is past the largest
+        budget, or when a request of the body's estimated size would be refused at half to twice that size
+        (the estimate is rough; a request it cannot judge is tokenized and checked exactly)."""
+        refusal = self.refusal()
+        if refusal is not None:
+            return refusal
+        refusals = [self.refusal(tokens) for tokens in self.sizer.estimates(body_bytes)]
+        return refusals[1] if refusals and all(refusals) else None
 
     def refusal(self, tokens: int | None = None) -> Refusal | None:
         """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. None asks whether
@@ -181,6 +196,7 @@ class Batcher:
         if self._follow_rate:
             # A short prompt passes a long one that arrived less than the long one's own run time earlier.
             self._scheduler.set_age_rate(self._rate.rate)
+            self._long.set_age_rate(self._rate.rate)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="clef-dispatch")
@@ -189,7 +205,7 @@ class Batcher:
         """The drain timeout has passed: answer everything still queued or on the device with a timeout
         (so no accepted request is cut off without an answer) and stop the dispatcher."""
         active = [self._active.entry] if self._active is not None else []
-        for entry in self._scheduler.drain() + self._running + list(self._long) + active:
+        for entry in self._scheduler.drain() + self._running + self._long.drain() + active:
             _, future = entry.payload
             if not future.done():
                 future.set_exception(DeadlineExceeded())
@@ -209,9 +225,8 @@ class Batcher:
             self._metrics.rejected.labels(refused.reason).inc()
             raise QueueFull(refused)
         long = self._chunked(entry.tokens)
-        if long:
-            self._long.append(entry)
-        elif not self._scheduler.push(entry):  # cannot happen after refusal(); kept as the scheduler's word
+        # push cannot fail after refusal() (the count bound is checked over both queues); kept as their word
+        if not (self._long if long else self._scheduler).push(entry):
             self._metrics.rejected.labels("queue_full").inc()
             raise QueueFull(Refusal("queue_full", 1, 0.0, self._budget_s))
         self._publish()
@@ -231,24 +246,20 @@ class Batcher:
             self._publish()
 
     def _forget(self, entry: Entry, long: bool) -> bool:
-        """Drop an abandoned request from whichever queue holds it; True when it was still queued."""
-        if not long:
-            queued = entry.queued
-            self._scheduler.cancel(entry)
-            return queued
-        if entry in self._long:
-            self._long.remove(entry)
-            return True
-        return False  # running chunked: _chunk_step sees its settled future and stops
+        """Drop an abandoned request from whichever queue holds it; True when it was still queued. A chunked
+        run already started stops at its next step, which sees its settled future."""
+        queued = entry.queued
+        (self._long if long else self._scheduler).cancel(entry)
+        return queued
 
     async def _dispatch(self) -> None:
         while True:
-            if len(self._scheduler) == 0 and not self._long and self._active is None:
+            if len(self._scheduler) == 0 and len(self._long) == 0 and self._active is None:
                 self._wake.clear()
                 await self._wake.wait()
             # The next chunk runs when it is first in the scheduler's order (see the module doc).
             if len(self._scheduler) == 0 or self._chunk_key() <= self._scheduler.head_key():
-                if self._long or self._active is not None:
+                if len(self._long) or self._active is not None:
                     await self._chunk_step()
                     continue
             if len(self._scheduler):
@@ -298,21 +309,18 @@ class Batcher:
         """Run the next chunk of the active long prompt (starting the next queued one if none is active)."""
         now = time.monotonic()
         if self._active is None:
-            while self._long:
-                entry = self._long.popleft()
+            batch = self._long.take(0, 1, now)
+            for entry in batch.expired:
+                self._metrics.expired.inc()
                 _, future = entry.payload
-                if future.done():  # abandoned while queued
-                    continue
-                if entry.deadline <= now:
-                    self._metrics.expired.inc()
+                if not future.done():
                     future.set_exception(DeadlineExceeded())
-                    continue
-                self._active = _Chunked(entry, started=now, ready_at=entry.enqueued_at)
-                self._metrics.queue_wait.observe(now - entry.enqueued_at)
-                break
-            else:
+            if not batch.entries:
                 self._publish()
                 return
+            entry = batch.entries[0]
+            self._active = _Chunked(entry, started=now, ready_at=entry.enqueued_at)
+            self._metrics.queue_wait.observe(now - entry.enqueued_at)
         active = self._active
         _, future = active.entry.payload
         if future.done():  # the client left, or its deadline passed, between two steps

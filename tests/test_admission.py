@@ -10,7 +10,8 @@ import time
 from types import SimpleNamespace
 
 from clefcore.scheduler import Entry
-from clefcore.server.admission import MIN_BUDGET_S, RateMeter, budget, check, expected_wait, retry_after
+from clefcore.server.admission import (MIN_BUDGET_S, BodySizer, RateMeter, budget, check, expected_wait,
+                                      retry_after)
 from clefcore.server.batcher import Batcher
 
 
@@ -72,10 +73,12 @@ def batcher(**kw) -> Batcher:
 def test_a_request_counts_only_the_work_that_runs_before_it():
     b = batcher()  # 1,000 tokens/s, chunks of 1,000 tokens, aging at the rate
     now = time.monotonic()
-    b._long.append(Entry(None, 8_000, now + 60, now))  # 8 s of chunked work accepted
-    # A long prompt runs after all of it: 8 s + its own 5 s is past the 10 s cap.
-    refused = b.refusal(5_000)
-    assert refused is not None and refused.reason == "queued_work" and refused.retry_after_s >= 3
+    b._long.push(Entry(None, 8_000, now + 60, now))  # 8 s of chunked work accepted
+    # A longer prompt runs after it (shortest first): 8 s + its own 9 s is past the 10 s cap; a shorter one
+    # passes it, and with nothing before it is admitted however long.
+    refused = b.refusal(9_000)
+    assert refused is not None and refused.reason == "queued_work" and refused.retry_after_s >= 7
+    assert b.tokens_ahead(5_000) == 0 and b.refusal(5_000) is None
     # A short one passes the queued chunk (due at now + 1 s): nothing runs before it.
     assert b.tokens_ahead(100) == 0 and b.refusal(100) is None
     for _ in range(3):
@@ -94,8 +97,31 @@ def test_a_request_counts_only_the_work_that_runs_before_it():
 def test_the_next_chunk_counts_for_a_short_request_once_it_is_due():
     b = batcher()
     now = time.monotonic()
-    b._long.append(Entry(None, 8_000, now + 60, now - 5))  # due since now - 4 s
+    b._long.push(Entry(None, 8_000, now + 60, now - 5))  # due since now - 4 s
     assert b.tokens_ahead(100) == 1_000
     b._running_tokens = 20_000                # the step on the device alone is past the 10 s cap
     refused = b.refusal(None)
     assert refused is not None and refused.reason == "queued_work"
+
+
+def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
+    sizer = BodySizer()
+    assert sizer.estimates(4_000) == ()              # nothing measured yet: no estimate, no early refusal
+    sizer.observe(4_000, 1_000)
+    assert sizer.estimates(8_000) == (1_000, 2_000, 4_000)
+    sizer.observe(None, 10)                          # a compressed body's size is not a sample
+    sizer.observe(6_000, 1_000)                      # 6 bytes per token moves the mean a tenth of the way
+    assert sizer.bytes_per_token == pytest.approx(4.2)
+    assert sizer.estimates(0) == ()
+
+
+def test_early_refusal_needs_every_size_in_the_estimates_span_refused():
+    b = batcher()                                   # 1,000 tokens/s
+    b.sizer.observe(4_000, 1_000)                   # 4 bytes per token
+    b._running_tokens = 2_000                       # 2 s on the device before any short request
+    # a ~100-token body: refused at 50, 100 and 200 tokens (budgets 0.25 to 0.8 s) -> refused unread
+    refused = b.early_refusal(400)
+    assert refused is not None and refused.reason == "queued_work"
+    # a ~500-token body: at 1,000 tokens the 4 s budget fits the 3 s wait, so it is read and checked exactly
+    assert b.early_refusal(2_000) is None and b.refusal(1_000) is None
+    assert b.early_refusal(None) is None            # size unknown (compressed): only the cheap check

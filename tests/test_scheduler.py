@@ -160,3 +160,14 @@ def test_keys_head_and_the_work_before_a_new_entry():
     s.cancel(b)  # a cancelled entry is not work ahead, and the head moves past it
     assert s.tokens_before(s.key(100, 1.0)) == 0 and s.head_key() == 3.0
     assert ids(s.take(10_000, 10, 0.0)) == ["a", "c"]
+
+
+def test_head_is_the_next_live_entry():
+    s = Scheduler(4, age_rate=100.0)
+    assert s.head() is None
+    a, b = Entry("a", 300, FAR, 0.0), Entry("b", 50, FAR, 0.0)
+    s.push(a)
+    s.push(b)
+    assert s.head() is b
+    s.cancel(b)
+    assert s.head() is a and len(s) == 1

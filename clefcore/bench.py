@@ -529,14 +529,23 @@ def image_case(cp, ops, params, vp, size, reps):
                 image_case=image, text_case=text)
 
 
-def transformers_side(text_cfg, lengths, packed, reps, out):
+def _import_transformers(out, key, label):
+    """(torch, transformers), or None with why recorded in out[key] (the peer is optional in every run)."""
     try:
         import torch
         import transformers
     except Exception as e:  # noqa: BLE001
-        print(f"  transformers: not run ({e.__class__.__name__}: {e})")
-        out["transformers"] = f"not importable: {e}"
+        print(f"  {label}: not run ({e.__class__.__name__}: {e})")
+        out[key] = f"not importable: {e}"
+        return None
+    return torch, transformers
+
+
+def transformers_side(text_cfg, lengths, packed, reps, out):
+    peer = _import_transformers(out, "transformers", "transformers")
+    if peer is None:
         return
+    torch, transformers = peer
     try:
         cfg_cls = getattr(transformers, "Qwen3_5TextConfig")
         mdl_cls = getattr(transformers, "Qwen3_5TextModel", None) or getattr(transformers, "Qwen3_5ForCausalLM")
@@ -600,13 +609,10 @@ def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, devi
     same text and vision shapes and M-RoPE section. Each timed call hands its image processor the same PNG as a
     data URL (as the reference's processor gets it: decoding, resize, patches) and runs the model; its text twin
     is the same ids without the image. Recorded in out["transformers_image"], or why it did not run."""
-    try:
-        import torch
-        import transformers
-    except Exception as e:  # noqa: BLE001
-        print(f"  transformers (image): not run ({e.__class__.__name__}: {e})")
-        out["transformers_image"] = f"not importable: {e}"
+    peer = _import_transformers(out, "transformers_image", "transformers (image)")
+    if peer is None:
         return
+    torch, transformers = peer
     try:
         from .synth import data_url, picture_png
         w, h = size

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from clefcore import images as _images
+from clefcore.engine import NO_IMAGES
+
 # Descriptions (choice options, score levels, noul criteria values) may be any JSON value: they are
 # rendered into the prompt as they are. The schema states exactly what the validator accepts, so that
 # schema-driven fuzzers find every disagreement in either direction.
@@ -42,7 +45,75 @@ def _question_schema(cloudflare: bool) -> dict:
                       question("score", score, True)]}
 
 
-def _request_schema(cloudflare: bool) -> dict:
+# --- images (protocol §3.7): the rules are clefcore/images.py's, the limits its constants ----------------
+
+# Standard base64, padded, no whitespace, at least one byte (as images.py reads it; an empty one is refused).
+_B64 = r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{3}=|[A-Za-z0-9+/]{2}==)"
+# `data:` and the MIME type in any case (as images.py reads them), `;base64,` as written. ECMA-262 has no
+# inline (?i), hence the classes.
+_DATA_URL_PREFIX = (r"[Dd][Aa][Tt][Aa]:[Ii][Mm][Aa][Gg][Ee]/"
+                    r"(?:[Pp][Nn][Gg]|[Jj][Pp][Ee]?[Gg]|[Ww][Ee][Bb][Pp]);base64,")
+_MIB = 1024 * 1024
+_MIB_EACH = f"{_images.MAX_IMAGE_BYTES // _MIB} MiB"
+_MIB_TOTAL = f"{_images.MAX_TOTAL_BYTES // _MIB} MiB"
+_MEGAPIXELS = f"{_images.MAX_PIXELS // 1_000_000} megapixels"
+_IMAGE_LIMITS = (f"at most {_MIB_EACH} of file bytes (after base64 decoding) and {_MEGAPIXELS} per image, "
+                 f"{_MIB_TOTAL} decoded in total, the whole body within --max-body-bytes; PNG, JPEG or WebP "
+                 f"(the format is read from the bytes, not from the stated type), 8-bit RGB, RGBA, grey or "
+                 f"palette, one frame, aspect ratio at most {_images.MAX_ASPECT}")
+# A 16x16 PNG: the example request's image (decoded, preprocessed and answered like any other).
+EXAMPLE_PNG = ("iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAAM0lEQVR42mNkYPggwMAAQxOQ2AVYxVkY"
+               "BBhIAnTRMAGJW4DExi4+OP1A2N3I4qPxQBMNAMbcCp7XUD9WAAAAAElFTkSuQmCC")
+EXAMPLE_REQUEST = {
+    "model": "clef-flash",
+    "state": "The customer attached a screenshot: checkout fails with an error for every card.",
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+        "team": {"type": "choice", "instructions": "Which team should handle this request?",
+                 "criteria": {"billing": "Payments, invoices, and refunds",
+                              "technical": "Outages, errors, and configuration"}},
+        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
+                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
+    },
+    "images": ["data:image/png;base64," + EXAMPLE_PNG],
+}
+
+
+def _images_schema(cloudflare: bool, no_images: bool) -> dict:
+    """``images``: up to 4 items, each a data URL or ``{content_type, base64}`` (both modes read the same
+    forms; the reference mode also takes ``null`` for "no images"). What JSON Schema cannot state (the limits
+    on decoded bytes and pixels, decodability) is in the descriptions; breaking it is a 422 naming
+    ``images[i]``. The custom formats name what a generator must produce to be accepted: a real image."""
+    data_url = {"type": "string", "format": "image-data-url", "pattern": f"^{_DATA_URL_PREFIX}{_B64}$",
+                "description": "a data URL, `data:image/png|jpeg|jpg|webp;base64,<base64>` (`data:` and the "
+                               "type in any case); http(s) URLs, paths and bare base64 are never read",
+                "example": "data:image/png;base64," + EXAMPLE_PNG}
+    item_object = {"type": "object", "required": ["content_type", "base64"], "additionalProperties": False,
+                   "description": "the image's MIME type and its raw base64 (no `data:` prefix)",
+                   "properties": {
+                       "content_type": {"type": "string", "enum": list(_images.CONTENT_TYPES),
+                                        "description": "matched case-insensitively"},
+                       "base64": {"type": "string", "format": "image-base64", "pattern": f"^{_B64}$",
+                                  "description": "standard alphabet, padded, no whitespace"}},
+                   "example": {"content_type": "image/png", "base64": EXAMPLE_PNG}}
+    description = (f"Clef extension: up to {_images.MAX_IMAGES} embedded images, shown to the model before "
+                   f"the state, in order; their tokens count as input tokens. Limits: {_IMAGE_LIMITS}. A "
+                   f"request that breaks one is refused with 422 naming the item, e.g. `images[1]`. An empty "
+                   f"array is a text-only request")
+    schema = {"type": "array", "maxItems": _images.MAX_IMAGES, "items": {"oneOf": [data_url, item_object]}}
+    if not cloudflare:
+        schema["type"] = ["array", "null"]
+        description += " (and so is null)"
+    if no_images:
+        # the validator reads them, the engine refuses any: only the empty array (or null) is answered
+        schema["maxItems"] = 0
+        description += (f". This deployment was started with --no-images: any image is refused "
+                        f"(422, \"{NO_IMAGES}\")")
+    schema["description"] = description + "."
+    return schema
+
+
+def _request_schema(cloudflare: bool, no_images: bool = False) -> dict:
     questions = {"type": "object", "minProperties": 1,
                  "additionalProperties": {"$ref": "#/components/schemas/Question"}}
     if cloudflare:
@@ -54,13 +125,16 @@ def _request_schema(cloudflare: bool) -> dict:
             "properties": {"model": {"type": "string", "example": "clef-flash"},
                            "state": _STATE if cloudflare else _ANY,
                            "document": _STATE if cloudflare else _ANY,
-                           "questions": questions}}
+                           "questions": questions,
+                           "images": _images_schema(cloudflare, no_images)},
+            # without a tower the example is the same request, text only (it must stay valid here)
+            "examples": [{k: v for k, v in EXAMPLE_REQUEST.items() if k != "images" or not no_images}]}
 
 
-def _cloudflare_request_schema(cloudflare: bool) -> dict:
+def _cloudflare_request_schema(cloudflare: bool, no_images: bool = False) -> dict:
     """Workers AI: the model is in the path; a body may leave it out, or must name the same one (checked by
     the server; the schema can only say it is one of the two), bare or as the path names it."""
-    schema = _request_schema(cloudflare)
+    schema = _request_schema(cloudflare, no_images)
     schema["required"] = ["questions"]
     schema["properties"]["model"] = {"type": "string",
                                      "pattern": r"^\s*(@cf/cloudflare/)?(clef|clef-flash)\s*$"}
@@ -109,7 +183,14 @@ _ERROR_STATUSES = {
     "401": "missing or wrong API key (only with --api-key)",
     "413": "body larger than --max-body-bytes, on the wire or decoded",
     "415": "Content-Type is not application/json, or a Content-Encoding other than gzip, deflate, br, zstd",
-    "422": "schema violation; `field` names the path, `limit` the rule",
+    "422": "schema violation; `field` names the path, `limit` the rule. For images (`field` `images[i]`, "
+           f"or `images` for the count): more than {_images.MAX_IMAGES} images, a form other than a data URL "
+           "or {content_type, base64} (URLs and paths are never read), a MIME type other than image/png, "
+           "image/jpeg, image/jpg or image/webp, bad base64, bytes that are no decodable PNG, JPEG or WebP "
+           f"(`image payload is invalid`), an image over {_MIB_EACH} or {_MEGAPIXELS}, or over {_MIB_TOTAL} "
+           "in total. With `field` `images`: a deployment started with --no-images answers any image with "
+           f"\"{NO_IMAGES}\", and one whose model has no usable vision tower with "
+           "\"images: this model has no vision tower\" (or: its tower is incomplete)",
     "429": "overloaded: the queued work would exceed the wait budget (reason queued_work) or the queue is full "
            "(queue_full); honour Retry-After",
     "500": "the device failed this request",
@@ -132,6 +213,7 @@ def _decision_responses(ok: dict, error: dict, cloudflare: bool) -> dict:
 
 def build_spec(config: argparse.Namespace) -> dict:
     cloudflare = config.validation == "cloudflare"
+    no_images = bool(getattr(config, "no_images", False))
     security = [{"bearer": []}, {"apiKey": []}] if config.api_key else []
     decision_body = {"required": True,
                      "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}
@@ -192,9 +274,9 @@ def build_spec(config: argparse.Namespace) -> dict:
                                                 "content": {"text/html": {"schema": {"type": "string"}}}}}}},
         },
         "components": {
-            "schemas": {"SystemOneRequest": _request_schema(cloudflare),
+            "schemas": {"SystemOneRequest": _request_schema(cloudflare, no_images),
                         "Question": _question_schema(cloudflare),
-                        "CloudflareRequest": _cloudflare_request_schema(cloudflare),
+                        "CloudflareRequest": _cloudflare_request_schema(cloudflare, no_images),
                         "SystemOneResponse": _RESPONSE, "Error": _ERROR, "CloudflareEnvelope": _CF_ENVELOPE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}},

@@ -1,62 +1,199 @@
-"""The playground page in headless Chromium: it loads, submits the example request, shows one block of
-bars per question, and a screenshot is written to pytest's tmp dir (or to $CLEF_SCREENSHOT_DIR when set,
-e.g. to keep it as a CI artifact).
+"""The playground page (server/playground/index.html).
 
-Needs Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install
-selenium`; skipped cleanly when any is missing."""
+Without a browser: the served page carries the image picker (accept list, 4 images, 4 MiB each, 8 MiB in
+all: the server's own limits, from clefcore.images), stays dependency-free, and the body it builds with a
+picked image (a data URL in `images`, as FileReader.readAsDataURL writes it) is answered by a real server
+with more input tokens than the same body without it.
+
+In headless Chromium: it loads, submits the example request, shows one block of bars per question, and a
+screenshot is written to pytest's tmp dir (or to $CLEF_SCREENSHOT_DIR when set, e.g. to keep it as a CI
+artifact); images are picked, refused over the limits with an inline message, removed and sent. Needs
+Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`;
+those tests are skipped cleanly when any is missing."""
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 import shutil
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server  # noqa: E402
+from clefcore import images
 
-webdriver = pytest.importorskip("selenium.webdriver")
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import SUPPORT_TICKET, Server, check_client_rules  # noqa: E402
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 DRIVER = shutil.which("chromedriver")
+ACCEPT = ["image/png", "image/jpeg", "image/webp"]
 
 
-@pytest.mark.skipif(CHROMIUM is None or DRIVER is None, reason="no Chromium / chromedriver installed")
-def test_playground_shows_bars_in_headless_chromium(tmp_path):
+@pytest.fixture(scope="module")
+def server():
+    with Server() as s:
+        s.wait_ready()
+        yield s
+
+
+def png(width: int = 48, height: int = 32) -> bytes:
+    from PIL import Image
+
+    im = Image.new("RGB", (width, height))
+    im.putdata([(5 * x % 256, 7 * y % 256, (x * y) % 256) for y in range(height) for x in range(width)])
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _page(server: Server) -> tuple[str, list[tuple[str, dict]]]:
+    r = server.get("/")
+    assert r.status == 200 and r.headers["content-type"].startswith("text/html"), r
+    parser = _Tags()
+    parser.feed(r.text)
+    return r.text, parser.tags
+
+
+def test_page_has_the_image_picker_with_the_servers_limits(server):
+    html, tags = _page(server)
+    pickers = [a for t, a in tags if t == "input" and a.get("type") == "file"]
+    assert len(pickers) == 1
+    picker = pickers[0]
+    assert picker["id"] == "images" and "multiple" in picker
+    assert picker["accept"].split(",") == ACCEPT
+    assert set(ACCEPT) <= set(images.CONTENT_TYPES)
+    assert int(picker["data-max-images"]) == images.MAX_IMAGES
+    assert int(picker["data-max-image-bytes"]) == images.MAX_IMAGE_BYTES
+    assert int(picker["data-max-total-bytes"]) == images.MAX_TOTAL_BYTES
+    # the script reads its limits from those attributes (no second copy to drift), checks them before adding
+    # an image, and sends the picked images as data URLs
+    for needle in ("picker.dataset.maxImages", "picker.dataset.maxImageBytes", "picker.dataset.maxTotalBytes",
+                   "file.size > MAX_IMAGE_BYTES", "readAsDataURL", "body.images = picked.map"):
+        assert needle in html, needle
+    ids = {a.get("id") for _, a in tags}
+    assert {"thumbs", "image-error", "send", "body"} <= ids
+    # dependency-free: no external script, stylesheet or font
+    external = [a for t, a in tags
+                if t in ("script", "link", "img", "iframe") and (a.get("src") or a.get("href"))]
+    assert not external
+    assert "http://" not in html and "https://" not in html
+
+
+def test_playground_body_with_an_image_is_answered(server):
+    """Exactly the body the page sends: its JSON (JSON.stringify, compact) with `images` set to the picked
+    files' data URLs."""
+    body = dict(json.loads(json.dumps(SUPPORT_TICKET)), model="clef-flash")
+    text_only = server.post("/v1/systemone", json.dumps(body, separators=(",", ":")))
+    assert text_only.status == 200, text_only
+    body["images"] = ["data:image/png;base64," + base64.b64encode(png()).decode("ascii")]
+    with_image = server.post("/v1/systemone", json.dumps(body, separators=(",", ":")))
+    assert with_image.status == 200, with_image
+    check_client_rules(body, with_image.json())
+    assert with_image.json()["usage"]["input_tokens"] > text_only.json()["usage"]["input_tokens"]
+    # as many images as the picker allows are answered; one more is the server's 422 too
+    body["images"] = body["images"] * images.MAX_IMAGES
+    assert server.post("/v1/systemone", json.dumps(body)).status == 200
+    body["images"].append(body["images"][0])
+    refused = server.post("/v1/systemone", json.dumps(body))
+    assert refused.status == 422 and refused.json()["error"]["field"] == "images", refused
+
+
+# --- in a browser ------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("no Chromium / chromedriver installed")
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                  "--window-size=1200,800"):
         options.add_argument(flag)
+    b = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield b
+    finally:
+        b.quit()
+
+
+def test_playground_shows_bars_in_headless_chromium(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
     with Server() as server:
         server.wait_ready()
-        browser = webdriver.Chrome(service=Service(DRIVER), options=options)
-        try:
-            browser.get(server.base + "/")
-            assert "clefcore" in browser.title
-            browser.find_element(By.ID, "send").click()
-            WebDriverWait(browser, 30).until(
-                ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
-            questions = browser.find_elements(By.CSS_SELECTOR, "#answers .question")
-            assert [q.get_attribute("data-id") for q in questions] == ["urgent", "team", "severity"]
-            bars = {q.get_attribute("data-id"): len(q.find_elements(By.CSS_SELECTOR, ".bar"))
-                    for q in questions}
-            assert bars == {"urgent": 2, "team": 3, "severity": 4}
-            widths = [b.size["width"] for b in browser.find_elements(By.CSS_SELECTOR, ".bar .fill")]
-            assert any(w > 0 for w in widths)
-            assert browser.find_element(By.ID, "error").text == ""
-            out = Path(os.environ.get("CLEF_SCREENSHOT_DIR") or tmp_path)
-            out.mkdir(parents=True, exist_ok=True)
-            shot = out / "playground.png"
-            assert browser.save_screenshot(str(shot))
-            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-            print(f"\nplayground screenshot: {shot}")
-        finally:
-            browser.quit()
+        browser.get(server.base + "/")
+        assert "clefcore" in browser.title
+        browser.find_element(By.ID, "send").click()
+        WebDriverWait(browser, 30).until(
+            ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
+        questions = browser.find_elements(By.CSS_SELECTOR, "#answers .question")
+        assert [q.get_attribute("data-id") for q in questions] == ["urgent", "team", "severity"]
+        bars = {q.get_attribute("data-id"): len(q.find_elements(By.CSS_SELECTOR, ".bar"))
+                for q in questions}
+        assert bars == {"urgent": 2, "team": 3, "severity": 4}
+        widths = [b.size["width"] for b in browser.find_elements(By.CSS_SELECTOR, ".bar .fill")]
+        assert any(w > 0 for w in widths)
+        assert browser.find_element(By.ID, "error").text == ""
+        out = Path(os.environ.get("CLEF_SCREENSHOT_DIR") or tmp_path)
+        out.mkdir(parents=True, exist_ok=True)
+        shot = out / "playground.png"
+        assert browser.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+        print(f"\nplayground screenshot: {shot}")
+
+
+def test_playground_picks_checks_removes_and_sends_images(browser, server, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    small = [tmp_path / f"shot{i}.png" for i in range(images.MAX_IMAGES + 1)]
+    for i, path in enumerate(small):
+        path.write_bytes(png(32 + i, 24))
+    big = tmp_path / "huge.png"
+    big.write_bytes(png(8, 8) + b"\0" * images.MAX_IMAGE_BYTES)   # over the limit by its size alone
+
+    browser.get(server.base + "/")
+    thumbs = lambda: browser.find_elements(By.CSS_SELECTOR, "#thumbs .thumb")  # noqa: E731
+    error = lambda: browser.find_element(By.ID, "image-error").text  # noqa: E731
+    picker = browser.find_element(By.ID, "images")
+
+    picker.send_keys(str(big))
+    WebDriverWait(browser, 10).until(lambda _: error())
+    assert "huge.png" in error() and "4 MiB" in error(), error()
+    assert thumbs() == []
+
+    picker.send_keys("\n".join(map(str, small)))   # one more than allowed
+    WebDriverWait(browser, 10).until(lambda _: len(thumbs()) == images.MAX_IMAGES)
+    assert small[-1].name in error() and f"at most {images.MAX_IMAGES} images" in error(), error()
+    assert [t.find_element(By.TAG_NAME, "img").get_attribute("src")[:22] for t in thumbs()] == \
+        ["data:image/png;base64,"] * images.MAX_IMAGES
+    assert not picker.is_enabled()
+    for _ in range(images.MAX_IMAGES - 1):
+        thumbs()[0].find_element(By.CSS_SELECTOR, "button.remove").click()
+    assert len(thumbs()) == 1 and picker.is_enabled() and error() == ""
+
+    browser.find_element(By.ID, "send").click()
+    WebDriverWait(browser, 30).until(
+        ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
+    assert browser.find_element(By.ID, "error").text == ""
+    assert "with 1 image" in browser.find_element(By.ID, "usage").text

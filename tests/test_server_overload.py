@@ -121,8 +121,10 @@ def test_over_the_wait_budget_429_with_retry_after_arrives_fast_and_no_accepted_
 
 def test_chunked_requests_fail_alone_time_out_and_drain():
     env = dict(TOKEN_DELAY, CLEFCORE_TEST_FAIL_MARKER="EXPLODE")
-    # --max-queue-wait above the timeout: admission lets everything in, so the deadline is what is tested
-    with Server("--chunk-tokens", "256", "--request-timeout", "1", "--max-queue-wait", "30", env=env) as s:
+    # --max-queue-wait above the timeout and no --max-slowdown: admission lets everything in, so the deadline is
+    # what is tested (the timed-out run's last chunk may still be on the device when the next request comes)
+    with Server("--chunk-tokens", "256", "--request-timeout", "1", "--max-queue-wait", "30", "--max-slowdown", "inf",
+                env=env) as s:
         s.wait_ready()
         # A device fault in one chunked request: a 500 for it, the short one beside it is answered.
         broken = long(0)

@@ -21,7 +21,7 @@ import pytest
 
 from clefcore import images
 from clefcore.engine import NO_IMAGES
-from server import openapi
+from clefcore.server import openapi
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_harness import Server, check_client_rules  # noqa: E402

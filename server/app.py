@@ -139,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer (503 after)")
     parser.add_argument("--max-queue-wait", type=_positive(float), default=None,
-                        help="admit a request while the queued work's expected wait (tokens / measured "
-                             "device rate) fits this many seconds, else 429 "
+                        help="admit no request into a longer expected time to its answer (the work before it "
+                             "plus its own, in tokens / measured device rate), else 429 "
                              "(default: half of --request-timeout)")
     parser.add_argument("--max-slowdown", type=_slowdown, default=4.0,
                         help="nor admit a request into an expected time to its answer over this many times its "

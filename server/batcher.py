@@ -265,13 +265,17 @@ class Batcher:
             if len(self._scheduler):
                 await self._short_batch()
 
-    async def _short_batch(self) -> None:
-        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
-        for entry in batch.expired:
+    def _expire(self, entries) -> None:
+        """Answer the entries a queue dropped past their deadline with a timeout."""
+        for entry in entries:
             self._metrics.expired.inc()
             _, future = entry.payload
             if not future.done():
                 future.set_exception(DeadlineExceeded())
+
+    async def _short_batch(self) -> None:
+        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
+        self._expire(batch.expired)
         if not batch.entries:
             self._publish()
             return
@@ -310,11 +314,7 @@ class Batcher:
         now = time.monotonic()
         if self._active is None:
             batch = self._long.take(0, 1, now)
-            for entry in batch.expired:
-                self._metrics.expired.inc()
-                _, future = entry.payload
-                if not future.done():
-                    future.set_exception(DeadlineExceeded())
+            self._expire(batch.expired)
             if not batch.entries:
                 self._publish()
                 return

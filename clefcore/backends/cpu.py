@@ -370,11 +370,18 @@ def segment_softmax_sum(scores, values, owner, n_groups):
 
 VISION_SCORES = 1 << 25      # 128 MiB of fp32 scores per block of the vision attention
 
+
 def gelu_tanh(x):
     """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in fp32: the vision blocks' MLP."""
     x = x.astype(np.float32, copy=False)
     k = np.float32(np.sqrt(2.0 / np.pi))
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(k * (x + np.float32(0.044715) * x * x * x)))
+
+
+def vision_query_rows(heads: int, keys: int) -> int:
+    """Query rows per block of the vision attention: the [heads, rows, keys] scores stay within VISION_SCORES
+    floats even for a 16 MP image."""
+    return max(1, min(ATTN_QUERY_BLOCK, VISION_SCORES // (heads * keys)))
 
 
 def bidirectional_attention(q, k, v, cu_seqlens, scale):
@@ -387,8 +394,7 @@ def bidirectional_attention(q, k, v, cu_seqlens, scale):
             continue
         kk = k[s0:s1].transpose(1, 2, 0)                               # [H, D, L]
         vv = v[s0:s1].transpose(1, 0, 2)                               # [H, L, D]
-        # query rows per block: the [H, rows, L] scores stay within VISION_SCORES floats even for a 16 MP image
-        rows = max(1, min(ATTN_QUERY_BLOCK, VISION_SCORES // (q.shape[1] * (s1 - s0))))
+        rows = vision_query_rows(q.shape[1], s1 - s0)
         for b0 in range(s0, s1, rows):
             b1 = min(b0 + rows, s1)
             sc = (q[b0:b1].transpose(1, 0, 2) @ kk) * np.float32(scale)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors
-from ..cpu import ATTN_QUERY_BLOCK, VISION_SCORES
+from ..cpu import vision_query_rows
 from ..cpu import rope_tables as _rope_tables_host
 from .elementwise import ELEM_THREADS, sigmoid_gate_k
 
@@ -98,7 +98,7 @@ class AttentionOps:
                 continue
             kk = k[s0:s1].transpose(1, 2, 0)                      # [H, D, L]
             vv = v[s0:s1].transpose(1, 0, 2)                      # [H, L, D]
-            rows = max(1, min(ATTN_QUERY_BLOCK, VISION_SCORES // (heads * (s1 - s0))))
+            rows = vision_query_rows(heads, s1 - s0)
             for b0 in range(s0, s1, rows):
                 b1 = min(b0 + rows, s1)
                 sc = self._bmm(q[b0:b1].transpose(1, 0, 2), kk) * np.float32(scale)

@@ -217,9 +217,9 @@ def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecor
     the packed stream that are image pads, their embeddings [n, H]), or (None, None) without images."""
     if not any(r.images for r in records):
         return None, None
-    pixels = [p.values for r in records for p in r.images]
-    pixels = pixels[0] if len(pixels) == 1 else np.concatenate(pixels)      # one image: no host copy of it
-    embeds = vision.tower(ops, vp, pixels, [p.grid_thw for r in records for p in r.images])
+    images = [p for r in records for p in r.images]
+    patches = ops.patch_rows([p.image for p in images])       # made where the tower runs, from the uint8 pixels
+    embeds = vision.tower(ops, vp, patches, [p.grid_thw for p in images])
     starts = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
     rows = np.concatenate([np.arange(s, e) + starts[b] for b, r in enumerate(records) for s, e, _, _ in r.image_spans])
     return rows.astype(np.int64), embeds

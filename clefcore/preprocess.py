@@ -2,6 +2,10 @@
 
 smart_resize picks the size, torch's uint8 antialiased bicubic (int16 weights, not Pillow's 22-bit ones)
 resizes, (k - 127.5) / 127.5 normalises, and the patches are laid out in merge-block order.
+
+A request keeps its images resized but still uint8 (``Pixels.image``): the backend makes the normalised patch rows
+where the tower runs (``ops.patch_rows``), so a GPU receives 3 bytes a pixel instead of a 25 MB fp32 array per
+megapixel built on the host. ``Pixels.values`` builds those rows here, for checks and ``--debug``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ _LEVELS = (np.arange(256, dtype=np.float32) - np.float32(127.5)) / np.float32(12
 
 @dataclass(frozen=True)
 class Pixels:
-    values: np.ndarray        # [grid_h * grid_w, 3 * 2 * 16 * 16] fp32, merge-block order
+    image: np.ndarray         # [16 grid_h, 16 grid_w, 3] uint8: resized, C-contiguous
     grid_thw: tuple[int, int, int]
+
+    @property
+    def values(self) -> np.ndarray:
+        """The processor's pixel_values: [grid_h * grid_w, 3 * 2 * 16 * 16] fp32, merge-block order."""
+        return patch_values(self.image)
 
     @property
     def num_tokens(self) -> int:
@@ -129,10 +138,13 @@ def resize(img: np.ndarray, height: int, width: int) -> np.ndarray:
     return img
 
 
-def patches(img: np.ndarray) -> Pixels:
+def patch_values(img: np.ndarray) -> np.ndarray:
     """Resized uint8 [H', W', 3] -> normalised patch rows in merge-block order (block row, block column, row in
-    block, column in block); each row [channel][t][y][x], the one frame repeated for both temporal slots."""
+    block, column in block); each row [channel][t][y][x], the one frame repeated for both temporal slots.
+    numpy twin of cuda/vision.cu::patch_rows."""
     H, W, _ = img.shape
+    if H % FACTOR or W % FACTOR:
+        raise ValueError(f"image {W}x{H}: both sides must be multiples of {FACTOR} (smart_resize makes them so)")
     gh, gw = H // PATCH, W // PATCH
     n, m = gh * gw, MERGE
     # the layout is done on the uint8 pixels (4x smaller), then each level looked up once into the output
@@ -141,10 +153,18 @@ def patches(img: np.ndarray) -> Pixels:
     values = np.empty((n, 3, TEMPORAL, PATCH * PATCH), dtype=np.float32)
     np.take(_LEVELS, u8, out=values[:, :, 0], mode="clip")                       # uint8 indices: always in range
     values[:, :, 1:] = values[:, :, :1]                                           # the frame, repeated
-    return Pixels(values.reshape(n, 3 * TEMPORAL * PATCH * PATCH), (1, gh, gw))
+    return values.reshape(n, 3 * TEMPORAL * PATCH * PATCH)
+
+
+def pixels(img: np.ndarray) -> Pixels:
+    """A resized uint8 [H', W', 3] image as the tower's input (its grid: one frame of 16 x 16 patches)."""
+    img = np.ascontiguousarray(img, dtype=np.uint8)
+    if img.ndim != 3 or img.shape[2] != 3 or img.shape[0] % FACTOR or img.shape[1] % FACTOR:
+        raise ValueError(f"image of shape {img.shape}: expected [H, W, 3] with H and W multiples of {FACTOR}")
+    return Pixels(img, (1, img.shape[0] // PATCH, img.shape[1] // PATCH))
 
 
 def preprocess(rgb: np.ndarray) -> Pixels:
-    """Decoded [H, W, 3] uint8 -> the processor's pixel_values and grid for this image."""
+    """Decoded [H, W, 3] uint8 -> this image resized, with its grid (``.values``: the processor's pixel_values)."""
     h, w = smart_resize(rgb.shape[0], rgb.shape[1])
-    return patches(resize(rgb, h, w))
+    return pixels(resize(rgb, h, w))

@@ -192,8 +192,9 @@ def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------- tower
 
 def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
-    """pixel_values [N, 1536] (the images' rows, concatenated), grids [(t, gh, gw)] per image -> image embeddings
-    [N / 4, out_hidden] in placeholder order. ``keep`` (a dict) receives the intermediate stages, for checks."""
+    """pixel_values [N, 1536] (the images' patch rows, concatenated: ``ops.patch_rows``, or a fixture's), grids
+    [(t, gh, gw)] per image -> image embeddings [N / 4, out_hidden] in placeholder order. ``keep`` (a dict)
+    receives the intermediate stages, for checks."""
     c, w = p.config, p.w
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
@@ -214,24 +215,21 @@ def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     x = x + pos
     ang = np.concatenate(angles)
     cos, sin = ops.asarray(np.cos(ang)), ops.asarray(np.sin(ang))
-    n, H, hd = x.shape[0], c.num_heads, c.head_dim
+    n = x.shape[0]
     # the MLP runs over row blocks of the backend's token_block (0: all rows, the CPU), so its [rows, intermediate]
     # activations stay bounded when the images of a batch have tens of thousands of patches
     step = int(getattr(ops, "token_block", 0) or 0) or max(n, 1)
     for j in range(c.depth):
         b = f"blocks.{j}."
         h = ops.layernorm(x, w[b + "norm1.weight"], w[b + "norm1.bias"], LN_EPS)
-        qkv = ops.linear(h, w[b + "attn.qkv.weight"], w[b + "attn.qkv.bias"]).reshape(n, 3, H, hd)
-        q, k = ops.rotary(qkv[:, 0], cos, sin), ops.rotary(qkv[:, 1], cos, sin)
-        o = ops.bidirectional_attention(q, k, qkv[:, 2], cu, 1.0 / math.sqrt(hd))
-        del h, qkv, q, k
-        x = x + ops.linear(o.reshape(n, H * hd), w[b + "attn.proj.weight"], w[b + "attn.proj.bias"])
-        del o
+        x = x + ops.vision_attention(h, w[b + "attn.qkv.weight"], w[b + "attn.qkv.bias"], w[b + "attn.proj.weight"],
+                                     w[b + "attn.proj.bias"], c.num_heads, cos, sin, cu)
+        del h
         for r0 in range(0, n, step):
             xb = x[r0:r0 + step]                                   # a view: the residual add lands in x
             h = ops.layernorm(xb, w[b + "norm2.weight"], w[b + "norm2.bias"], LN_EPS)
-            h = ops.gelu_tanh(ops.linear(h, w[b + "mlp.linear_fc1.weight"], w[b + "mlp.linear_fc1.bias"]))
-            xb += ops.linear(h, w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"])
+            xb += ops.vision_mlp(h, w[b + "mlp.linear_fc1.weight"], w[b + "mlp.linear_fc1.bias"],
+                                 w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"])
             del h
         ops.watch(x, f"vision block {j} output")
         if keep is not None:

@@ -9,7 +9,8 @@
 // other target (sm_70 first) the wmma path. Shared by both: a block owns 16 NW query rows of one query head (NW
 // warps x 16 rows) and walks the key/value tiles of its sequence up to its last query (causal) or to its end
 // (bidirectional), BC keys per tile. NW = 4, BC = 64, except at D = 256 (ATTN_NW256 / ATTN_BC256 below; on sm_70
-// 4 x 32, to stay under Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB).
+// 4 x 32, to stay under Volta's 96 KB of shared memory: Q 33 KB + K 17 KB + V 17 KB + S/P 15 KB) and the
+// vision tower's D = 72 on sm_80+ (ATTN_NW72: 8 warps).
 // Q K^T and P V run on the tensor cores (fp16 operands, fp32 accumulate); scores, the running max m, the
 // running sum l and the rescaling stay fp32; P is rounded to fp16 for P V. Scores are scaled by scale * log2(e)
 // (scale2) so that each probability is one exp2; only tiles that reach past a warp's first row (causal) or past
@@ -439,9 +440,16 @@ CLEF_ATTN(32, 64, 4)
 CLEF_ATTN(64, 64, 4)
 CLEF_ATTN(128, 64, 4)
 CLEF_ATTN(256, ATTN_BC256, ATTN_NW256)
-// the vision tower's head dim (clef-flash: 1152 / 16 heads): bidirectional only
-CLEF_ATTN_KERNEL(attn_bidir_d72, 72, 64, 4, false)
-CLEF_ATTN_LAUNCH(72, 64, 4)
+// the vision tower's head dim (clef-flash: 1152 / 16 heads): bidirectional only. 8 warps (128 query rows) share
+// each K/V tile on sm_80+: on the H200 at one 4,096-patch image x 16 heads, 0.317 ms (244 TFLOP/s) against 0.363
+// ms for 4 warps; 64 x 128 and 32-key tiles were slower (docs/benchmarks.md). The wmma body keeps 4.
+#if __CUDA_ARCH__ >= 800
+#define ATTN_NW72 8
+#else
+#define ATTN_NW72 4
+#endif
+CLEF_ATTN_KERNEL(attn_bidir_d72, 72, 64, ATTN_NW72, false)
+CLEF_ATTN_LAUNCH(72, 64, ATTN_NW72)
 #undef CLEF_ATTN
 #undef CLEF_ATTN_LAUNCH
 #undef CLEF_ATTN_KERNEL

@@ -60,7 +60,7 @@ def test_resize_is_not_pillows_bicubic():
 def test_normalisation_levels():
     # (k - 127.5) / 127.5 in fp32: 0 -> -1, 255 -> 1, and no level is (k / 255 - 0.5) / 0.5 when they differ
     rgb = np.tile(np.arange(256, dtype=np.uint8)[None, :, None], (32, 1, 3))[:, :256]
-    values = pp.patches(np.ascontiguousarray(np.broadcast_to(rgb, (32, 256, 3)))).values
+    values = pp.patch_values(np.ascontiguousarray(np.broadcast_to(rgb, (32, 256, 3))))
     assert values.min() == -1.0 and values.max() == 1.0
     want = (np.arange(256, dtype=np.float32) - np.float32(127.5)) / np.float32(127.5)
     assert set(np.unique(values).tolist()) == set(want.tolist())

@@ -378,6 +378,29 @@ def gelu_tanh(x):
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(k * (x + np.float32(0.044715) * x * x * x)))
 
 
+def patch_rows(images):
+    """The vision tower's input: resized uint8 images [16 gh, 16 gw, 3] -> their normalised patch rows, concatenated
+    [sum gh gw, 1536] fp32 (preprocess.patch_values per image)."""
+    from ..preprocess import patch_values
+    return np.concatenate([patch_values(img) for img in images]) if images else np.empty((0, 1536), np.float32)
+
+
+def vision_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens):
+    """The attention half of a vision block on its normed input x [N, W]: the fused q|k|v projection, the 2-D RoPE
+    of q and k (cos/sin [N, D/2]), bidirectional attention within each image (cu_seqlens), the out-projection."""
+    n, W = x.shape
+    D = W // heads
+    qkv = linear(x, qkv_w, qkv_b).reshape(n, 3, heads, D)
+    q, k = rotary(qkv[:, 0], cos, sin), rotary(qkv[:, 1], cos, sin)
+    o = bidirectional_attention(q, k, qkv[:, 2], cu_seqlens, 1.0 / np.sqrt(D))
+    return linear(o.reshape(n, W), proj_w, proj_b)
+
+
+def vision_mlp(x, w1, b1, w2, b2):
+    """The MLP half of a vision block on its normed input: fc2(gelu_tanh(fc1(x)))."""
+    return linear(gelu_tanh(linear(x, w1, b1)), w2, b2)
+
+
 def vision_query_rows(heads: int, keys: int) -> int:
     """Query rows per block of the vision attention: the [heads, rows, keys] scores stay within VISION_SCORES
     floats even for a 16 MP image."""

@@ -72,16 +72,19 @@ class AttentionOps:
         """See cpu.bidirectional_attention: every query row of a packed sequence (one image's patches) sees all of
         that sequence's keys. q, k, v [N, heads, D], fp32 or fp16, any strides (v is usually a column slice of the
         fused q|k|v projection)."""
-        D = q.shape[2]
-        if D not in BIDIR_DIMS or v.shape[2] != D:
-            raise errors.DeviceError(f"bidirectional attention head dim {D} (value dim {v.shape[2]}) has no CUDA "
-                                     f"kernel (head dims with one: {', '.join(map(str, BIDIR_DIMS))})")
+        self._check_bidirectional(q.shape[2], v.shape[2])
         if not q.shape == k.shape == v.shape:
             raise errors.DeviceError(f"bidirectional attention needs one shape for q, k and v: q {tuple(q.shape)}, "
                                      f"k {tuple(k.shape)}, v {tuple(v.shape)}")
         if self.precision != "fp16":
             return self._bidirectional_fp32(q, k, v, cu_seqlens, scale)
         return self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
+
+    @staticmethod
+    def _check_bidirectional(D, Dv):
+        if D not in BIDIR_DIMS or Dv != D:
+            raise errors.DeviceError(f"bidirectional attention head dim {D} (value dim {Dv}) has no CUDA kernel "
+                                     f"(head dims with one: {', '.join(map(str, BIDIR_DIMS))})")
 
     def _bidirectional_fp32(self, q, k, v, cu_seqlens, scale):
         """The exact modes' vision attention: fp32 products, as cpu.bidirectional_attention. The fp16 kernel's

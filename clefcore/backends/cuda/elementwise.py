@@ -46,18 +46,6 @@ def gelu_k():
                "double xd = (double)x; y = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)))")
 
 
-# numpy twin: clefcore/backends/cpu.py::gelu_tanh, in fp32 and in numpy's order of operations; the _rn intrinsics
-# keep NVRTC from fusing products and sums into FMAs (one rounding fewer than numpy's), so only tanhf's last bits
-# can differ. Kept as text so that tests/test_cuda_compile.py can compile it without a GPU.
-GELU_TANH = ("float cube = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x);"
-             "float th = tanhf(__fmul_rn(0.7978845608028654f, __fadd_rn(x, cube)));"
-             "y = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, th))")
-
-
-def gelu_tanh_k():
-    return ek("clef_gelu_tanh", "float32 x", "float32 y", GELU_TANH)
-
-
 def gdn_gates_k():
     # numpy twin: clefcore/backends/cpu.py::gdn_gates
     return ek("clef_gdn_gates", "float32 a, float32 b, float32 a_log, float32 dt_bias", "float32 g, float32 beta",

@@ -1,6 +1,5 @@
 """The joint schema head's ops on the GPU: GELU, grouped multi-head attention over the head's few rows (fp32),
-span means, normalisation and the per-question softmax; and the tanh GELU of the vision tower's MLP beside the
-erf one. A mixin of ``CudaOps``."""
+span means, normalisation and the per-question softmax. A mixin of ``CudaOps``."""
 
 from __future__ import annotations
 
@@ -9,15 +8,12 @@ import math
 import numpy as np
 
 from ..cpu import check_groups, group_keys
-from .elementwise import gelu_k, gelu_tanh_k, rowdot_k
+from .elementwise import gelu_k, rowdot_k
 
 
 class HeadOps:
     def gelu(self, x):
         return gelu_k()(self._f32(x))
-
-    def gelu_tanh(self, x):
-        return gelu_tanh_k()(self._f32(x))
 
     def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
         """See cpu.mha. With groups the scores are masked per query block, each block against the key range of

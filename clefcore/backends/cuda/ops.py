@@ -29,6 +29,7 @@ from .graphs import GraphCache
 from .head import HeadOps
 from .matmul import MatmulOps
 from .norms import NormOps
+from .vision import VisionOps
 
 log = logging.getLogger("clefcore.cuda")
 
@@ -83,10 +84,10 @@ class DeviceTable:
         self.shape = tuple(shape)
 
 
-class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps):
+class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps):
     """The op interface on one GPU. This class holds the device, the weights and tables, the plumbing every op
     uses, the guards and the forward hooks; the ops themselves come by concern from the mixins (norms.py,
-    matmul.py, attention.py, delta_rule.py, head.py), which share its state."""
+    matmul.py, attention.py, delta_rule.py, head.py, vision.py), which share its state."""
 
     name = "cuda"
 

@@ -1,0 +1,94 @@
+"""The vision tower's ops on the GPU (cuda/vision.cu, with attention.cu's bidirectional kernels and the GEMM paths):
+its input rows from the uint8 images, the attention and MLP halves of a block, each with its memory-bound steps
+fused (bias, 2-D RoPE and the fp16 rounding of q/k/v in one pass; bias, tanh GELU and the next GEMM's fp16 operand
+in one). A mixin of ``CudaOps``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...preprocess import FACTOR, PATCH
+from .elementwise import ELEM_THREADS, NULL
+
+ROW = 3 * 2 * PATCH * PATCH      # one patch row: channels x temporal slots x 16 x 16
+
+
+class VisionOps:
+    def patch_rows(self, images):
+        """See cpu.patch_rows: each uint8 image goes up as it is (3 bytes a pixel) and becomes its rows here."""
+        cp = self.cp
+        shapes = [np.shape(img) for img in images]
+        for s in shapes:
+            if len(s) != 3 or s[2] != 3 or s[0] % FACTOR or s[1] % FACTOR:
+                raise ValueError(f"image of shape {s}: expected [H, W, 3] with H and W multiples of {FACTOR}")
+        counts = [(h // PATCH) * (w // PATCH) for h, w, _ in shapes]
+        out = cp.empty((sum(counts), ROW), dtype=cp.float32)
+        r0 = 0
+        for img, (h, w, _), n in zip(images, shapes, counts):
+            dev = self._to_device(np.ascontiguousarray(img, dtype=np.uint8))
+            self.kernel("vision.cu", "patch_rows")(self._grid1(n * ROW // 2), (ELEM_THREADS,),
+                                                   (dev, np.int32(h // PATCH), np.int32(w // PATCH), out[r0:]))
+            r0 += n
+        return out
+
+    def gelu_tanh(self, x):
+        x = self._c(x)
+        y = self.cp.empty(x.shape, dtype=self.cp.float32)
+        self._bias_gelu(x, None, y)
+        return y
+
+    def _bias_gelu(self, x, b, y):
+        """y = gelu_tanh(x + b) over x [.., N] fp32 (b [N] or None) into y: fp16 or fp32, x's shape."""
+        half = y.dtype == self.cp.float16
+        self.kernel("vision.cu", "bias_gelu_tanh")(
+            self._grid1(x.size), (ELEM_THREADS,),
+            (x, NULL if b is None else self._c(b), y if half else NULL, NULL if half else y,
+             np.int64(x.size // x.shape[-1]), np.int32(x.shape[-1])))
+
+    def _project(self, x, w, out):
+        """out = x @ w^T without a bias (the fused kernel after it adds it): a GEMM path for fp16 matrices, the
+        small-matrix reduction (linear) for fp32 ones."""
+        if w.dtype == self.cp.float16:
+            return self._gemm(x, w, out)
+        out[...] = self.linear(x, w)
+        return out
+
+    def vision_attention(self, x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens):
+        """See cpu.vision_attention. The projection's bias and the RoPE are one pass (vision.cu qkv_rope_*) that
+        writes what the attention reads: fp16 q/k/v for attention.cu's kernel (fast), fp32 for the exact modes'
+        fp32 attention."""
+        cp = self.cp
+        x = self._c(x)
+        n, W = x.shape
+        D = W // heads
+        self._check_bidirectional(D, D)
+        qkv = self._project(x, qkv_w, cp.empty((n, 3 * W), dtype=cp.float32))
+        fast = self.precision == "fp16"
+        q, k, v = cp.empty((3, n, heads, D), dtype=cp.float16 if fast else cp.float32)
+        self.kernel("vision.cu", "qkv_rope_half" if fast else "qkv_rope_f32")(
+            self._grid1(q.size), (ELEM_THREADS,),
+            (qkv, self._c(qkv_b), self._c(cos), self._c(sin), q, k, v, np.int32(n), np.int32(heads), np.int32(D)))
+        del qkv
+        scale = 1.0 / math.sqrt(D)
+        if fast:
+            o = self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
+        else:
+            o = self._bidirectional_fp32(q, k, v, cu_seqlens, scale)
+        del q, k, v
+        return self.linear(o.reshape(n, W), proj_w, proj_b)
+
+    def vision_mlp(self, x, w1, b1, w2, b2):
+        """See cpu.vision_mlp. fc1's bias and the tanh GELU are one pass that writes fc2's operand: fp16 (fast, the
+        rounding fc2's GEMM would make) or fp32 (the exact modes split it)."""
+        cp = self.cp
+        x = self._c(x)
+        h = self._project(x, w1, cp.empty((x.shape[0], w1.shape[0]), dtype=cp.float32))
+        fast = self.precision == "fp16" and w2.dtype == cp.float16
+        g = cp.empty(h.shape, dtype=cp.float16 if fast else cp.float32)
+        self._bias_gelu(h, b1, g)
+        del h
+        if w2.dtype != cp.float16:
+            return self.linear(g, w2, b2)
+        return self._gemm(g, w2, cp.empty((g.shape[0], w2.shape[0]), dtype=cp.float32), self._c(b2))

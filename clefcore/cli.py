@@ -53,8 +53,9 @@ def gpu_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-block", type=int, default=None,
                    help="GPU prefill block in tokens (default 4096; smaller = less memory, 0 = whole prompt)")
     p.add_argument("--graph-tokens", type=int, default=None,
-                   help="GPU: prompts of up to this many tokens replay a CUDA graph (default 1024; 0 = off); "
-                        "each cached graph holds its own activations (at most 4 graphs)")
+                   help="GPU: prompts of up to this many tokens, and the vision tower (fast mode) over images of up "
+                        "to this many image tokens, replay a CUDA graph (default 1024; 0 = off); each cached graph "
+                        "holds its own activations (at most 4 graphs)")
 
 
 def backend_options(args) -> dict:

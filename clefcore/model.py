@@ -209,15 +209,12 @@ def rope(ops, p: Params, positions):
         return ops.rope_tables(positions, c.rotary_dim, c.rope_theta)
     if p.mrope_section is None:
         raise ValueError("3-row positions need the text config's mrope_section")
-    cos, sin = ops.rope_tables(np.ascontiguousarray(positions[0]), c.rotary_dim, c.rope_theta)
     half = c.rotary_dim // 2
-    for axis in (1, 2):
-        cols = np.arange(axis, min(3 * p.mrope_section[axis], half), 3)
-        if cols.size and not np.array_equal(positions[axis], positions[0]):
-            ca, sa = ops.rope_tables(np.ascontiguousarray(positions[axis]), c.rotary_dim, c.rope_theta)
-            cols = ops.asarray(cols)                  # an index into the backend's arrays lives where they do
-            cos[:, cols], sin[:, cols] = ca[:, cols], sa[:, cols]
-    return cos, sin
+    axis = np.zeros(half, dtype=np.int64)                 # each frequency's position row
+    for a in (1, 2):
+        axis[a:min(3 * p.mrope_section[a], half):3] = a
+    # one table from a position per (token, frequency): the same fp32 products as three 1-D tables spliced
+    return ops.rope_tables(np.ascontiguousarray(positions[axis].T), c.rotary_dim, c.rope_theta)
 
 
 def _layers(ops, p: Params, x, cu_seqlens, cos, sin, plan, kept):

@@ -5,6 +5,7 @@ bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 m
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -194,27 +195,57 @@ def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
 def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     """pixel_values [N, 1536] (the images' patch rows, concatenated: ``ops.patch_rows``, or a fixture's), grids
     [(t, gh, gw)] per image -> image embeddings [N / 4, out_hidden] in placeholder order. ``keep`` (a dict)
-    receives the intermediate stages, for checks."""
-    c, w = p.config, p.w
+    receives the intermediate stages, for checks.
+
+    A backend with ``ops.graphs`` (CUDA) replays one graph per set of image sizes while their merged tokens stay
+    within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is ~500 short launches, which
+    the host issues more slowly than the GPU runs them. The host tables are made here, outside the graph, and go
+    in as its inputs; the output is copied, since the graph's buffer is rewritten by its next replay."""
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
-    x = ops.linear(ops.asarray(pixel_values), w["patch_embed.proj.weight"], w["patch_embed.proj.bias"])
+    inputs = (ops.asarray(pixel_values),) + tables(ops, p.config, grids)
+    graphs = getattr(ops, "graphs", None)
+    merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
+    # fast path only: the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul, which refuses a capture
+    if keep is not None or graphs is None or ops.precision != "fp16" or not graphs.fits(merged):
+        return _tower(ops, p, cu, keep, *inputs)
+    key = ("vision tower", tuple(grids), getattr(ops, "variant", None))
+    return graphs.run(key, lambda *a: _tower(ops, p, cu, None, *a), inputs, list(p.w.values())).copy()
+
+
+def tables(ops, c: VisionConfig, grids):
+    """The host-made tables of a set of images, on the backend: the position table's rows and bilinear weights
+    [N, 4] each, and the 2-D RoPE's cos and sin [N, head_dim / 2]."""
+    return tuple(ops.asarray(a) for a in _host_tables(c, tuple(tuple(g) for g in grids)))
+
+
+@functools.lru_cache(maxsize=8)
+def _host_tables(c: VisionConfig, grids: tuple) -> tuple:
+    """tables' host arrays, read-only, kept for the last few sets of image sizes: 2 ms of numpy on the host
+    (4 on the H200's) while the GPU waits for the tower, and a service sees the same sizes again and again."""
     rows, weights, angles = [], [], []
     for t, gh, gw in grids:
         r, wt = position_weights(c, gh, gw)
         rows += [r] * t
         weights += [wt] * t
         angles += [rotary_angles(c, gh, gw)] * t
-    rows, weights = np.concatenate(rows), np.concatenate(weights)
+    ang = np.concatenate(angles)
+    out = (np.concatenate(rows), np.concatenate(weights), np.cos(ang), np.sin(ang))
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def _tower(ops, p: VisionParams, cu, keep, pixel_values, rows, weights, cos, sin):
+    c, w = p.config, p.w
+    x = ops.linear(pixel_values, w["patch_embed.proj.weight"], w["patch_embed.proj.bias"])
     table = w["pos_embed.weight"]
-    pos = ops.gather_rows(table, rows[:, 0]) * ops.asarray(weights[:, 0:1])
+    pos = ops.gather_rows(table, rows[:, 0]) * weights[:, 0:1]
     for k in range(1, 4):
-        pos = pos + ops.gather_rows(table, rows[:, k]) * ops.asarray(weights[:, k:k + 1])
+        pos = pos + ops.gather_rows(table, rows[:, k]) * weights[:, k:k + 1]
     if keep is not None:
         keep["patch_embeds"], keep["pos_embeds"], keep["blocks"] = x, pos, []
     x = x + pos
-    ang = np.concatenate(angles)
-    cos, sin = ops.asarray(np.cos(ang)), ops.asarray(np.sin(ang))
     n = x.shape[0]
     # the MLP runs over row blocks of the backend's token_block (0: all rows, the CPU), so its [rows, intermediate]
     # activations stay bounded when the images of a batch have tens of thousands of patches

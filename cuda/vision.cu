@@ -7,8 +7,9 @@
 //              clefcore/backends/cpu.py::vision_mlp and clefcore/backends/cpu.py::gelu_tanh.
 #include "mma_sm70.cuh"
 
-#define GRID_STRIDE(e, n) \
-    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < (n); e += (long long)gridDim.x * blockDim.x)
+#define GRID_STRIDE(e, n)                                                                      \
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < (n);                \
+         e += (long long)gridDim.x * blockDim.x)
 
 // patch_rows: one image img [16 gh, 16 gw, 3] uint8 -> out [gh gw, 1536] fp32 in merge-block order (2 x 2 patches
 // of a merged token consecutive), each row [channel][temporal 2][16 y][16 x]: the one frame in both temporal

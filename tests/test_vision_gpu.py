@@ -114,6 +114,29 @@ def test_chunked_prefill_with_images_equals_whole(engine, chunk):
     assert _prob_error(run.logits(), EXPECTED[3]["questions"]) <= BOUND[engine.ops.mode]
 
 
+def test_tower_graph_replays_as_eager_with_fresh_inputs(engine):
+    """The fast mode's tower replays a CUDA graph from its second call for one set of image sizes: two different
+    images of one size, each answered as by the eager tower (``keep`` keeps it eager), and a replay's result is
+    the caller's (the next replay does not rewrite it). The exact modes stay eager."""
+    from clefcore.preprocess import pixels
+    ops, vp = engine.ops, engine.vision
+    rng = np.random.default_rng()
+    imgs = [pixels(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)) for _ in range(2)]
+
+    def tower(px, keep=None):
+        return vision.tower(ops, vp, ops.patch_rows([px.image]), [px.grid_thw], keep)
+
+    eager = [ops.to_host(tower(px, {})) for px in imgs]
+    assert np.max(np.abs(eager[0] - eager[1])) > 1e-2 * np.max(np.abs(eager[0]))     # the inputs matter
+    l0 = ops.graphs.launches
+    outs = [tower(px) for px in imgs + imgs]            # eager (first sight), capture + replay, replay, replay
+    for i, out in enumerate(outs):
+        want = eager[i % 2]
+        err = float(np.max(np.abs(ops.to_host(out) - want)) / np.max(np.abs(want)))
+        assert err <= 1e-5, f"call {i}: {err:.2e} ({_label(engine)})"
+    assert ops.graphs.launches - l0 == (3 if ops.precision == "fp16" else 0), _label(engine)
+
+
 @pytest.fixture(scope="module")
 def release_tower():
     """The release's tower shapes (27 blocks, hidden 1152, head dim 72) with random weights, and a 64x48 PNG's

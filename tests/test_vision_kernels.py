@@ -2,9 +2,9 @@
 patch_rows (bit for bit), gelu_tanh, bidirectional_attention (cuda/attention.cu's attn_bidir_d{D}) and the block
 halves vision_attention and vision_mlp (cuda/vision.cu's fused passes around the GEMMs), on packed batches of
 images of awkward sizes (1 patch, non-multiples of 16, several images of different sizes), at the vision head dim
-72 (clef-flash), 16 (the tiny golden model) and every other head dim with a kernel. The GPU tests run for the native NVRTC build
-and for the compute_70 PTX JIT-compiled by the driver (the Volta code path), as tests/test_kernels.py does; the
-work-list checks run on the host.
+72 (clef-flash), 16 (the tiny golden model) and every other head dim with a kernel. The GPU tests run for the
+native NVRTC build and for the compute_70 PTX JIT-compiled by the driver (the Volta code path), as
+tests/test_kernels.py does; the work-list checks run on the host.
 
 Tolerances (max |gpu - ref| / max |ref|) as in tests/test_kernels.py: attention takes fp16 operands (q, k, v and
 the probabilities P each rounded to 11 significant bits, 2^-11 = 4.9e-4 relative) with fp32 accumulation, so its

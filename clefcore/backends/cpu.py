@@ -121,9 +121,11 @@ def sigmoid_gate(o, gate):
 
 
 def rope_tables(positions, rotary_dim, theta):
-    """cos/sin [T, rotary_dim/2] in fp32, as transformers builds them (inv_freq in fp32)."""
+    """cos/sin [T, rotary_dim/2] in fp32, as transformers builds them (inv_freq in fp32). positions [T], or
+    [T, rotary_dim/2] with a position per frequency (M-RoPE: model.rope picks each frequency's axis)."""
     inv = 1.0 / (np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
-    ang = positions.astype(np.float32)[:, None] * inv.astype(np.float32)[None, :]
+    pos = positions.astype(np.float32)
+    ang = (pos[:, None] if pos.ndim == 1 else pos) * inv.astype(np.float32)[None, :]
     return np.cos(ang), np.sin(ang)
 
 

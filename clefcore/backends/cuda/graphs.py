@@ -56,6 +56,10 @@ class GraphCache:
         Tp = -(-T // self.bucket) * self.bucket
         return Tp if Tp <= self.max_tokens else None
 
+    def fits(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` may replay a graph (callers that do not pad: the vision tower)."""
+        return 0 < tokens <= self.max_tokens and self.capacity > 0
+
     def nbytes(self) -> int:
         return sum(e.pool.total_bytes() for e in self._graphs.values())
 

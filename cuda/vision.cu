@@ -34,7 +34,7 @@ extern "C" __global__ void patch_rows(const unsigned char* __restrict__ img, int
 // qkv_rope: the attention's inputs from the fused projection qkv [n, 3, H, D] fp32 (without its bias): q and k
 // with the bias added and the 2-D RoPE applied (NeoX half split over all D: x1 c - x2 s, x2 c + x1 s, cos/sin
 // [n, D/2]), v with its bias; written [n, H, D] each, fp16 (the attention kernel's operands, fast path) or fp32
-// (the exact modes' fp32 attention), whichever pointers are non-null. A thread per (token, head, column).
+// (the exact modes' fp32 attention), whichever pointers are non-null.
 template <typename T> __device__ __forceinline__ T store_as(float v);
 template <> __device__ __forceinline__ float store_as<float>(float v) { return v; }
 template <> __device__ __forceinline__ half_t store_as<half_t>(float v) { return f2h(v); }
@@ -44,22 +44,25 @@ __device__ __forceinline__ void qkv_rope_body(const float* __restrict__ qkv, con
                                               const float* __restrict__ cs, const float* __restrict__ sn,
                                               T* __restrict__ q, T* __restrict__ k, T* __restrict__ v, int n, int H,
                                               int D) {
-    const int half = D / 2;
-    GRID_STRIDE(e, (long long)n * H * D) {
-        const int i = (int)(e % D), h = (int)((e / D) % H);
-        const long long t = e / ((long long)H * D);
-        const float* row = qkv + t * 3 * H * D + (long long)h * D;
-        const int j = i < half ? i : i - half, p = i < half ? i + half : i - half;   // i's partner column
-        const float c = cs[t * half + j], s = sn[t * half + j];
-        float out[2];
-        for (int m = 0; m < 2; ++m) {                       // q, then k
-            const int off = m * H * D, b = off + h * D;
-            const float xi = row[off + i] + bias[b + i], xp = row[off + p] + bias[b + p];
-            out[m] = i < half ? xi * c - xp * s : xi * c + xp * s;
+    // a block per token (rows past gridDim.x in a loop), its threads over the H D columns: no 64-bit divisions
+    const int half = D / 2, HD = H * D;
+    for (long long t = blockIdx.x; t < n; t += gridDim.x) {
+        const float* row = qkv + t * 3 * HD;
+        for (int e = threadIdx.x; e < HD; e += blockDim.x) {
+            const int i = e % D, h0 = e - i;
+            const int j = i < half ? i : i - half, p = i < half ? i + half : i - half;   // i's partner column
+            const float c = cs[t * half + j], s = sn[t * half + j];
+            float out[2];
+            for (int m = 0; m < 2; ++m) {                   // q, then k
+                const int b = m * HD + h0;
+                const float xi = row[b + i] + bias[b + i], xp = row[b + p] + bias[b + p];
+                out[m] = i < half ? xi * c - xp * s : xi * c + xp * s;
+            }
+            const long long o = t * HD + e;
+            q[o] = store_as<T>(out[0]);
+            k[o] = store_as<T>(out[1]);
+            v[o] = store_as<T>(row[2 * HD + e] + bias[2 * HD + e]);
         }
-        q[e] = store_as<T>(out[0]);
-        k[e] = store_as<T>(out[1]);
-        v[e] = store_as<T>(row[2 * H * D + i] + bias[2 * H * D + h * D + i]);
     }
 }
 extern "C" __global__ void qkv_rope_half(const float* qkv, const float* bias, const float* cs, const float* sn,
@@ -82,9 +85,13 @@ __device__ __forceinline__ float gelu_tanh_f(float x) {
 }
 extern "C" __global__ void bias_gelu_tanh(const float* __restrict__ x, const float* __restrict__ b,
                                           half_t* __restrict__ y16, float* __restrict__ y32, long long R, int N) {
-    GRID_STRIDE(e, R * N) {
-        const float y = gelu_tanh_f(b ? __fadd_rn(x[e], b[e % N]) : x[e]);
-        if (y16) y16[e] = f2h(y);
-        else y32[e] = y;
+    // a block per row (rows past gridDim.x in a loop), its threads over the N columns: no 64-bit divisions
+    for (long long r = blockIdx.x; r < R; r += gridDim.x) {
+        for (int c = threadIdx.x; c < N; c += blockDim.x) {
+            const long long e = r * N + c;
+            const float y = gelu_tanh_f(b ? __fadd_rn(x[e], b[c]) : x[e]);
+            if (y16) y16[e] = f2h(y);
+            else y32[e] = y;
+        }
     }
 }

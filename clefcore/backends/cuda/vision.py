@@ -43,9 +43,14 @@ class VisionOps:
         """y = gelu_tanh(x + b) over x [.., N] fp32 (b [N] or None) into y: fp16 or fp32, x's shape."""
         half = y.dtype == self.cp.float16
         self.kernel("vision.cu", "bias_gelu_tanh")(
-            self._grid1(x.size), (ELEM_THREADS,),
+            self._rows_grid(x.size // max(x.shape[-1], 1)), (ELEM_THREADS,),
             (x, NULL if b is None else self._c(b), y if half else NULL, NULL if half else y,
              np.int64(x.size // x.shape[-1]), np.int32(x.shape[-1])))
+
+    @staticmethod
+    def _rows_grid(rows):
+        """vision.cu's block-per-row kernels: a block per row up to gridDim.x's limit (they loop past it)."""
+        return (int(min(max(rows, 1), 2 ** 31 - 1)),)
 
     def _project(self, x, w, out):
         """out = x @ w^T without a bias (the fused kernel after it adds it): a GEMM path for fp16 matrices, the
@@ -68,7 +73,7 @@ class VisionOps:
         fast = self.precision == "fp16"
         q, k, v = cp.empty((3, n, heads, D), dtype=cp.float16 if fast else cp.float32)
         self.kernel("vision.cu", "qkv_rope_half" if fast else "qkv_rope_f32")(
-            self._grid1(q.size), (ELEM_THREADS,),
+            self._rows_grid(n), (ELEM_THREADS,),
             (qkv, self._c(qkv_b), self._c(cos), self._c(sin), q, k, v, np.int32(n), np.int32(heads), np.int32(D)))
         del qkv
         scale = 1.0 / math.sqrt(D)

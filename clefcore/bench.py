@@ -5,7 +5,7 @@ Without ``--model`` the end-to-end part uses random clef-flash-shaped weights ge
 (fp16 matrices, N(0, 0.02); vocabulary tables as random bf16 on the device), which is what the synthetic
 checkpoint would hold after loading; with ``--model DIR`` the checkpoint is loaded through ``load_params``
 (and the load time reported). When torch and transformers import, a transformers Qwen3.5 text model with the
-same shapes (bf16, sdpa) runs the same lengths in the same process.
+same shapes (bf16, sdpa) runs the same lengths in the same process (clefcore/peers.py).
 
 ``--image 1024x1024`` adds the image case: one request with a PNG of that size (1,024 image tokens at
 1024x1024) timed end to end, preprocessing (and, separately, decoding) on the host, the vision tower, backbone
@@ -377,7 +377,7 @@ def _device_used(cp):
     return total - free
 
 
-def _spread(ts) -> str:
+def spread(ts) -> str:
     """The timed runs' range, printed beside their median: a wide range flags a disturbed measurement."""
     return f"{min(ts):.1f}-{max(ts):.1f} ms"
 
@@ -457,7 +457,7 @@ def _measure(cp, ops, label, T, run, reps):
     ms = statistics.median(ts)
     graphed = graphs is not None and graphs.launches > l0
     print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
-          f"(runs {_spread(ts)})  "
+          f"(runs {spread(ts)})  "
           f"beyond weights: peak in use "
           f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
     pool.free_all_blocks()
@@ -491,7 +491,7 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
     return res
 
 
-def _wall_ms(fn, reps) -> float:
+def wall_ms(fn, reps) -> float:
     """Median wall time of ``fn`` (which waits for its own device work) after one warm-up call."""
     fn()
     ts = []
@@ -530,14 +530,14 @@ def image_case(cp, ops, params, vp, size, reps):
             cp.cuda.Device().synchronize()
             times[k].append((time.perf_counter() - t0) * 1e3)
     ms = {k: statistics.median(v) for k, v in times.items()}
-    decode_ms = _wall_ms(lambda: images.decode(data, 0), reps)
-    host_ms = _wall_ms(lambda: preprocess(rgb), reps)
+    decode_ms = wall_ms(lambda: images.decode(data, 0), reps)
+    host_ms = wall_ms(lambda: preprocess(rgb), reps)
     with_px = replace(rec, images=(px,))
 
     def tower():
         image_inputs(ops, vp, [with_px])
         ops.check_watched()                    # waits for the device
-    tower_ms = _wall_ms(tower, reps)
+    tower_ms = wall_ms(tower, reps)
     ratio, ratio_png = ms["image"] / ms["text"], ms["image_png"] / ms["text"]
     # the text request at this length is eager and bound by the host's launch rate, so a slow stretch of the host
     # lengthens it more than the image request (whose backbone launches are queued while the tower runs): the
@@ -545,9 +545,9 @@ def image_case(cp, ops, params, vp, size, reps):
     ratio_best = min(times["image"]) / min(times["text"])
     print(f"  image {w}x{h} PNG ({len(data)} bytes, {patches} patches, {n} image tokens of {T}), medians of "
           f"{len(times['text'])} interleaved rounds: from decoded pixels {ms['image']:.1f} ms "
-          f"({_spread(times['image'])}), with decoding {ms['image_png']:.1f} ms ({_spread(times['image_png'])}), "
+          f"({spread(times['image'])}), with decoding {ms['image_png']:.1f} ms ({spread(times['image_png'])}), "
           f"text only {ms['text']:.1f} ms "
-          f"({_spread(times['text'])}) = {ratio:.2f}x / {ratio_png:.2f}x with decoding; fastest runs {ratio_best:.2f}x "
+          f"({spread(times['text'])}) = {ratio:.2f}x / {ratio_png:.2f}x with decoding; fastest runs {ratio_best:.2f}x "
           f"(target {IMAGE_TARGET}x: {'met' if max(ratio, ratio_best) <= IMAGE_TARGET else 'NOT met'}); parts: "
           f"decode {decode_ms:.1f} ms, preprocess "
           f"{host_ms:.1f} ms (host), tower with upload {tower_ms:.1f} ms")
@@ -557,147 +557,6 @@ def image_case(cp, ops, params, vp, size, reps):
                 within_target=max(ratio, ratio_best) <= IMAGE_TARGET,
                 decode_ms=decode_ms, preprocess_ms=host_ms, tower_ms=tower_ms,
                 image_case=cases["image"], image_png_case=cases["image_png"], text_case=cases["text"])
-
-
-def _import_transformers(out, key, label):
-    """(torch, transformers), or None with why recorded in out[key] (the peer is optional in every run)."""
-    try:
-        import torch
-        import transformers
-    except Exception as e:  # noqa: BLE001
-        print(f"  {label}: not run ({e.__class__.__name__}: {e})")
-        out[key] = f"not importable: {e}"
-        return None
-    return torch, transformers
-
-
-def transformers_side(text_cfg, lengths, packed, reps, out):
-    peer = _import_transformers(out, "transformers", "transformers")
-    if peer is None:
-        return
-    torch, transformers = peer
-    try:
-        cfg_cls = getattr(transformers, "Qwen3_5TextConfig")
-        mdl_cls = getattr(transformers, "Qwen3_5TextModel", None) or getattr(transformers, "Qwen3_5ForCausalLM")
-        cfg = cfg_cls(**_hf_text_kwargs(text_cfg), attn_implementation="sdpa")
-        with torch.device("cuda"):
-            m = mdl_cls._from_config(cfg, torch_dtype=torch.bfloat16).eval()
-        fla_v = _fla_variant()
-        res = []
-        cases = [(f"{L} tokens", 1, L) for L in lengths]
-        if packed:
-            n, l_ = (int(v) for v in packed.split("x"))
-            cases.append((f"{n}x{l_} padded batch", n, l_))
-        for label, B, L in cases:
-            ids = torch.randint(0, text_cfg.vocab_size, (B, L), device="cuda")
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                m(input_ids=ids)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                if first > 60:
-                    res.append(dict(case=label, ms=first * 1e3, note="single run"))
-                    print(f"  transformers {label:16s} {first * 1e3:9.1f} ms (single run)")
-                    break
-                ts = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    m(input_ids=ids)
-                    torch.cuda.synchronize()
-                    ts.append((time.perf_counter() - t0) * 1e3)
-            ms = statistics.median(ts)
-            res.append(dict(case=label, ms=ms, runs_ms=ts, tok_s=B * L / ms * 1e3))
-            print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  (runs {_spread(ts)}; "
-                  f"{fla_v})")
-        out["transformers"] = dict(version=transformers.__version__, variant=fla_v, results=res)
-        del m
-        torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001
-        print(f"  transformers: failed ({e.__class__.__name__}: {e})")
-        out["transformers"] = f"failed: {e}"
-
-
-def _hf_text_kwargs(c) -> dict:
-    """transformers' Qwen3.5 text config fields for clefcore's TextConfig ``c``."""
-    return dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
-                linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab_size,
-                layer_types=list(c.layer_types))
-
-
-def _fla_variant() -> str:
-    try:
-        import fla  # noqa: F401
-        return "with flash-linear-attention"
-    except ImportError:
-        return "without flash-linear-attention (torch fallback)"
-
-
-def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, device="cuda"):
-    """The image case on transformers: a Qwen3_5Model (tower + backbone; bf16, sdpa, random weights) with the
-    same text and vision shapes and M-RoPE section. Each timed call hands its image processor the same PNG as a
-    data URL (as the reference's processor gets it: decoding, resize, patches) and runs the model; its text twin
-    is the same ids without the image. Recorded in out["transformers_image"], or why it did not run."""
-    peer = _import_transformers(out, "transformers_image", "transformers (image)")
-    if peer is None:
-        return
-    torch, transformers = peer
-    try:
-        from .synth import data_url, picture_png
-        w, h = size
-        data = picture_png(w, h)
-        rec, px = image_record(data, text_cfg.vocab_size)
-        (start, end, _, _), = rec.image_spans
-        V = text_cfg.vocab_size
-        pad_id, start_id, end_id = V - 3, V - 2, V - 1        # the vision specials: ids the text never draws
-        text_ids = np.asarray(rec.input_ids) % (V - 3)
-        image_ids = text_ids.copy()
-        image_ids[start - 1], image_ids[start:end], image_ids[end] = start_id, pad_id, end_id
-        c, v = text_cfg, vision_cfg
-        rope = dict(rope_type="default", rope_theta=c.rope_theta, partial_rotary_factor=c.rotary_dim / c.head_dim,
-                    mrope_section=list(section), mrope_interleaved=True)
-        cfg = transformers.Qwen3_5Config(
-            text_config=dict(_hf_text_kwargs(c), rope_parameters=rope),
-            vision_config=dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                               num_heads=v.num_heads, num_position_embeddings=v.num_position_embeddings,
-                               out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
-                               temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
-                               in_channels=v.in_channels),
-            image_token_id=pad_id, vision_start_token_id=start_id, vision_end_token_id=end_id,
-            attn_implementation="sdpa")
-        with torch.device(device):
-            m = transformers.Qwen3_5Model._from_config(cfg, torch_dtype=torch.bfloat16).eval()
-        proc = transformers.Qwen2VLImageProcessor(
-            patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size,
-            size={"shortest_edge": 65536, "longest_edge": 16777216}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-        url = data_url(data)
-        image_t = torch.tensor(image_ids[None], device=device)
-        text_t = torch.tensor(text_ids[None], device=device)
-        mm = (image_t == pad_id).long()
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-        def run_image():
-            inputs = proc(images=[url], return_tensors="pt")
-            m(input_ids=image_t, pixel_values=inputs["pixel_values"].to(device, torch.bfloat16),
-              image_grid_thw=inputs["image_grid_thw"].to(device), mm_token_type_ids=mm)
-            sync()
-
-        def run_text():
-            m(input_ids=text_t)
-            sync()
-
-        with torch.no_grad():
-            image_ms, text_ms = _wall_ms(run_image, reps), _wall_ms(run_text, reps)
-        res = dict(version=transformers.__version__, variant=_fla_variant(), processor=type(proc).__name__,
-                   tokens=len(image_ids), image_tokens=px.num_tokens, image_ms=image_ms, text_ms=text_ms,
-                   ratio=image_ms / text_ms)
-        print(f"  transformers image {w}x{h}: {image_ms:.1f} ms against text-only {text_ms:.1f} ms = "
-              f"{image_ms / text_ms:.2f}x ({res['processor']}; {res['variant']})")
-        out["transformers_image"] = res
-    except Exception as e:  # noqa: BLE001
-        print(f"  transformers (image): failed ({e.__class__.__name__}: {e})")
-        out["transformers_image"] = f"failed: {e.__class__.__name__}: {e}"
 
 
 def _text_config(pr):
@@ -798,6 +657,7 @@ def run(args) -> int:
         del params, ops
         cp.get_default_memory_pool().free_all_blocks()
     if not args.no_transformers:
+        from .peers import transformers_image_side, transformers_side
         print("transformers (same shapes, random bf16 weights):")
         if lengths or args.packed:
             transformers_side(text_cfg, lengths, args.packed, args.reps, out)

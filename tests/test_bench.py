@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
-from clefcore import bench  # noqa: E402
+from clefcore import bench, peers  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
@@ -147,7 +147,7 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
     ck, params, vp = tiny_with_tower
     cfg = vision.VisionConfig.from_dict(read_json(IMAGES_MODEL / "config.json")["vision_config"])
     out = {}
-    bench.transformers_image_side(ck.text, cfg, params.mrope_section, (64, 48), 1, out, device="cpu")
+    peers.transformers_image_side(ck.text, cfg, params.mrope_section, (64, 48), 1, out, device="cpu")
     got = out["transformers_image"]
     assert isinstance(got, dict), got
     assert got["image_tokens"] == 70 and got["tokens"] == 326 and got["image_ms"] > 0 and got["text_ms"] > 0

@@ -447,15 +447,15 @@ def _measure(cp, ops, label, T, run, reps):
     reserved = pool.total_bytes() - base
     dev = _device_used(cp) - dev0
     ts = []
-    graphs = getattr(ops, "graphs", None)
-    l0 = graphs.launches if graphs is not None else 0
+    graphs = [g for g in (getattr(ops, "graphs", None), getattr(ops, "tower_graphs", None)) if g is not None]
+    l0 = sum(g.launches for g in graphs)
     for _ in range(reps if T <= 8192 else max(1, reps - 1)):
         t0 = time.perf_counter()
         run()
         cp.cuda.Device().synchronize()
         ts.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(ts)
-    graphed = graphs is not None and graphs.launches > l0
+    graphed = sum(g.launches for g in graphs) > l0
     print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
           f"(runs {spread(ts)})  "
           f"beyond weights: peak in use "
@@ -463,7 +463,7 @@ def _measure(cp, ops, label, T, run, reps):
     pool.free_all_blocks()
     return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3,
                 token_block=getattr(ops, "token_block", 0),
-                cuda_graph=graphed, graph_pools_gib=(graphs.nbytes() if graphs is not None else 0) / 2 ** 30,
+                cuda_graph=graphed, graph_pools_gib=sum(g.nbytes() for g in graphs) / 2 ** 30,
                 peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30, device_gib=dev / 2 ** 30)
 
 

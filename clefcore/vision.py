@@ -197,14 +197,14 @@ def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     [(t, gh, gw)] per image -> image embeddings [N / 4, out_hidden] in placeholder order. ``keep`` (a dict)
     receives the intermediate stages, for checks.
 
-    A backend with ``ops.graphs`` (CUDA) replays one graph per set of image sizes while their merged tokens stay
-    within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is ~500 short launches, which
+    A backend with ``ops.tower_graphs`` (CUDA) replays one graph per set of image sizes while their merged tokens
+    stay within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is ~500 short launches, which
     the host issues more slowly than the GPU runs them. The host tables are made here, outside the graph, and go
     in as its inputs; the output is copied, since the graph's buffer is rewritten by its next replay."""
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
     inputs = (ops.asarray(pixel_values),) + tables(ops, p.config, grids)
-    graphs = getattr(ops, "graphs", None)
+    graphs = getattr(ops, "tower_graphs", None)
     merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
     # fast path only: the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul, which refuses a capture
     if keep is not None or graphs is None or ops.precision != "fp16" or not graphs.fits(merged):

@@ -94,3 +94,50 @@ def test_bidirectional_attention_blocks_give_the_same_rows(monkeypatch):
     whole = cpu.bidirectional_attention(q, k, v, cu, 0.25)
     monkeypatch.setattr(cpu, "VISION_SCORES", 3 * 280 * 7)         # 7 query rows per block
     np.testing.assert_allclose(cpu.bidirectional_attention(q, k, v, cu, 0.25), whole, rtol=0, atol=1e-6)
+
+
+class _GraphStandIn:
+    """Stands in for CudaOps.tower_graphs on the host: records each run and answers as a graph does, into the one
+    output buffer that every replay of its key rewrites."""
+
+    def __init__(self, limit):
+        self.limit, self.keys, self.buffers = limit, [], {}
+
+    def fits(self, tokens):
+        return 0 < tokens <= self.limit
+
+    def run(self, key, fn, inputs, reads):
+        self.keys.append(key)
+        got = fn(*inputs)
+        buf = self.buffers.setdefault(key, got)
+        buf[...] = got
+        return buf
+
+
+def _graph_ops(precision, limit):
+    ops = type("GraphOps", (), {n: staticmethod(f) for n, f in vars(cpu).items() if callable(f)})()
+    ops.precision, ops.tower_graphs = precision, _GraphStandIn(limit)
+    return ops
+
+
+def test_tower_graph_path_answers_as_eager_and_hands_out_its_own_copy():
+    """The fast mode's tower goes through tower_graphs (one key per set of image sizes) and returns a copy: a second
+    image of the same size, replayed into the same buffer, leaves the first answer as it was."""
+    a = load_file(str(image_file("shapes_64x48")))
+    grids = [tuple(a["image_grid_thw"][0])]
+    px = [a["pixel_values"], -a["pixel_values"]]
+    eager = [vision.tower(cpu, PARAMS, x, grids) for x in px]
+    ops = _graph_ops("fp16", limit=1024)
+    got = [vision.tower(ops, PARAMS, x, grids) for x in px]
+    assert ops.tower_graphs.keys == [("vision tower", tuple(grids), None)] * 2
+    for g, e in zip(got, eager):
+        np.testing.assert_array_equal(g, e)
+    assert not np.allclose(got[0], got[1])
+
+
+@pytest.mark.parametrize("precision,limit", [("split", 1024), ("fp16", 10)])
+def test_tower_stays_eager_in_exact_modes_and_past_the_limit(precision, limit):
+    a = load_file(str(image_file("shapes_64x48")))
+    ops = _graph_ops(precision, limit)
+    out = vision.tower(ops, PARAMS, a["pixel_values"], [tuple(a["image_grid_thw"][0])])
+    assert ops.tower_graphs.keys == [] and out.shape[0] == len(a["pixel_values"]) // 4

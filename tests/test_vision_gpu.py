@@ -128,13 +128,13 @@ def test_tower_graph_replays_as_eager_with_fresh_inputs(engine):
 
     eager = [ops.to_host(tower(px, {})) for px in imgs]
     assert np.max(np.abs(eager[0] - eager[1])) > 1e-2 * np.max(np.abs(eager[0]))     # the inputs matter
-    l0 = ops.graphs.launches
+    l0 = ops.tower_graphs.launches
     outs = [tower(px) for px in imgs + imgs]            # eager (first sight), capture + replay, replay, replay
     for i, out in enumerate(outs):
         want = eager[i % 2]
         err = float(np.max(np.abs(ops.to_host(out) - want)) / np.max(np.abs(want)))
         assert err <= 1e-5, f"call {i}: {err:.2e} ({_label(engine)})"
-    assert ops.graphs.launches - l0 == (3 if ops.precision == "fp16" else 0), _label(engine)
+    assert ops.tower_graphs.launches - l0 == (3 if ops.precision == "fp16" else 0), _label(engine)
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,9 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self._watched = []
         # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
         self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
+        # the vision tower's graphs (fast mode, per set of image sizes) in a cache of their own, so that the image
+        # sizes a service sees never evict the short prompts' graphs
+        self.tower_graphs = GraphCache(self, graph_tokens if pool is None else 0, 2)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):
@@ -412,7 +415,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     def memory_in_use(self) -> int:
         """Device bytes held by live arrays (weights included) and by the CUDA graphs' private pools (the server's
         device-memory gauge)."""
-        used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes()
+        used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
         return used + (int(self.pool.in_use) if self.pool is not None else 0)
 
     @contextmanager

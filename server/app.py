@@ -1,9 +1,9 @@
 """`clefcore serve`: System One over HTTP (aiohttp + uvloop).
 
 One request through this module: middleware (request id, auth, error shape, log line, metrics)
-► handler (phase, content type, body size, JSON) ► engine.prepare on a CPU thread (validation and
-tokenization happen before queueing, so a bad body never takes a queue slot) ► batcher (queue, packed
-forward on the device thread) ► bare or Cloudflare-enveloped JSON.
+► handler (phase, content type, body size, JSON) ► engine.prepare on a CPU thread, smallest bodies first
+(server/prepare.py; validation and tokenization happen before queueing, so a bad body never takes a queue
+slot) ► batcher (queue, packed forward on the device thread) ► bare or Cloudflare-enveloped JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .logs import log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics, clear_multiprocess_dir, multiprocess_dir
 from .openapi import build_spec
+from .prepare import PrepareGate
 from .testhooks import TestHooks
 
 PLAYGROUND = Path(__file__).parent / "playground" / "index.html"
@@ -61,9 +62,11 @@ class ServerState:
         self.device = DeviceThread()
         self.engine: Any = None
         self.batcher: Batcher | None = None
-        # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest.
-        self.cpu = ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2)),
-                                      thread_name_prefix="clef-prepare")
+        # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest, and a
+        # gate in front of it that hands it the smallest bodies first (server/prepare.py).
+        threads = max(2, min(4, os.cpu_count() or 2))
+        self.cpu = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="clef-prepare")
+        self.prepare = PrepareGate(threads, on_wait=self.metrics.prepare_wait.observe)
 
 
 # --- command line -------------------------------------------------------------------------------------
@@ -421,10 +424,10 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
             body_model = body.setdefault("model", path_model)
             if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
-        loop = asyncio.get_running_loop()
         try:
-            prepared = await loop.run_in_executor(
-                state.cpu, lambda: state.engine.prepare(body, on_overflow=cfg.on_overflow))
+            prepared = await state.prepare.run(request["log"].get("bytes_in", 0),
+                                               lambda: state.engine.prepare(body, on_overflow=cfg.on_overflow),
+                                               state.cpu)
         except RequestError as error:
             raise errors.invalid_request(error) from None
         request["log"]["prompt_tokens"] = prepared.num_tokens

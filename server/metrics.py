@@ -69,6 +69,9 @@ class Metrics:
                                             buckets=_TOKENS, registry=r)
         self.queue_wait = Histogram("clef_queue_wait_seconds", "Time from enqueue to batch start",
                                     buckets=_SECONDS, registry=r)
+        self.prepare_wait = Histogram("clef_prepare_wait_seconds", "Time a read body waited for a prepare thread "
+                                      "(validation, decoding, tokenization), smallest bodies first",
+                                      buckets=_SECONDS, registry=r)
         self.prefill = Histogram("clef_prefill_seconds", "Device time of one packed forward (prefill + head)",
                                  buckets=_SECONDS, registry=r)
         self.e2e = Histogram("clef_request_duration_seconds", "End-to-end latency of decision requests",

@@ -75,8 +75,9 @@ def test_metrics_exposition(server):
     assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
     text = reply.text
     for name in ("clef_requests_total", "clef_queue_depth", "clef_batch_size_requests_bucket",
-                 "clef_prompt_tokens_total", "clef_queue_wait_seconds_bucket", "clef_prefill_seconds_bucket",
-                 "clef_request_duration_seconds_bucket", "clef_device_memory_bytes", "clef_ready 1.0"):
+                 "clef_prompt_tokens_total", "clef_queue_wait_seconds_bucket", "clef_prepare_wait_seconds_bucket",
+                 "clef_prefill_seconds_bucket", "clef_request_duration_seconds_bucket", "clef_device_memory_bytes",
+                 "clef_ready 1.0"):
         assert name in text, name
     assert server.metric("clef_requests_total", 'route="/v1/systemone",status="200"') >= 1
 

@@ -1,0 +1,135 @@
+"""server/prepare.py: bodies reach the prepare threads smallest first with aging, never more than the slots at once,
+and a client that leaves while waiting neither keeps nor loses a slot."""
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from clefcore.server.prepare import PrepareGate
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _started(gate, pool, order, name, nbytes, release=None):
+    def work():
+        order.append(name)
+        if release is not None:
+            release.wait(5)
+        return name
+    return await gate.run(nbytes, work, pool)
+
+
+async def _settle():
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+def test_smaller_bodies_go_first_and_slots_bound_the_threads():
+    async def main():
+        clock, order, hold = Clock(), [], threading.Event()
+        gate = PrepareGate(1, bytes_per_s=1000.0, clock=clock)
+        with ThreadPoolExecutor(4) as pool:
+            first = asyncio.create_task(_started(gate, pool, order, "first", 100, hold))
+            await _settle()
+            big = asyncio.create_task(_started(gate, pool, order, "big", 100_000))      # turn 100 s
+            await _settle()
+            clock.t = 1.0
+            small = asyncio.create_task(_started(gate, pool, order, "small", 1_000))    # turn 2 s
+            await _settle()
+            assert order == ["first"] and gate.waiting == 2        # one slot: the others wait in the gate
+            hold.set()
+            assert await asyncio.gather(first, big, small) == ["first", "big", "small"]
+        return order
+    assert run(main()) == ["first", "small", "big"]
+
+
+def test_aging_lets_an_early_large_body_go_before_a_much_later_small_one():
+    async def main():
+        clock, order, hold = Clock(), [], threading.Event()
+        gate = PrepareGate(1, bytes_per_s=1000.0, clock=clock)
+        with ThreadPoolExecutor(2) as pool:
+            first = asyncio.create_task(_started(gate, pool, order, "first", 0, hold))
+            await _settle()
+            big = asyncio.create_task(_started(gate, pool, order, "big", 5_000))        # turn 5 s
+            await _settle()
+            clock.t = 10.0
+            small = asyncio.create_task(_started(gate, pool, order, "small", 10))       # turn 10.01 s
+            await _settle()
+            hold.set()
+            await asyncio.gather(first, big, small)
+        return order
+    assert run(main()) == ["first", "big", "small"]
+
+
+def test_a_waiter_that_leaves_does_not_keep_its_slot():
+    async def main():
+        order, hold = [], threading.Event()
+        gate = PrepareGate(1)
+        with ThreadPoolExecutor(2) as pool:
+            first = asyncio.create_task(_started(gate, pool, order, "first", 0, hold))
+            await _settle()
+            gone = asyncio.create_task(_started(gate, pool, order, "gone", 10))
+            later = asyncio.create_task(_started(gate, pool, order, "later", 20))
+            await _settle()
+            gone.cancel()
+            await _settle()
+            hold.set()
+            assert await later == "later" and await first == "first"
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            # every slot is back: a new body starts at once
+            assert await asyncio.wait_for(_started(gate, pool, order, "after", 0), 2) == "after"
+        return order
+    assert run(main()) == ["first", "later", "after"]
+
+
+def test_a_slot_handed_to_a_leaving_waiter_is_passed_on():
+    async def main():
+        gate = PrepareGate(1)
+        await gate._acquire(0)                        # the one slot, held
+        leaving = asyncio.create_task(gate._acquire(10))
+        waiting = asyncio.create_task(gate._acquire(20))
+        await _settle()
+        gate._release()                               # hands the slot to `leaving` ...
+        leaving.cancel()                              # ... which is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await asyncio.wait_for(waiting, 2)            # the slot went on to the next waiter
+        gate._release()
+        assert gate._free == 1 and gate.waiting == 0
+    run(main())
+
+
+def test_each_wait_is_reported():
+    async def main():
+        clock, waits, hold = Clock(), [], threading.Event()
+        gate = PrepareGate(1, clock=clock, on_wait=waits.append)
+        with ThreadPoolExecutor(2) as pool:
+            first = asyncio.create_task(_started(gate, pool, [], "first", 0, hold))
+            await _settle()
+            second = asyncio.create_task(_started(gate, pool, [], "second", 0))
+            await _settle()
+            clock.t = 3.0
+            hold.set()
+            await asyncio.gather(first, second)
+        return waits
+    assert run(main()) == [0.0, 3.0]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="slots 0"):
+        PrepareGate(0)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        PrepareGate(2, bytes_per_s=0)

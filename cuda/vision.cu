@@ -33,8 +33,8 @@ extern "C" __global__ void patch_rows(const unsigned char* __restrict__ img, int
 
 // qkv_rope: the attention's inputs from the fused projection qkv [n, 3, H, D] fp32 (without its bias): q and k
 // with the bias added and the 2-D RoPE applied (NeoX half split over all D: x1 c - x2 s, x2 c + x1 s, cos/sin
-// [n, D/2]), v with its bias; written [n, H, D] each, fp16 (the attention kernel's operands, fast path) or fp32
-// (the exact modes' fp32 attention), whichever pointers are non-null.
+// [n, D/2]), v with its bias; written [n, H, D] each: fp16 by qkv_rope_half (the attention kernel's operands,
+// fast path), fp32 by qkv_rope_f32 (the exact modes' fp32 attention).
 template <typename T> __device__ __forceinline__ T store_as(float v);
 template <> __device__ __forceinline__ float store_as<float>(float v) { return v; }
 template <> __device__ __forceinline__ half_t store_as<half_t>(float v) { return f2h(v); }

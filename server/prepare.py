@@ -45,9 +45,19 @@ class PrepareGate:
         if self._on_wait is not None:
             self._on_wait(self._clock() - start)
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn)
-        finally:
+            work = asyncio.get_running_loop().run_in_executor(executor, fn)
+        except BaseException:             # a pool already shut down: the slot goes back at once
             self._release()
+            raise
+        # the slot is the thread's until fn returns, even when the client leaves meanwhile (the shield keeps a
+        # cancelled caller from cancelling the future, whose callback then gives the slot back on time)
+        work.add_done_callback(self._finished)
+        return await asyncio.shield(work)
+
+    def _finished(self, work: asyncio.Future) -> None:
+        if not work.cancelled():
+            work.exception()              # read it: asyncio would log an error no one awaited (a caller left)
+        self._release()
 
     async def _acquire(self, nbytes: int) -> None:
         # a free slot means no one is waiting for it (a release hands its slot to the first live waiter), although

@@ -112,6 +112,49 @@ def test_a_slot_handed_to_a_leaving_waiter_is_passed_on():
     run(main())
 
 
+def test_a_client_that_leaves_mid_prepare_keeps_the_slot_until_its_thread_is_done():
+    async def main():
+        order, hold = [], threading.Event()
+        gate = PrepareGate(1)
+        with ThreadPoolExecutor(2) as pool:
+            left = asyncio.create_task(_started(gate, pool, order, "left", 0, hold))
+            await _settle()
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            after = asyncio.create_task(_started(gate, pool, order, "after", 0))
+            await _settle()
+            assert order == ["left"]          # its thread still works: the next body waits for the slot
+            hold.set()
+            assert await asyncio.wait_for(after, 2) == "after"
+        return order
+    assert run(main()) == ["left", "after"]
+
+
+def test_an_error_reaches_the_caller_and_frees_the_slot():
+    async def main():
+        gate = PrepareGate(1)
+
+        def bad():
+            raise ValueError("bad body")
+        with ThreadPoolExecutor(1) as pool:
+            with pytest.raises(ValueError, match="bad body"):
+                await gate.run(10, bad, pool)
+            assert await gate.run(10, lambda: "next", pool) == "next"
+    run(main())
+
+
+def test_a_pool_that_is_shut_down_gives_the_slot_back():
+    async def main():
+        gate = PrepareGate(1)
+        pool = ThreadPoolExecutor(1)
+        pool.shutdown()
+        with pytest.raises(RuntimeError):
+            await gate.run(10, lambda: "never", pool)
+        assert gate._free == 1
+    run(main())
+
+
 def test_each_wait_is_reported():
     async def main():
         clock, waits, hold = Clock(), [], threading.Event()

@@ -138,14 +138,19 @@ def resize(img: np.ndarray, height: int, width: int) -> np.ndarray:
     return img
 
 
+def patch_grid(shape) -> tuple[int, int]:
+    """(patch rows, patch columns) of a resized image of ``shape`` [H', W', 3]; ValueError unless both sides are
+    multiples of 32 (smart_resize makes them so)."""
+    if len(shape) != 3 or shape[2] != 3 or shape[0] % FACTOR or shape[1] % FACTOR:
+        raise ValueError(f"image of shape {tuple(shape)}: expected [H, W, 3] with H and W multiples of {FACTOR}")
+    return shape[0] // PATCH, shape[1] // PATCH
+
+
 def patch_values(img: np.ndarray) -> np.ndarray:
     """Resized uint8 [H', W', 3] -> normalised patch rows in merge-block order (block row, block column, row in
     block, column in block); each row [channel][t][y][x], the one frame repeated for both temporal slots.
     numpy twin of cuda/vision.cu::patch_rows."""
-    H, W, _ = img.shape
-    if H % FACTOR or W % FACTOR:
-        raise ValueError(f"image {W}x{H}: both sides must be multiples of {FACTOR} (smart_resize makes them so)")
-    gh, gw = H // PATCH, W // PATCH
+    gh, gw = patch_grid(img.shape)
     n, m = gh * gw, MERGE
     # the layout is done on the uint8 pixels (4x smaller), then each level looked up once into the output
     u8 = img.reshape(gh // m, m, PATCH, gw // m, m, PATCH, 3).transpose(0, 3, 1, 4, 6, 2, 5)
@@ -159,9 +164,7 @@ def patch_values(img: np.ndarray) -> np.ndarray:
 def pixels(img: np.ndarray) -> Pixels:
     """A resized uint8 [H', W', 3] image as the tower's input (its grid: one frame of 16 x 16 patches)."""
     img = np.ascontiguousarray(img, dtype=np.uint8)
-    if img.ndim != 3 or img.shape[2] != 3 or img.shape[0] % FACTOR or img.shape[1] % FACTOR:
-        raise ValueError(f"image of shape {img.shape}: expected [H, W, 3] with H and W multiples of {FACTOR}")
-    return Pixels(img, (1, img.shape[0] // PATCH, img.shape[1] // PATCH))
+    return Pixels(img, (1,) + patch_grid(img.shape))
 
 
 def preprocess(rgb: np.ndarray) -> Pixels:

@@ -204,7 +204,7 @@ def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     grids = tuple(tuple(int(v) for v in g) for g in grids)              # a key of the graph and table caches
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
-    inputs = (ops.asarray(pixel_values),) + tables(ops, p.config, grids)
+    inputs = (ops.asarray(pixel_values),) + tuple(ops.asarray(a) for a in _host_tables(p.config, grids))
     graphs = getattr(ops, "tower_graphs", None)
     merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
     # fast path only: the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul, which refuses a capture
@@ -214,16 +214,12 @@ def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     return graphs.run(key, lambda *a: _tower(ops, p, cu, None, *a), inputs, list(p.w.values())).copy()
 
 
-def tables(ops, c: VisionConfig, grids):
-    """The host-made tables of a set of images, on the backend: the position table's rows and bilinear weights
-    [N, 4] each, and the 2-D RoPE's cos and sin [N, head_dim / 2]."""
-    return tuple(ops.asarray(a) for a in _host_tables(c, tuple(tuple(int(v) for v in g) for g in grids)))
-
-
 @functools.lru_cache(maxsize=8)
 def _host_tables(c: VisionConfig, grids: tuple) -> tuple:
-    """tables' host arrays, read-only, kept for the last few sets of image sizes: about 2 ms of numpy for one
-    1024 x 1024 image, while the GPU waits for the tower, and a service sees the same sizes again and again."""
+    """The host-made tables of a set of images (``grids``: int tuples): the position table's rows and bilinear
+    weights [N, 4] each, and the 2-D RoPE's cos and sin [N, head_dim / 2]. Read-only, kept for the last few sets
+    of image sizes: about 2 ms of numpy for one 1024 x 1024 image, while the GPU waits for the tower, and a service
+    sees the same sizes again and again."""
     rows, weights, angles = [], [], []
     for t, gh, gw in grids:
         r, wt = position_weights(c, gh, gw)

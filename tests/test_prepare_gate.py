@@ -36,41 +36,33 @@ async def _settle():
         await asyncio.sleep(0.005)
 
 
-def test_smaller_bodies_go_first_and_slots_bound_the_threads():
+def _race(big, small, small_at):
+    """The gate's one slot held by a first body; ``big`` bytes arrive at t = 0, ``small`` bytes at ``small_at``
+    (1,000 bytes a second of turn): the order in which the pool runs the three."""
     async def main():
         clock, order, hold = Clock(), [], threading.Event()
         gate = PrepareGate(1, bytes_per_s=1000.0, clock=clock)
         with ThreadPoolExecutor(4) as pool:
-            first = asyncio.create_task(_started(gate, pool, order, "first", 100, hold))
+            first = asyncio.create_task(_started(gate, pool, order, "first", 0, hold))
             await _settle()
-            big = asyncio.create_task(_started(gate, pool, order, "big", 100_000))      # turn 100 s
+            late = asyncio.create_task(_started(gate, pool, order, "big", big))
             await _settle()
-            clock.t = 1.0
-            small = asyncio.create_task(_started(gate, pool, order, "small", 1_000))    # turn 2 s
+            clock.t = small_at
+            early = asyncio.create_task(_started(gate, pool, order, "small", small))
             await _settle()
             assert order == ["first"] and gate.waiting == 2        # one slot: the others wait in the gate
             hold.set()
-            assert await asyncio.gather(first, big, small) == ["first", "big", "small"]
+            assert await asyncio.gather(first, late, early) == ["first", "big", "small"]
         return order
-    assert run(main()) == ["first", "small", "big"]
+    return run(main())
+
+
+def test_smaller_bodies_go_first_and_slots_bound_the_threads():
+    assert _race(100_000, 1_000, 1.0) == ["first", "small", "big"]     # turns 100 s and 2 s
 
 
 def test_aging_lets_an_early_large_body_go_before_a_much_later_small_one():
-    async def main():
-        clock, order, hold = Clock(), [], threading.Event()
-        gate = PrepareGate(1, bytes_per_s=1000.0, clock=clock)
-        with ThreadPoolExecutor(2) as pool:
-            first = asyncio.create_task(_started(gate, pool, order, "first", 0, hold))
-            await _settle()
-            big = asyncio.create_task(_started(gate, pool, order, "big", 5_000))        # turn 5 s
-            await _settle()
-            clock.t = 10.0
-            small = asyncio.create_task(_started(gate, pool, order, "small", 10))       # turn 10.01 s
-            await _settle()
-            hold.set()
-            await asyncio.gather(first, big, small)
-        return order
-    assert run(main()) == ["first", "big", "small"]
+    assert _race(5_000, 10, 10.0) == ["first", "big", "small"]          # turns 5 s and 10.01 s
 
 
 def test_a_waiter_that_leaves_does_not_keep_its_slot():

@@ -64,3 +64,11 @@ def test_normalisation_levels():
     assert values.min() == -1.0 and values.max() == 1.0
     want = (np.arange(256, dtype=np.float32) - np.float32(127.5)) / np.float32(127.5)
     assert set(np.unique(values).tolist()) == set(want.tolist())
+
+
+def test_a_resized_image_must_be_whole_merge_blocks():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pp.pixels(np.zeros((48, 32, 3), np.uint8))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pp.patch_values(np.zeros((32, 64, 4), np.uint8))
+    assert pp.pixels(np.zeros((32, 96, 3), np.uint8)).grid_thw == (1, 2, 6)

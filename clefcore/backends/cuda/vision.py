@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ...preprocess import FACTOR, PATCH
+from ...preprocess import PATCH, patch_grid
 from .elementwise import ELEM_THREADS, NULL
 
 ROW = 3 * 2 * PATCH * PATCH      # one patch row: channels x temporal slots x 16 x 16
@@ -19,18 +19,14 @@ class VisionOps:
     def patch_rows(self, images):
         """See cpu.patch_rows: each uint8 image goes up as it is (3 bytes a pixel) and becomes its rows here."""
         cp = self.cp
-        shapes = [np.shape(img) for img in images]
-        for s in shapes:
-            if len(s) != 3 or s[2] != 3 or s[0] % FACTOR or s[1] % FACTOR:
-                raise ValueError(f"image of shape {s}: expected [H, W, 3] with H and W multiples of {FACTOR}")
-        counts = [(h // PATCH) * (w // PATCH) for h, w, _ in shapes]
-        out = cp.empty((sum(counts), ROW), dtype=cp.float32)
+        grids = [patch_grid(np.shape(img)) for img in images]
+        out = cp.empty((sum(gh * gw for gh, gw in grids), ROW), dtype=cp.float32)
         r0 = 0
-        for img, (h, w, _), n in zip(images, shapes, counts):
+        for img, (gh, gw) in zip(images, grids):
             dev = self._to_device(np.ascontiguousarray(img, dtype=np.uint8))
-            self.kernel("vision.cu", "patch_rows")(self._grid1(n * ROW // 2), (ELEM_THREADS,),
-                                                   (dev, np.int32(h // PATCH), np.int32(w // PATCH), out[r0:]))
-            r0 += n
+            self.kernel("vision.cu", "patch_rows")(self._grid1(gh * gw * ROW // 2), (ELEM_THREADS,),
+                                                   (dev, np.int32(gh), np.int32(gw), out[r0:]))
+            r0 += gh * gw
         return out
 
     def gelu_tanh(self, x):
@@ -42,10 +38,11 @@ class VisionOps:
     def _bias_gelu(self, x, b, y):
         """y = gelu_tanh(x + b) over x [.., N] fp32 (b [N] or None) into y: fp16 or fp32, x's shape."""
         half = y.dtype == self.cp.float16
+        rows = x.size // max(x.shape[-1], 1)
         self.kernel("vision.cu", "bias_gelu_tanh")(
-            self._rows_grid(x.size // max(x.shape[-1], 1)), (ELEM_THREADS,),
-            (x, NULL if b is None else self._c(b), y if half else NULL, NULL if half else y,
-             np.int64(x.size // x.shape[-1]), np.int32(x.shape[-1])))
+            self._rows_grid(rows), (ELEM_THREADS,),
+            (x, NULL if b is None else self._c(b), y if half else NULL, NULL if half else y, np.int64(rows),
+             np.int32(x.shape[-1])))
 
     @staticmethod
     def _rows_grid(rows):

@@ -93,17 +93,22 @@ def test_base_is_plain_debian():
     assert "apt-get clean" in apt_runtime and "/var/lib/apt/lists" in apt_runtime
 
 
-def test_gpu_pieces_come_from_cuda12_wheels_without_cublas_or_torch():
+def test_gpu_pieces_come_from_cuda12_wheels_with_optional_cublas_and_no_torch():
     build, runtime = stages()
     pip = " ".join(a for k, a in build if k == "RUN" and "pip install" in a)
-    for wheel in ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"):
+    for wheel in ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12"):
         assert wheel in pip, wheel
-    # one CUDA 12 minor for NVRTC and the runtime: the measured sizes hold, and 13 no longer targets sm_70
-    pins = re.findall(r'"nvidia-cuda-(?:nvrtc|runtime)-cu12==(12\.\d+)\.\*"', pip)
-    assert len(pins) == 2 and pins[0] == pins[1], pins
+    # one CUDA 12 minor for NVRTC, the runtime and cuBLAS: the measured sizes hold, and 13 no longer targets sm_70
+    pins = re.findall(r'"nvidia-cu(?:da-nvrtc|da-runtime|blas)-cu12==(12\.\d+)\.\*"', pip)
+    assert len(pins) == 3 and len(set(pins)) == 1, pins
+    # cuBLAS is installed only for the full image: CLEFCORE_CUBLAS=0 (the lean image) leaves it out
+    assert ("ARG", "CLEFCORE_CUBLAS=1") in build
+    assert re.search(r'if \[ "\$CLEFCORE_CUBLAS" = 1 \]; then pip install "nvidia-cublas-cu12==', pip), pip
+    # libcublasLt, the one file over the registry's limit, is a layer of its own
+    assert re.search(r'mv "\$sp"/nvidia/cublas/lib/libcublasLt\.so\* "/stage/cublaslt\$sp/', pip), pip
     text = (DEPLOY / "Dockerfile").read_text().lower()
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    for absent in ("torch", "cublas", "cuda13", "cu13"):
+    for absent in ("torch", "cuda13", "cu13"):
         assert absent not in body, absent
     assert "pip wheel" in pip and "/src" in pip
 
@@ -250,6 +255,23 @@ def test_measure_passes_and_fails_on_the_largest_blob(tmp_path):
     over = measure(tmp_path, "--limit", sizes[1] - 1)
     assert over.returncode == 1 and "layer 1" in over.stderr and "over the limit" in over.stdout
     assert "layer 0" not in over.stderr
+
+
+def test_measure_exempts_only_layers_of_the_chunked_file(tmp_path):
+    """--chunked libcublasLt.so exempts a layer holding nothing but that file; a layer that also holds anything
+    else stays over the limit."""
+    rng = __import__("random").Random(1)
+    noise = bytes(rng.getrandbits(8) for _ in range(200_000))
+    sp = "opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib/"
+    sizes = make_layout(tmp_path, [{sp + "libcublasLt.so.12": noise}, {"a": b"a"}])
+    out = measure(tmp_path, "--limit", sizes[0] - 1, "--chunked", "libcublasLt.so")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(pushed in chunks)" in out.stdout and "over the limit" not in out.stdout
+    assert measure(tmp_path, "--limit", sizes[0] - 1).returncode == 1      # not exempt unless asked
+    mixed = tmp_path / "mixed"
+    sizes = make_layout(mixed, [{sp + "libcublasLt.so.12": noise, sp + "libcublas.so.12": b"x"}])
+    out = measure(mixed, "--limit", sizes[0] - 1, "--chunked", "libcublasLt.so")
+    assert out.returncode == 1 and "layer 0" in out.stderr and "over the limit" in out.stdout
 
 
 def test_measure_default_limit_is_decimal_megabytes(tmp_path):

@@ -3,29 +3,43 @@
 #   1. a Debian base made here with mmdebstrap (so the base layer is measured too, and nothing is pulled),
 #   2. buildah (vfs storage, chroot isolation) builds the Dockerfile on it, one layer per instruction,
 #   3. the image is pushed, gzip-compressed as a registry receives it, to an OCI layout directory,
-#   4. measure.py fails if any layer blob is over the limit (default 100,000,000 bytes: the registry says
-#      "100 MB", so decimal megabytes, the stricter reading),
+#   4. measure.py fails if any layer blob is over the limit (default 100,000,000 bytes: the registry's proxy
+#      says "100 MB", so decimal megabytes, the stricter reading), except libcublasLt's own layer (one 749 MB
+#      file, ~500 MB compressed), which only ever travels in chunks (push.py),
 #   5. check_image.py runs inside the image as its non-root user with networking off: `clefcore demo` must
-#      answer, NVRTC must load from the wheels, and no cuBLAS may be in the image.
+#      answer, NVRTC must load from the wheels, and cuBLAS must load (full image) or be absent (lean image),
+#   6. with CLEFCORE_IMAGE_PUSH set, push.py uploads the OCI layout to the registry, every request body at most
+#      95,000,000 bytes (a plain `buildah push` sends a layer in one request and gets 413 for cuBLASLt's).
 #
 # Usage (as root, from anywhere):  bash deploy/image/build.sh
 # It installs buildah and mmdebstrap with apt-get when they are missing. Environment:
 #   CLEFCORE_IMAGE_WORK   work directory (default: a new ${TMPDIR:-/tmp}/clefcore-image.XXXXXX); the OCI
 #                         layout is left in its oci/, the layer table in layers.md, the build's output in
 #                         build.log
-#   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml)
+#   CLEFCORE_IMAGE_CUBLAS 1 (default): the full image, GEMMs through cuBLAS as in the benchmarks; 0: the lean
+#                         image (~1.1 GB smaller unpacked, every layer under the limit, clefcore's own GEMM
+#                         kernels: ~4x slower on the H200, README "The serving image")
+#   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml, plus -lean for the lean image)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
 #   CLEFCORE_IMAGE_KEEP=1 keep buildah's storage (several GB) for inspection instead of deleting it
-#   CLEFCORE_IMAGE_PUSH   after every check passed, push the image there, e.g.
-#                         docker://forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.1.0 (log in first with
-#                         `buildah login forgejo.riotpiao.com`)
+#   CLEFCORE_IMAGE_PUSH   after every check passed, push the image there with push.py, e.g.
+#                         forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.1.0 (log in first with
+#                         `buildah login forgejo.riotpiao.com`; push.py reads the credentials it stored)
+#   CLEFCORE_IMAGE_PUSH_TLS=0            push over plain HTTP (a test registry on 127.0.0.1)
+#   CLEFCORE_IMAGE_PUSH_CHUNK            largest request body of the push in bytes (default 95000000)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # a fresh directory per run by default: two checkouts building at once must not share buildah's storage
 work=${CLEFCORE_IMAGE_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/clefcore-image.XXXXXX")}
-tag=${CLEFCORE_IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml")}
+cublas=${CLEFCORE_IMAGE_CUBLAS:-1}
+case "$cublas" in
+  1) variant="" check=yes chunked=(--chunked libcublasLt.so) ;;
+  0) variant=-lean check=no chunked=() ;;
+  *) echo "build.sh: CLEFCORE_IMAGE_CUBLAS must be 1 (with cuBLAS) or 0 (lean), not '$cublas'" >&2; exit 1 ;;
+esac
+tag=${CLEFCORE_IMAGE_TAG:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/pyproject.toml")$variant}
 limit=${CLEFCORE_LAYER_LIMIT:-100000000}
 suite=bookworm
 mirror=${CLEFCORE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -99,7 +113,8 @@ done
 # line prefixed with the seconds since build.sh started.
 stamp() { while IFS= read -r line; do printf '[%4d] %s\n' "$SECONDS" "$line"; done; }
 if ! "${B[@]}" bud --layers --isolation chroot --pull=never --format docker \
-       -f "$repo/deploy/Dockerfile" --build-arg "BASE_IMAGE=$base" "${secret[@]}" -t "$image" "$repo" \
+       -f "$repo/deploy/Dockerfile" --build-arg "BASE_IMAGE=$base" \
+       --build-arg "CLEFCORE_CUBLAS=$cublas" "${secret[@]}" -t "$image" "$repo" \
        2>&1 | stamp > "$work/build.log"; then
   tail -n 60 "$work/build.log" >&2
   echo "build.sh: the build failed; its whole output is in $work/build.log" >&2
@@ -110,23 +125,47 @@ step "push: oci:$work/oci (gzip, as a registry receives it)"
 rm -rf "$work/oci"
 "${B[@]}" push --quiet --compression-format gzip "$image" "oci:$work/oci:clefcore:$tag"
 
-step "measure: every layer <= $limit bytes"
-python3 "$repo/deploy/image/measure.py" "$work/oci" --limit "$limit" --markdown "$work/layers.md"
+note=""
+if [ "$cublas" = 1 ]; then note=" (but libcublasLt's own layer, pushed in chunks)"; fi
+step "measure: every layer <= $limit bytes$note"
+python3 "$repo/deploy/image/measure.py" "$work/oci" --limit "$limit" "${chunked[@]}" --markdown "$work/layers.md"
 
-step "run: clefcore demo inside the image, user 10001, networking off"
-ctr=$("${B[@]}" from --quiet --pull=never "$image")
-"${B[@]}" copy --quiet "$ctr" "$repo/deploy/image/check_image.py" /tmp/check_image.py
+# check_image.py inside an image (a local name, or oci:DIR:TAG), as its user 10001, with networking off.
 # chroot isolation shares the caller's network namespace (buildah refuses --network none with it), so the
 # run gets a new, empty one from unshare: only a loopback device that is down. check_image.py verifies that.
-unshare --net -- "${B[@]}" run --isolation chroot --user 10001:10001 "$ctr" -- python3 /tmp/check_image.py
+check_inside() {
+  local ctr
+  ctr=$("${B[@]}" from --quiet --pull=never "$1")
+  "${B[@]}" copy --quiet "$ctr" "$repo/deploy/image/check_image.py" /tmp/check_image.py
+  unshare --net -- "${B[@]}" run --isolation chroot --user 10001:10001 "$ctr" -- \
+    python3 /tmp/check_image.py --cublas "$check"
+  "${B[@]}" rm "$ctr" >/dev/null
+}
+
+step "run: clefcore demo inside the image, user 10001, networking off"
+check_inside "$image"
 
 if [ -n "${CLEFCORE_IMAGE_PUSH:-}" ]; then
-  # Docker's manifest format keeps the HEALTHCHECK (OCI's config has none); the layer blobs are the same
-  # bytes as the ones measured above (same digests), so the registry receives exactly what passed.
-  step "push: $CLEFCORE_IMAGE_PUSH"
-  "${B[@]}" push --quiet --format v2s2 --compression-format gzip --digestfile "$work/pushed.digest" \
-    "$image" "$CLEFCORE_IMAGE_PUSH"
-  echo "pushed $CLEFCORE_IMAGE_PUSH@$(cat "$work/pushed.digest")" >&2
+  ref=${CLEFCORE_IMAGE_PUSH#docker://}
+  tls=true
+  if [ "${CLEFCORE_IMAGE_PUSH_TLS:-1}" = 0 ]; then tls=false; fi
+  if ! command -v skopeo >/dev/null; then
+    step "installing skopeo (apt-get), to pull the pushed image back"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q skopeo >/dev/null
+  fi
+  # The OCI layout that was measured and checked is what the registry receives, blob for blob (same digests).
+  # Its config is OCI's, which has no HEALTHCHECK: Kubernetes ignores it anyway (deploy/k8s has probes).
+  step "push: $ref (deploy/image/push.py, in chunks)"
+  python3 "$repo/deploy/image/push.py" "$work/oci" "$ref" --digestfile "$work/pushed.digest"
+  # What the cluster will pull, checked: skopeo keeps the registry's blobs as they are, so every digest must be
+  # the one built, and the pulled image must pass the same checks.
+  step "pull back: skopeo copy docker://$ref -> oci:$work/pulled, every digest compared"
+  rm -rf "$work/pulled"
+  skopeo copy --quiet --src-tls-verify="$tls" "docker://$ref" "oci:$work/pulled:$tag"
+  python3 "$repo/deploy/image/compare.py" "$work/oci" "$work/pulled"
+  step "run: clefcore demo inside the pulled image, user 10001, networking off"
+  check_inside "oci:$work/pulled:$tag"
+  echo "pushed $ref@$(cat "$work/pushed.digest")" >&2
 fi
 
 step "image OK: $image, layers in $work/layers.md, OCI layout in $work/oci"

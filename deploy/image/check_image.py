@@ -1,14 +1,20 @@
 """Run inside the built image (build.sh copies it to /tmp and runs it as user 10001 with networking off).
 
+    python3 /tmp/check_image.py --cublas yes|no
+
 Fails (exit 1) unless: the user is not root, the network is unreachable, the compile caches point into the
-writable /cache, no cuBLAS library is in the image and importing CuPy and clefcore loads none, NVRTC loads
-from the wheels (CuPy's binding and clefcore's offline compiler, which builds one kernel for sm_70), and
-`clefcore demo` answers every question of its request.
+writable /cache, NVRTC loads from the wheels (CuPy's binding and clefcore's offline compiler, which builds one
+kernel for sm_70), `clefcore demo` answers every question of its request, and cuBLAS is as the variant says:
+- yes (the full image): CuPy's cuBLAS binding imports, and libcublas and libcublasLt open from the image's
+  wheel, which is the condition under which the engine runs its GEMMs through them on a GPU
+  (clefcore.backends.cuda.cublas.missing() is None, cublaslt.available());
+- no (the lean image): no cuBLAS library is in the image and importing CuPy and clefcore loads none.
 Standard library plus what the image installs; no GPU needed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -36,7 +42,24 @@ def reachable(host: str, port: int) -> str | None:
         return None
 
 
+def cublas_libraries() -> list[str]:
+    found = set()   # the roots overlap (the venv is under /opt)
+    for root in (Path(sys.prefix), Path("/usr/lib"), Path("/usr/local/lib"), Path("/opt")):
+        if root.is_dir():
+            found |= {str(p) for p in root.rglob("libcublas*")}
+    return sorted(found)
+
+
+def loaded(name: str) -> list[str]:
+    """Paths of the loaded shared objects whose file name starts with ``name``."""
+    maps = Path("/proc/self/maps").read_text()
+    return sorted({line.split()[-1] for line in maps.splitlines() if Path(line.split()[-1]).name.startswith(name)})
+
+
 def main() -> int:
+    p = argparse.ArgumentParser(description="checks run inside the serving image")
+    p.add_argument("--cublas", choices=("yes", "no"), required=True, help="whether the image ships cuBLAS")
+    with_cublas = p.parse_args().cublas == "yes"
     check("runs as a non-root user", os.getuid() != 0, f"uid {os.getuid()}")
 
     for host, port in (("pypi.org", 443), ("1.1.1.1", 443), ("8.8.8.8", 53)):
@@ -50,20 +73,27 @@ def main() -> int:
         check(f"{var} under /cache and writable", path.is_relative_to("/cache") and os.access(existing, os.W_OK),
               f"{path} ({existing} exists)")
 
-    found = []
-    for root in {Path(sys.prefix), Path("/usr/lib"), Path("/usr/local/lib"), Path("/opt")}:
-        if root.is_dir():
-            found += [str(p) for p in root.rglob("libcublas*")]
-    check("no cuBLAS library in the image", not found, ", ".join(found))
-
+    files = cublas_libraries()
     import cupy
     import clefcore
     import clefcore.backends.cuda.ops  # noqa: F401  (the GPU backend, as `serve --device cuda` imports it)
     import clefcore.server  # noqa: F401
+    if with_cublas:
+        check("libcublas and libcublasLt in the image",
+              any("/libcublas.so" in f for f in files) and any("/libcublasLt.so" in f for f in files),
+              ", ".join(files))
+        from clefcore.backends.cuda import cublas, cublaslt
+        why = cublas.missing()   # imports CuPy's cuBLAS binding, which opens libcublas (and libcublasLt with it)
+        check("CuPy's cuBLAS binding imports", why is None, why or "")
+        check("cuBLASLt opens (clefcore's binding)", cublaslt.available())
+        both = loaded("libcublas.so") + loaded("libcublasLt.so")
+        check("both libraries opened from the image's wheel",
+              len(both) == 2 and all(f.startswith(sys.prefix) for f in both), ", ".join(both))
+    else:
+        check("no cuBLAS library in the image", not files, ", ".join(files))
+        opened = loaded("libcublas")
+        check("import cupy / clefcore loads no cuBLAS", not opened, ", ".join(opened))
     from cupy.cuda import nvrtc
-    maps = Path("/proc/self/maps").read_text()
-    loaded = sorted({line.split()[-1] for line in maps.splitlines() if "cublas" in line})
-    check("import cupy / clefcore loads no cuBLAS", not loaded, ", ".join(loaded))
     version = nvrtc.getVersion()
     check("CuPy loads NVRTC 12 from the wheel", version[0] == 12, f"CuPy {cupy.__version__}, NVRTC {version}")
 

@@ -5,7 +5,9 @@ Without ``--model`` the end-to-end part uses random clef-flash-shaped weights ge
 (fp16 matrices, N(0, 0.02); vocabulary tables as random bf16 on the device), which is what the synthetic
 checkpoint would hold after loading; with ``--model DIR`` the checkpoint is loaded through ``load_params``
 (and the load time reported). When torch and transformers import, a transformers Qwen3.5 text model with the
-same shapes (bf16, sdpa) runs the same lengths in the same process (clefcore/peers.py).
+same shapes (bf16, sdpa) runs the same lengths in the same process (clefcore/peers.py). Each case reports how many
+of its GEMM shapes ran on which path (wmma, cublas, rows); the JSON says whether cuBLAS and cuBLASLt load. Where
+cuBLAS does not (the lean image, or PYTHONPATH=tests/no_cublas), the kernel table leaves its cuBLAS rows out.
 
 ``--image 1024x1024`` adds the image case: one request with a PNG of that size (1,024 image tokens at
 1024x1024) timed end to end, preprocessing (and, separately, decoding) on the host, the vision tower, backbone
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import time
 import types
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,6 +121,21 @@ def _fingerprint(files) -> str:
     return h.hexdigest()[:12]
 
 
+def gemm_libraries() -> dict:
+    """Whether this process loads cuBLAS and cuBLASLt, with the reason when not (the JSON's "cublas" and
+    "cublaslt"): without cuBLAS every GEMM runs clefcore's own kernels; without cuBLASLt (it comes with cuBLAS)
+    there is no split8."""
+    from .backends.cuda import cublas, cublaslt
+    missing = cublas.missing()
+    if missing is not None:
+        lt = dict(loadable=False, error=f"comes with cuBLAS, which cannot be loaded: {missing}")
+    elif cublaslt.available():
+        lt = dict(loadable=True, error=None)
+    else:
+        lt = dict(loadable=False, error="libcublasLt not found beside the loaded libcublas nor by its soname")
+    return dict(cublas=dict(loadable=missing is None, error=missing), cublaslt=lt)
+
+
 def provenance() -> dict:
     """What ran: the package version, a fingerprint of its Python modules and kernel sources (it names the code
     where git cannot: an installed wheel, or a copied tree whose .git lags behind it) and the git commit of the
@@ -169,9 +187,14 @@ def _check(name, got, ref, tol, checks):
 def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=SEQ_LENS):
     """Per-kernel times with achieved rates next to the ceilings measured here. Each op runs once first and its
     output is checked against the numpy path (GEMMs on a few rows, attention on the last queries, the other
-    ops whole); the errors go to ``out["checks"]``."""
+    ops whole); the errors go to ``out["checks"]``. Where cuBLAS cannot be loaded its rows (the GEMM ceilings,
+    split, split8) are left out, said in ``out["kernels_note"]``, and clefcore's GEMMs are given in TFLOP/s alone."""
     from .backends import cpu
     rows, checks = [], {}
+    cublas = ops.cublas_missing is None
+    if not cublas:
+        out["kernels_note"] = f"no cuBLAS rows: cuBLAS cannot be loaded ({ops.cublas_missing})"
+        print(f"  {out['kernels_note']}")
     host = ops.to_host
     path = ops.precision          # the kernel path CudaOps resolved; the GEMM rows below switch it and restore it
     t, copy_gbs = _copy_rate(cp)
@@ -195,23 +218,27 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
         fl = 2.0 * M * N * K
         x16 = x.astype(cp.float16)
         ref = gemm_ref(x, w)
-        tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", lambda: ops._cublas(x16, w, o), o, ref, TOL_FP16, inner=10)
-        rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
-        ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
-                  tol_k(TOL_SPLIT, K), inner=10)
-        rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts, f"{tc / ts:.0%} of one fp16 pass"))
-        ops.precision = path
-        if path == "split8" and ops._has_twin(M, ops.twin(w)):
-            t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", lambda: ops._split8_gemm(ops._split8(x), w, o), o, ref,
-                      tol_k(TOL_SPLIT8, K), inner=10)
-            rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
-                         f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
-        ops._twins.pop(w.data.ptr, None)
+        tc = None                                             # the cuBLAS fp16 ceiling, where cuBLAS loads
+        if cublas:
+            tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", lambda: ops._cublas(x16, w, o), o, ref, TOL_FP16, inner=10)
+            rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
+            ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
+                      tol_k(TOL_SPLIT, K), inner=10)
+            rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts,
+                         f"{tc / ts:.0%} of one fp16 pass"))
+            ops.precision = path
+            if path == "split8" and ops._has_twin(M, ops.twin(w)):
+                t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", lambda: ops._split8_gemm(ops._split8(x), w, o), o,
+                          ref, tol_k(TOL_SPLIT8, K), inner=10)
+                rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
+                             f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
+            ops._twins.pop(w.data.ptr, None)
         for prec in ("fp16", "split"):
             ops.precision = prec
             tw = gemm(f"wmma {prec} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
                       TOL_FP16 if prec == "fp16" else tol_k(TOL_SPLIT, K), inner=10)
-            rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw, f"{fl / tw / 1e9:.0f} TFLOP/s ({tc / tw:.0%} of cuBLAS)"))
+            rows.append((f"wmma GEMM {prec} {M}x{N}x{K}", tw,
+                         f"{fl / tw / 1e9:.0f} TFLOP/s" + ("" if tc is None else f" ({tc / tw:.0%} of cuBLAS)")))
     ops.precision = path
     M, N, K = head_gemm
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
@@ -221,12 +248,15 @@ def kernels(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens
     tr = gemm(f"gemm_rows {M}x{N}x{K}", lambda: ops._gemm_rows(x, w, o), o, ref, TOL_FP32, timer=_timeit_graph)
     tw = gemm(f"wmma {ops.precision} {M}x{N}x{K}", lambda: ops._wmma(x, w, o), o, ref,
               TOL_FP16 if ops.precision == "fp16" else tol_k(TOL_SPLIT, K), timer=_timeit_graph)
-    ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
-              tol_k(TOL_SPLIT, K), inner=10)                  # cuBLAS via CuPy: not capturable
     rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
-    rows.append((f"wmma {ops.precision}, same shape (graph) / cuBLAS split (queued)", tw,
-                 f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / {ts / tr:.1f}x faster"))
+    if cublas:
+        ts = gemm(f"cuBLAS split {M}x{N}x{K}", lambda: ops._split_gemm(ops._split(x), w, o), o, ref,
+                  tol_k(TOL_SPLIT, K), inner=10)              # cuBLAS via CuPy: not capturable
+        rows.append((f"wmma {ops.precision}, same shape (graph) / cuBLAS split (queued)", tw,
+                     f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / {ts / tr:.1f}x faster"))
+    else:
+        rows.append((f"wmma {ops.precision}, same shape (graph)", tw, f"gemm_rows {tw / tr:.1f}x faster"))
     for T in seq_lens:
         cu = np.array([0, T])
         D, hq, hkv = 256, 16, 4
@@ -431,18 +461,34 @@ def image_record(data: bytes, vocab: int):
                    positions=mrope_positions(T, spans)), px
 
 
+def path_counts(seen: dict) -> dict:
+    """{path: GEMM shapes that took it} from ``CudaOps.gemm_paths``'s {shape key: path}, most used first: what
+    the JSON and the report say of one case's GEMMs (e.g. {"wmma": 9, "rows": 4}: no cuBLAS)."""
+    counts = Counter(seen.values())
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _paths_text(counts: dict) -> str:
+    if not counts:
+        return "GEMM paths unseen (CUDA graph replayed)"
+    return "GEMM " + ", ".join(f"{p} {n}" for p, n in counts.items()) + " shapes"
+
+
 def _measure(cp, ops, label, T, run, reps):
     """One case: warm-up, one untimed forward for the memory figures (see end_to_end), then ``reps`` timed ones.
-    Printed, and returned as the JSON row."""
+    The GEMM path of each shape is recorded over the two untimed runs (the eager first run, or a graph's
+    capture). Printed, and returned as the JSON row."""
     pool = cp.get_default_memory_pool()
-    run()                                   # warm-up: compiles, autotunes the GEMM shapes
-    cp.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    base = pool.used_bytes()                # the weights (and whatever else outlives a forward)
-    dev0 = _device_used(cp)
-    with PeakInUse(cp) as pk:               # one untimed forward for the memory figures
-        run()
+    with ops.gemm_paths() as seen:
+        run()                               # warm-up: compiles, autotunes the GEMM shapes
         cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        base = pool.used_bytes()            # the weights (and whatever else outlives a forward)
+        dev0 = _device_used(cp)
+        with PeakInUse(cp) as pk:           # one untimed forward for the memory figures
+            run()
+            cp.cuda.Device().synchronize()
+    paths = path_counts(seen)
     peak = pk.peak - base
     reserved = pool.total_bytes() - base
     dev = _device_used(cp) - dev0
@@ -459,9 +505,10 @@ def _measure(cp, ops, label, T, run, reps):
     print(f"  clefcore {label:16s} {ms:9.1f} ms  {T / ms * 1e3:9.0f} tok/s {'graph' if graphed else 'eager'}  "
           f"(runs {spread(ts)})  "
           f"beyond weights: peak in use "
-          f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB")
+          f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB; "
+          f"{_paths_text(paths)}")
     pool.free_all_blocks()
-    return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3,
+    return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3, gemm_paths=paths,
                 token_block=getattr(ops, "token_block", 0),
                 cuda_graph=graphed, graph_pools_gib=sum(g.nbytes() for g in graphs) / 2 ** 30,
                 peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30, device_gib=dev / 2 ** 30)
@@ -604,7 +651,8 @@ def run(args) -> int:
         precision.resolve(p, False)      # an unknown name fails here, before any load
     lengths = [int(v) for v in args.lengths.split(",") if v]
     image_size = _image_size(args.image) if args.image else None
-    out = dict(date=time.strftime("%Y-%m-%d"), **provenance(), host=platform.node(), precisions=precisions,
+    out = dict(date=time.strftime("%Y-%m-%d"), **provenance(), **gemm_libraries(), host=platform.node(),
+               precisions=precisions,
                graph_tokens=args.graph_tokens, token_block=args.token_block, end_to_end={}, paths={},
                gemm_choice={}, weights_gib={}, load_s={})
     if image_size:

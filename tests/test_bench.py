@@ -1,10 +1,14 @@
 """`clefcore bench`'s kernel table checks every op against numpy before timing it: the check itself (no GPU),
 then on a GPU the whole table at small, awkward shapes with each check recorded, and a kernel that writes wrong
-values stopping the bench instead of being reported as fast."""
+values stopping the bench instead of being reported as fast. Without cuBLAS (tests/no_cublas) the bench runs on
+clefcore's own GEMMs and says so: no cuBLAS rows, cuBLAS recorded as not loadable, each case's GEMM paths."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
 from clefcore import bench, peers  # noqa: E402
+from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
@@ -54,32 +59,133 @@ def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
     assert bench._fingerprint([("a.cu", a), ("b.cu", b)]) != before            # one changed byte does
 
 
+def test_path_counts_per_case():
+    """A case's {shape key: path} (as CudaOps.gemm_paths records it) as the report gives it: shapes per path,
+    most used first."""
+    seen = {shape_key(346, 12288, 4096, "float32", "fp16"): "wmma",
+            shape_key(346, 4096, 12288, "float32", "fp16"): "cublas",
+            shape_key(346, 24576, 4096, "swiglu", "fp16"): "wmma",
+            shape_key(11, 1024, 4096, "float32", "fp16"): "rows"}
+    assert list(bench.path_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
+    assert bench._paths_text(bench.path_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
+    assert bench.path_counts({}) == {} and "unseen" in bench._paths_text({})
+    # keys are per M bucket: 300 and 512 rows share one, 513 does not
+    k300, k512, k513, k1 = (shape_key(M, 64, 64, "t", "split") for M in (300, 512, 513, 1))
+    assert k300 == k512 == (64, 64, 512, "t", "split") and k513[2] == 1024 and k1[2] == 16
+
+
+NO_CUBLAS = Path(__file__).parent / "no_cublas"
+MODEL = Path(__file__).parent / "golden" / "model"
+
+
+def _no_cublas_child(args, cwd, timeout):
+    """``python args`` with cuBLAS made unloadable (tests/no_cublas's sitecustomize on PYTHONPATH), run outside
+    the repo root so that it imports the clefcore this test imports."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(NO_CUBLAS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if p])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_gemm_libraries_say_why_cublas_is_missing(tmp_path):
+    """The JSON's "cublas" / "cublaslt" in a process that cannot load cuBLAS (no GPU needed): the shim's refusal
+    where the libraries exist, CuPy's "not found" where they do not (this CPU machine)."""
+    code = "import json; from clefcore import bench; print(json.dumps(bench.gemm_libraries()))"
+    r = _no_cublas_child(["-c", code], tmp_path, 120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    why = got["cublas"]["error"]
+    assert got["cublas"]["loadable"] is False and ("tests/no_cublas" in why or "libcublas" in why), got
+    assert got["cublaslt"] == {"loadable": False, "error": f"comes with cuBLAS, which cannot be loaded: {why}"}
+
+
 SMALL = dict(gemm_shapes=((65, 144, 256), (1, 48, 512)), head_gemm=(3, 130, 1024), seq_lens=(130,))
 
 
 @pytest.fixture(scope="module")
 def ops():
     from clefcore.backends.cuda import CudaOps
-    if not HAVE_CUBLAS:
-        pytest.skip("the kernel table times cuBLAS as its ceiling; cuBLAS cannot be loaded here")
     return CudaOps(0, precision="exact")
 
 
 @gpu
 def test_kernel_table_checks_every_timed_op(ops):
+    """Every row's op checked first; the cuBLAS rows only where cuBLAS loads (run the suite under
+    PYTHONPATH=tests/no_cublas for the other half)."""
     out = {"precision": ops.precision}
     rows = bench.kernels(cupy, ops, out, **SMALL)
     names = set()
     for M, N, K in SMALL["gemm_shapes"]:
-        names |= {f"{p} {M}x{N}x{K}" for p in ("cuBLAS fp16", "cuBLAS split", "wmma fp16", "wmma split")}
-        if HAVE_FP8 and ops._fp8.supports(M, N, K):
+        names |= {f"wmma fp16 {M}x{N}x{K}", f"wmma split {M}x{N}x{K}"}
+        if HAVE_CUBLAS:
+            names |= {f"cuBLAS fp16 {M}x{N}x{K}", f"cuBLAS split {M}x{N}x{K}"}
+        if HAVE_FP8 and HAVE_CUBLAS and ops._fp8.supports(M, N, K):
             names.add(f"cuBLAS(Lt) split8 {M}x{N}x{K}")
     M, N, K = SMALL["head_gemm"]
-    names |= {f"gemm_rows {M}x{N}x{K}", f"wmma {ops.precision} {M}x{N}x{K}", f"cuBLAS split {M}x{N}x{K}"}
+    names |= {f"gemm_rows {M}x{N}x{K}", f"wmma {ops.precision} {M}x{N}x{K}"}
+    if HAVE_CUBLAS:
+        names.add(f"cuBLAS split {M}x{N}x{K}")
     for T in SMALL["seq_lens"]:
         names |= {f"{op} T={T}" for op in ("attention", "gated delta rule", "add_rmsnorm", "conv1d+silu")}
     assert set(out["checks"]) == names                  # every timed op was checked first
     assert len(rows) == len(out["kernels"]) and all(r["ms"] > 0 for r in out["kernels"])
+    assert any("cuBLAS" in r["name"] for r in out["kernels"]) == HAVE_CUBLAS
+    assert ("kernels_note" in out) == (not HAVE_CUBLAS)
+
+
+@gpu
+def test_gemm_paths_records_each_shapes_path_within_the_block(ops):
+    """ops.gemm_paths: the path of each GEMM issued inside the block, keyed as the autotune keys it, equal to
+    the autotune's choice; nothing after the block; the method is the class's again."""
+    x1 = cupy.random.standard_normal((300, 256), dtype=cupy.float32)
+    x2 = cupy.random.standard_normal((5, 256), dtype=cupy.float32)
+    w = (cupy.random.standard_normal((192, 256), dtype=cupy.float32) * 0.02).astype(cupy.float16)
+    with ops.gemm_paths() as seen:
+        ops.linear(x1, w)
+        ops.linear(x2, w)
+        ops.linear(x1[:280], w)                          # the same bucket as 300 rows: one key
+    keys = [shape_key(300, 192, 256, "float32", ops.precision), shape_key(5, 192, 256, "float32", ops.precision)]
+    assert list(seen) == keys and seen == {k: ops.gemm_choice[k] for k in keys}
+    assert set(seen.values()) <= ({"wmma", "cublas", "rows"} if HAVE_CUBLAS else {"wmma", "rows"})
+    assert "_choose" not in vars(ops)
+    ops.linear(cupy.random.standard_normal((1000, 256), dtype=cupy.float32), w)
+    assert list(seen) == keys
+
+
+@gpu
+def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
+    """The kernel table (small shapes) and `clefcore bench` end to end (the tiny golden model, fast and exact)
+    in a process that cannot load cuBLAS: both complete; no cuBLAS row; the JSON says cuBLAS and cuBLASLt are not
+    loadable; every case's GEMMs ran on clefcore's wmma (and gemm_rows) kernels."""
+    table, report = tmp_path / "kernels.json", tmp_path / "bench.json"
+    script = (f"import json, sys, cupy\nfrom clefcore import bench\nfrom clefcore.backends.cuda import CudaOps\n"
+              f"out = {{}}\nbench.kernels(cupy, CudaOps(0, precision='fast'), out, **{SMALL!r})\n"
+              f"json.dump(out, open({str(table)!r}, 'w'))\nsys.exit(bench.main(sys.argv[1:]))\n")
+    r = _no_cublas_child(["-c", script, "--model", str(MODEL), "--precision", "fast,exact", "--lengths", "200",
+                          "--packed", "2x160", "--reps", "1", "--no-kernels", "--no-transformers",
+                          "--json", str(report)], tmp_path, 900)
+    print(r.stdout[-5000:])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    kt = json.loads(table.read_text())
+    names = [k["name"] for k in kt["kernels"]]
+    assert not any("cuBLAS" in n for n in names + list(kt["checks"])), names
+    assert sum(n.startswith("wmma GEMM") for n in names) == 2 * len(SMALL["gemm_shapes"])
+    assert any(n.startswith("gemm_rows") for n in names) and "tests/no_cublas" in kt["kernels_note"]
+    got = json.loads(report.read_text())
+    assert got["cublas"]["loadable"] is False and "tests/no_cublas" in got["cublas"]["error"]
+    assert got["cublaslt"]["loadable"] is False
+    assert got["paths"] == {"fast": "fp16", "exact": "split"}
+    assert "cuBLAS not loadable" in r.stdout
+    for prec, cases in got["end_to_end"].items():
+        assert [c["case"] for c in cases] == ["200 tokens", "2x160 packed"]
+        for c in cases:
+            # every layer's MLP is a wmma-or-cuBLAS choice, so a run without cuBLAS shows wmma shapes; the
+            # head's few-row GEMMs may take gemm_rows, clefcore's other kernel
+            assert c["gemm_paths"].get("wmma", 0) > 0 and set(c["gemm_paths"]) <= {"wmma", "rows"}, (prec, c)
+        assert set(got["gemm_choice"][prec].values()) <= {"wmma", "rows"}
+    lines = [line for line in r.stdout.splitlines() if line.startswith("  clefcore ")]   # each case's line says it
+    assert len(lines) == 4 and all(re.search(r"; GEMM (.*, )?wmma \d+", line) and "cublas" not in line
+                                   for line in lines), lines
 
 
 @gpu

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -16,6 +17,12 @@ from .elementwise import ELEM_THREADS, NULL, rowdot_k
 log = logging.getLogger("clefcore.cuda")
 
 _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
+
+
+def shape_key(M, N, K, tag, precision) -> tuple:
+    """The autotune's key of a GEMM (``CudaOps.gemm_choice``): (N, K, M rounded up to a power of two of at least
+    16, operand tag, precision)."""
+    return N, K, 1 << max(4, int(math.ceil(math.log2(max(M, 1))))), tag, precision
 
 
 class MatmulOps:
@@ -162,8 +169,8 @@ class MatmulOps:
             return self.gemm_mode
         if self.cublas_missing is not None:
             paths = {name: run for name, run in paths.items() if name != "cublas"}
-        bucket = 1 << max(4, int(math.ceil(math.log2(max(M, 1)))))
-        key = (N, K, bucket, tag, self.precision)
+        key = shape_key(M, N, K, tag, self.precision)
+        bucket = key[2]
         got = self.gemm_choice.get(key)
         if got is None:
             cp = self.cp
@@ -183,6 +190,25 @@ class MatmulOps:
             log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", bucket, N, K, tag,
                      ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), got)
         return got
+
+    @contextmanager
+    def gemm_paths(self):
+        """Yields a dict that fills, while the block runs, with the path each GEMM took: {shape_key: "wmma",
+        "cublas" or "rows"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on cuBLAS.
+        Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay. Not
+        nested."""
+        seen = {}
+        choose = self._choose
+
+        def recorded(M, N, K, paths, tag=""):
+            got = choose(M, N, K, paths, tag)
+            seen[shape_key(M, N, K, tag, self.precision)] = got
+            return got
+        self._choose = recorded          # an instance attribute over the method, for the block only
+        try:
+            yield seen
+        finally:
+            del self._choose
 
     def linear(self, x, w, b=None):
         cp = self.cp

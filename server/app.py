@@ -117,30 +117,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--device", default="cpu",
-                        help="cpu, cuda:N, or a comma-separated list of devices (one worker process each)")
+                        help="cpu, cuda:N, or a comma-separated list of devices, one worker process each "
+                             "(default: %(default)s)")
     parser.add_argument("--workers", type=int, default=0,
-                        help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU")
+                        help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU "
+                             "(default: %(default)s, off)")
     image_options(parser)
     gpu_options(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a container)")
-    parser.add_argument("--port", type=int, default=8080, help="listen port (0: pick a free one and log it)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="listen address; 0.0.0.0 in a container (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8080,
+                        help="listen port; 0 picks a free one and logs it (default: %(default)s)")
     parser.add_argument("--validation", default="cloudflare", choices=("cloudflare", "reference"),
-                        help="request rules: Cloudflare's limits, or the reference code's lenient ones")
+                        help="request rules: Cloudflare's limits, or the reference code's lenient ones "
+                             "(default: %(default)s)")
     parser.add_argument("--confidence", default="cloudflare", choices=CONFIDENCE_MODES,
-                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
-    parser.add_argument("--context-length", type=_positive(int), default=24576, help="maximum prompt tokens")
+                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's "
+                             "(default: %(default)s)")
+    parser.add_argument("--context-length", type=_positive(int), default=24576,
+                        help="maximum prompt tokens (default: %(default)s)")
     parser.add_argument("--on-overflow", default="truncate", choices=("truncate", "reject"),
-                        help="over-long state: cut its tail like the reference, or answer 400")
+                        help="over-long state: cut its tail like the reference, or answer 400 "
+                             "(default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=13 * 1024 * 1024,
-                        help="largest request body accepted (413 above)")
+                        help="largest request body accepted in bytes, 413 above (default: %(default)s)")
     parser.add_argument("--max-batch-tokens", type=_positive(int), default=16384,
-                        help="token budget of one packed forward")
+                        help="token budget of one packed forward (default: %(default)s)")
     parser.add_argument("--max-batch-requests", type=_positive(int), default=32,
-                        help="requests in one packed forward")
+                        help="requests in one packed forward (default: %(default)s)")
     parser.add_argument("--max-queue", type=_positive(int), default=256,
-                        help="queued requests before answering 429")
+                        help="queued requests before answering 429 (default: %(default)s)")
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
-                        help="seconds a request may wait for its answer (503 after)")
+                        help="seconds a request may wait for its answer, 503 after (default: %(default)s)")
     parser.add_argument("--max-queue-wait", type=_positive(float), default=None,
                         help="admit no request into a longer expected time to its answer (the work before it "
                              "plus its own, in tokens / measured device rate), else 429 "
@@ -148,17 +156,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-slowdown", type=_slowdown, default=4.0,
                         help="nor admit a request into an expected time to its answer over this many times its "
                              "own device time (at least 0.25 s; inf: --max-queue-wait alone): short decisions "
-                             "get a fast 429 rather than a long wait")
+                             "get a fast 429 rather than a long wait (default: %(default)s)")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
-                             "short ones (0: off)")
+                             "short ones; 0: off (default: %(default)s)")
     parser.add_argument("--age-rate", type=_age_rate, default=None,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
-                             "(first in, first out) or auto (default: the measured device rate)")
+                             "(first in, first out) or auto (default: auto, the measured device rate)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
-                        help="seconds to finish accepted requests after SIGTERM")
+                        help="seconds to finish accepted requests after SIGTERM (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
-                        help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY)")
+                        help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY; "
+                             "unset: no key is required)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,8 @@
 #   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml, plus -lean for the lean image)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
+#   CLEFCORE_IMAGE_EPOCH  the time (seconds since 1970) of every file in the built layers and of the image's
+#                         creation (default 0): same files, same layer digests, build after build
 #   CLEFCORE_IMAGE_KEEP=1 keep buildah's storage (several GB) for inspection instead of deleting it
 #   CLEFCORE_IMAGE_PUSH   after every check passed, push the image there with push.py, e.g.
 #                         forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.1.0 (log in first with
@@ -109,10 +111,14 @@ for ca in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}" "${SSL_CERT_FILE:-}" /etc/ss
   if [ -n "$ca" ] && [ -s "$ca" ]; then secret=(--secret "id=ca-bundle,src=$ca"); break; fi
 done
 # --layers: one layer per instruction as Docker makes them (without it buildah squashes each stage into one).
-# --format docker: the OCI config has no HEALTHCHECK or SHELL. The build's output goes to build.log, each
-# line prefixed with the seconds since build.sh started.
+# --format docker: the OCI config has no HEALTHCHECK or SHELL. --timestamp: every file in the new layers and
+# the image's creation time get one fixed time (CLEFCORE_IMAGE_EPOCH, default 0), so a layer of the same files
+# (cuBLAS's, NVRTC's: shared objects, no bytecode) has the same digest in every build, and push.py skips the
+# ~620 MB the registry already holds. The build's output goes to build.log, each line prefixed with the seconds
+# since build.sh started.
 stamp() { while IFS= read -r line; do printf '[%4d] %s\n' "$SECONDS" "$line"; done; }
 if ! "${B[@]}" bud --layers --isolation chroot --pull=never --format docker \
+       --timestamp "${CLEFCORE_IMAGE_EPOCH:-0}" \
        -f "$repo/deploy/Dockerfile" --build-arg "BASE_IMAGE=$base" \
        --build-arg "CLEFCORE_CUBLAS=$cublas" "${secret[@]}" -t "$image" "$repo" \
        2>&1 | stamp > "$work/build.log"; then

@@ -1,0 +1,625 @@
+"""deploy/image/push.py against a registry made here: an in-process HTTP server speaking the OCI
+distribution API (HEAD blob, POST/PATCH/GET/PUT uploads, PUT manifest) that refuses any request body over its
+limit with 413, asks for the Bearer token flow (or Basic), hands out Locations with a query string that must
+come back, checks each PATCH's Content-Range against what it holds, and fails a chosen PATCH the ways a
+registry behind a proxy does. No network, no GPU. The push runs as a subprocess where the command line
+matters, in-process (main()) where the test replaces the backoff's sleep."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+PUSH = Path(__file__).resolve().parent.parent / "deploy" / "image" / "push.py"
+NAME = "owner/clefcore"
+USER, PASSWORD = "builder", "pass:with colon"
+LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar+gzip"
+MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+CHUNK = 64_000
+PUSH_ENV = ("REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "CLEFCORE_IMAGE_PUSH_CHUNK", "CLEFCORE_IMAGE_PUSH_TLS",
+            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+
+
+def load_push():
+    spec = importlib.util.spec_from_file_location("clefcore_image_push", PUSH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Registry:
+    """The fake registry. `fail` maps the n-th PATCH it receives (1-based) to a failure:
+    drop: reads half the body, keeps it, closes the connection without an answer;
+    500: reads the body, keeps the first half, answers 500;
+    502: keeps the whole body, answers 502 (the answer lost on the way, as from a proxy);
+    503: keeps nothing, answers 503 (a proxy that never reached the registry);
+    forget: as drop, and the upload is gone from then on (404), as in docker's registry, whose Location's
+    _state no longer matches what it holds;
+    short: keeps the first half and answers 202 with a Range that says so.
+    `counts_bytes`: GET <upload> answers Range 0-<bytes held> as Forgejo does, else the spec's 0-<last byte>
+    (0-0 when empty, as docker's registry)."""
+
+    def __init__(self, limit: int, auth: str = "bearer", counts_bytes: bool = False, absolute: bool = False,
+                 token_uses: int | None = None, lie_digest: bool = False):
+        self.limit, self.auth, self.counts_bytes, self.absolute = limit, auth, counts_bytes, absolute
+        self.token_uses, self.lie_digest = token_uses, lie_digest
+        self.blobs: dict[str, bytes] = {}
+        self.uploads: dict[str, bytearray] = {}
+        self.states: dict[str, int] = {}
+        self.manifests: dict[str, tuple[bytes, str]] = {}
+        self.tokens: dict[str, int] = {}     # token -> uses left
+        self.token_requests = 0
+        self.fail: dict[int, str] = {}
+        self.patches = 0
+        self.log: list[dict] = []
+        self.lock = threading.Lock()
+        registry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                registry.handle(self)
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_HEAD
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    # -- plumbing
+    def answer(self, h, status: int, headers: dict | None = None, body: bytes = b"", *, entry: dict):
+        entry["status"] = status
+        h.send_response(status)
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+
+    def error(self, h, status: int, code: str, message: str, entry: dict, headers: dict | None = None):
+        body = json.dumps({"errors": [{"code": code, "message": message}]}).encode()
+        self.answer(h, status, {"Content-Type": "application/json", **(headers or {})}, body, entry=entry)
+
+    def location(self, upload: str) -> str:
+        self.states[upload] += 1
+        path = f"/v2/{NAME}/blobs/uploads/{upload}?_state={self.states[upload]}"
+        return f"http://{self.host}{path}" if self.absolute else path
+
+    def authorized(self, h) -> bool:
+        got = h.headers.get("Authorization", "")
+        if self.auth == "basic":
+            return got == "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        token = got.removeprefix("Bearer ")
+        if self.tokens.get(token, 0) <= 0:
+            return False
+        self.tokens[token] -= 1      # a token is good for token_uses requests, then it has expired
+        return True
+
+    def token(self, h, query: dict, entry: dict):
+        self.token_requests += 1
+        basic = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        if h.headers.get("Authorization") != basic:
+            return self.error(h, 401, "UNAUTHORIZED", "bad credentials", entry)
+        if query.get("scope") != [f"repository:{NAME}:pull,push"] or \
+                query.get("service") != ["fake-registry"]:
+            return self.error(h, 400, "DENIED", f"unexpected token request {query}", entry)
+        token = f"token-{self.token_requests}"
+        self.tokens[token] = self.token_uses or 10**9
+        key = "access_token" if self.token_requests % 2 else "token"    # registries answer either
+        self.answer(h, 200, {"Content-Type": "application/json"}, json.dumps({key: token}).encode(),
+                    entry=entry)
+
+    # -- the API
+    def handle(self, h):
+        with self.lock:
+            self.dispatch(h)
+
+    def dispatch(self, h):
+        url = urlsplit(h.path)
+        query = parse_qs(url.query)
+        length = int(h.headers.get("Content-Length", 0))
+        entry = {"method": h.command, "path": url.path, "length": length,
+                 "range": h.headers.get("Content-Range"), "auth": h.headers.get("Authorization")}
+        self.log.append(entry)
+        if length > self.limit:      # as the proxy does: decided on the header, the body is never read
+            h.close_connection = True
+            return self.error(h, 413, "TOO_LARGE", f"body over {self.limit} bytes", entry,
+                              {"Connection": "close"})
+        if url.path == "/token":
+            return self.token(h, query, entry)
+        failure = None
+        if h.command == "PATCH":
+            self.patches += 1
+            failure = self.fail.get(self.patches)
+        body = h.rfile.read(length // 2 if failure in ("drop", "forget") else length)
+        if not self.authorized(h):
+            challenge = 'Basic realm="fake"' if self.auth == "basic" else (
+                f'Bearer realm="http://{self.host}/token",service="fake-registry",'
+                f'scope="repository:{NAME}:pull,push"')
+            return self.error(h, 401, "UNAUTHORIZED", "authentication required", entry,
+                              {"WWW-Authenticate": challenge})
+        prefix = f"/v2/{NAME}/"
+        if not url.path.startswith(prefix):
+            return self.error(h, 404, "NAME_UNKNOWN", url.path, entry)
+        rest = url.path[len(prefix):]
+        if h.command == "HEAD" and rest.startswith("blobs/sha256:"):
+            blob = self.blobs.get(rest[len("blobs/"):])
+            if blob is None:
+                return self.answer(h, 404, entry=entry)
+            return self.answer(h, 200, {"Docker-Content-Digest": rest[len("blobs/"):]}, entry=entry)
+        if h.command == "POST" and rest == "blobs/uploads/":
+            upload = f"u{len(self.states)}"
+            self.uploads[upload], self.states[upload] = bytearray(), 0
+            return self.answer(h, 202, {"Location": self.location(upload), "Range": "0-0"}, entry=entry)
+        m = re.fullmatch(r"blobs/uploads/(u\d+)", rest)
+        if m and m.group(1) not in self.uploads:
+            return self.error(h, 404, "BLOB_UPLOAD_UNKNOWN", m.group(1), entry)
+        if m:
+            return self.upload(h, m.group(1), query, body, failure, entry)
+        m = re.fullmatch(r"manifests/([\w.-]+)", rest)
+        if h.command == "PUT" and m:
+            return self.manifest(h, m.group(1), body, entry)
+        return self.error(h, 404, "UNSUPPORTED", f"{h.command} {url.path}", entry)
+
+    def upload(self, h, upload: str, query: dict, body: bytes, failure: str | None, entry: dict):
+        held = self.uploads[upload]
+        if h.command == "GET":
+            end = len(held) if self.counts_bytes else max(len(held) - 1, 0)
+            return self.answer(h, 204, {"Range": f"0-{end}"}, entry=entry)
+        if query.get("_state") != [str(self.states[upload])]:
+            return self.error(h, 400, "BLOB_UPLOAD_INVALID", "stale or missing _state", entry)
+        if h.command == "PATCH":
+            start, end = map(int, h.headers["Content-Range"].split("-"))
+            if start != len(held):
+                return self.error(h, 416, "BLOB_UPLOAD_INVALID", f"holds {len(held)} bytes, not {start}",
+                                  entry)
+            if failure in ("drop", "forget"):
+                held += body
+                entry["status"] = "dropped"
+                h.close_connection = True
+                if failure == "forget":
+                    del self.uploads[upload]
+                return None
+            if end - start + 1 != len(body):
+                return self.error(h, 400, "BLOB_UPLOAD_INVALID", "Content-Range and body disagree", entry)
+            held += {None: body, "500": body[:len(body) // 2], "502": body, "503": b"",
+                     "short": body[:len(body) // 2]}[failure]
+            if failure and failure != "short":
+                return self.error(h, int(failure), "UNAVAILABLE", f"injected {failure}", entry)
+            return self.answer(h, 202, {"Location": self.location(upload), "Range": f"0-{len(held) - 1}"},
+                               entry=entry)
+        if h.command == "PUT":
+            held += body
+            digest = query.get("digest", [""])[0]
+            if sha256(bytes(held)) != digest:
+                return self.error(h, 400, "DIGEST_INVALID", f"content is {sha256(bytes(held))}", entry)
+            self.blobs[digest] = bytes(held)
+            del self.uploads[upload]
+            return self.answer(h, 201, {"Docker-Content-Digest": digest}, entry=entry)
+        return self.error(h, 405, "UNSUPPORTED", h.command, entry)
+
+    def manifest(self, h, tag: str, body: bytes, entry: dict):
+        manifest = json.loads(body)
+        if h.headers.get("Content-Type") != manifest["mediaType"]:
+            return self.error(h, 400, "MANIFEST_INVALID", "Content-Type is not the manifest's", entry)
+        for desc in [manifest["config"], *manifest["layers"]]:
+            if desc["digest"] not in self.blobs:
+                return self.error(h, 400, "BLOB_UNKNOWN", desc["digest"], entry)
+        self.manifests[tag] = (body, h.headers["Content-Type"])
+        digest = sha256(body + b" ") if self.lie_digest else sha256(body)
+        return self.answer(h, 201, {"Docker-Content-Digest": digest}, entry=entry)
+
+
+@pytest.fixture
+def registry():
+    made = []
+
+    def make(limit: int = 70_000, **kw) -> Registry:
+        made.append(Registry(limit, **kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def write_blob(layout: Path, data: bytes) -> dict:
+    (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+    (layout / "blobs" / "sha256" / sha256(data)[7:]).write_bytes(data)
+    return {"digest": sha256(data), "size": len(data)}
+
+
+def make_layout(layout: Path, sizes=(300_001, 3 * CHUNK, 123_457), seed: int = 0, tags=("clefcore:test",)):
+    """An OCI layout as `buildah push IMAGE oci:DIR:NAME` writes it, with random (incompressible) layers of
+    the given sizes. Returns {"manifest": bytes, "blobs": {digest: bytes}, "order": [config's, layers']}
+    (digests)."""
+    rng = random.Random(seed)
+    layers = [rng.randbytes(n) for n in sizes]
+    config = json.dumps({"architecture": "amd64", "os": "linux", "seed": seed,
+                         "rootfs": {"type": "layers", "diff_ids": [sha256(x) for x in layers]}}).encode()
+    cdesc = dict(write_blob(layout, config), mediaType="application/vnd.oci.image.config.v1+json")
+    ldescs = [dict(write_blob(layout, x), mediaType=LAYER_TYPE) for x in layers]
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": cdesc,
+                           "layers": ldescs}, indent=2).encode()
+    entries = [dict(write_blob(layout, manifest), mediaType=MANIFEST_TYPE,
+                    annotations={"org.opencontainers.image.ref.name": t}) for t in tags]
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": entries}))
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return {"manifest": manifest, "blobs": {sha256(x): x for x in [config, *layers]},
+            "order": [sha256(config)] + [sha256(x) for x in layers]}
+
+
+def auth_file(path: Path, host: str, password: str = PASSWORD) -> Path:
+    token = base64.b64encode(f"{USER}:{password}".encode()).decode()
+    path.write_text(json.dumps({"auths": {host: {"auth": token}}}))
+    return path
+
+
+def clean_env(tmp_path: Path, **extra) -> dict:
+    """The caller's environment without its logins: HOME is tmp_path, no XDG_RUNTIME_DIR."""
+    env = {k: v for k, v in os.environ.items() if k not in PUSH_ENV}
+    return {**env, "HOME": str(tmp_path), **extra}
+
+
+def run_push(*args, env):
+    return subprocess.run([sys.executable, str(PUSH), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def assert_pushed(reg: Registry, image: dict, tag: str = "test"):
+    for digest, data in image["blobs"].items():
+        assert reg.blobs.get(digest) == data, f"{digest} differs in the registry"
+    assert reg.manifests[tag] == (image["manifest"], MANIFEST_TYPE)
+
+
+def patches_of(reg: Registry) -> list[dict]:
+    return [e for e in reg.log if e["method"] == "PATCH"]
+
+
+# ---- the whole push ---------------------------------------------------------------------------------------
+
+def test_push_in_chunks_with_bearer_token(registry, tmp_path):
+    """Every body at most --chunk-bytes (the registry refuses more than 70,000 bytes), every blob in
+    ceil(size / chunk) PATCHes, a blob already there skipped after its HEAD, the manifest last; all
+    byte-identical."""
+    reg = registry()
+    image = make_layout(tmp_path / "oci")
+    config, big, exact, small = image["order"]
+    reg.blobs[small] = image["blobs"][small]              # pushed before: only its HEAD may happen
+    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    out = run_push(tmp_path / "oci", f"docker://{reg.host}/{NAME}:test", "--chunk-bytes", CHUNK,
+                   "--plain-http", "--digestfile", tmp_path / "digest", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_pushed(reg, image)
+    manifest_digest = sha256(image["manifest"])
+    assert (tmp_path / "digest").read_text().strip() == manifest_digest
+    assert f"pushed {reg.host}/{NAME}:test@{manifest_digest}" in out.stdout
+    assert f"{small}: already in the registry, skipped" in out.stdout
+
+    assert max(e["length"] for e in reg.log) <= CHUNK
+    assert reg.token_requests >= 1 and all(e["status"] == 401 for e in reg.log if e["auth"] is None)
+    sizes = {d: len(b) for d, b in image["blobs"].items()}
+    uploads = [e for e in reg.log if e["method"] == "POST"]
+    assert len(uploads) == 3                               # config, big, exact; not small
+    patches = patches_of(reg)
+    expected = [-(-sizes[d] // CHUNK) for d in (config, big, exact)]
+    assert len([p for p in patches if p["status"] == 202]) == sum(expected) == 1 + 5 + 3
+    starts = [int(p["range"].split("-")[0]) for p in patches if p["status"] == 202]
+    assert starts == [0] + [i * CHUNK for i in range(5)] + [i * CHUNK for i in range(3)]
+    assert patches[5]["range"] == f"{4 * CHUNK}-{sizes[big] - 1}"     # the big layer's short last chunk
+    heads = [e["path"].rsplit("/", 1)[1] for e in reg.log if e["method"] == "HEAD" and e["status"] != 401]
+    assert heads == image["order"]
+    answered = [e for e in reg.log if e["status"] != 401]
+    assert answered[-1]["method"] == "PUT" and answered[-1]["path"] == f"/v2/{NAME}/manifests/test"
+    assert sum("/manifests/" in e["path"] for e in answered) == 1
+
+
+def test_chunk_over_the_proxy_limit_gets_413_and_a_smaller_one_passes(registry, tmp_path):
+    """The registry refuses bodies over 1,000,000 bytes on the Content-Length and closes without reading them,
+    as a proxy does, so sending a 20,000,000-byte chunk breaks off (more than the socket buffers take): the
+    push still reads the 413 and says so in one line, no traceback. 1,000,000-byte chunks then push it."""
+    reg = registry(limit=1_000_000)
+    image = make_layout(tmp_path / "oci", sizes=(20_000_001,))
+    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)),
+                    CLEFCORE_IMAGE_PUSH_TLS="0")
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--chunk-bytes", 20_000_000, env=env)
+    assert out.returncode == 1
+    assert "413: request body too large - lower --chunk-bytes" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not reg.manifests
+    ok = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test",
+                  env={**env, "CLEFCORE_IMAGE_PUSH_CHUNK": "1000000"})
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert_pushed(reg, image)
+    assert max(e["length"] for e in reg.log if e["status"] != 413) <= 1_000_000
+
+
+# ---- failures and resumption ------------------------------------------------------------------------------
+
+@pytest.fixture
+def inproc(tmp_path, monkeypatch):
+    """push.py loaded in-process, its backoff sleeps recorded instead of slept, logins only from tmp_path."""
+    push = load_push()
+    waits: list[float] = []
+    monkeypatch.setattr(push.time, "sleep", waits.append)
+    for k in PUSH_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    push.waits = waits
+    return push
+
+
+@pytest.mark.parametrize("counts_bytes", [False, True], ids=["spec-range", "forgejo-range"])
+@pytest.mark.parametrize("nth", [1, 4], ids=["config-patch", "layer-patch"])
+@pytest.mark.parametrize("failure", ["drop", "500", "502", "503"])
+def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc, capsys, monkeypatch,
+                                                      failure, nth, counts_bytes):
+    """The n-th PATCH fails; the push asks the registry (GET <upload>) what it holds and goes on from there:
+    inside the chunk where the registry kept half of it, after it where it kept all. The 1st PATCH (the
+    config's one chunk) fails before push.py learned how this registry's GET Range reads: where the two
+    readings differ (0-0 when empty, or Forgejo's byte count), the spec's is tried first and the registry's
+    416 sends it to the other. The 4th (the first layer's third chunk) fails after that: no 416."""
+    reg = registry(counts_bytes=counts_bytes)
+    reg.fail[nth] = failure
+    image = make_layout(tmp_path / "oci")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http"])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert_pushed(reg, image)
+    assert inproc.waits == [1]
+    patches = patches_of(reg)
+    failed = patches[nth - 1]
+    start, end = map(int, failed["range"].split("-"))
+    assert start == (0 if nth == 1 else 2 * CHUNK)
+    assert failed["status"] == ("dropped" if failure == "drop" else int(failure))
+    n = end - start + 1
+    held = start + {"drop": n // 2, "500": n // 2, "502": n, "503": 0}[failure]
+    after = reg.log[reg.log.index(failed) + 1:]
+    assert after[0]["method"] == "GET"                    # where is the upload?
+    if nth == 1 and failure == "502":     # the registry holds the whole config: the upload is completed
+        assert (after[1]["method"], after[1]["status"]) == ("PUT", 201)
+    else:
+        resumed = next(p for p in patches[nth:] if p["status"] == 202)
+        assert resumed["range"].startswith(f"{held}-")
+    ambiguous = nth == 1 and (held == 0 or counts_bytes and held < end + 1)
+    assert [p["status"] for p in patches].count(416) == int(ambiguous)
+    resuming = re.search(rf"bytes {start}-{end} failed \(.*\); after 1s, resuming at byte (\d+)"
+                         rf"(?: \(or (\d+) on 416\))?", out.out)
+    assert resuming and resuming.group(2 if ambiguous else 1) == str(held)
+
+
+def test_a_lost_upload_starts_again(registry, tmp_path, inproc, capsys, monkeypatch):
+    """The registry forgets the upload whose PATCH broke off (404 from then on): the blob goes again in a new
+    upload from byte 0, and the image arrives whole."""
+    reg = registry()
+    reg.fail[3] = "forget"                                 # the first layer's second chunk
+    image = make_layout(tmp_path / "oci")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http"])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert_pushed(reg, image)
+    failed = patches_of(reg)[2]
+    assert failed["range"] == f"{CHUNK}-{2 * CHUNK - 1}" and failed["status"] == "dropped"
+    after = [e for e in reg.log[reg.log.index(failed) + 1:] if e["status"] != 401]
+    assert [(e["method"], e["status"]) for e in after[:3]] == [("GET", 404), ("POST", 202), ("PATCH", 202)]
+    assert after[2]["range"] == f"0-{CHUNK - 1}" and after[2]["path"] != failed["path"]
+    assert "the registry lost the upload: a new one from byte 0" in out.out
+    assert sum(e["method"] == "POST" for e in reg.log) == 4 + 1
+
+
+def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, tmp_path, inproc, capsys, monkeypatch):
+    """A PATCH answered 202 whose Range says the registry kept half of it: the next PATCH starts there."""
+    reg = registry()
+    reg.fail[3] = "short"
+    image = make_layout(tmp_path / "oci")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    assert inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                        "--plain-http"]) == 0, capsys.readouterr()
+    assert_pushed(reg, image)
+    ranges = [p["range"] for p in patches_of(reg)[2:4]]
+    assert ranges == [f"{CHUNK}-{2 * CHUNK - 1}", f"{CHUNK + CHUNK // 2}-{2 * CHUNK + CHUNK // 2 - 1}"]
+    assert not inproc.waits
+
+
+def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_path, inproc, capsys,
+                                                                  monkeypatch):
+    reg = registry()
+    reg.fail.update({n: "503" for n in range(1, 100)})
+    image = make_layout(tmp_path / "oci")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http", "--retries", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    config = image["order"][0]
+    assert f"config {config}" in err and "chunk at offset 0 failed 3 times" in err
+    assert "503 Service Unavailable: UNAVAILABLE: injected 503" in err
+    # three tries at byte 0; before each retry the registry's "0-0" (empty, or byte 0?) costs one 416
+    assert [p["status"] for p in patches_of(reg)] == [503, 416, 503, 416, 503] and inproc.waits == [1, 2]
+    assert not reg.manifests
+
+
+def test_an_expired_token_is_renewed(registry, tmp_path, inproc, capsys, monkeypatch):
+    """Each token is good for 4 requests: the push meets 401 mid-upload, fetches a new token, goes on."""
+    reg = registry(token_uses=4)
+    image = make_layout(tmp_path / "oci")
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http"])
+    assert rc == 0, capsys.readouterr()
+    assert_pushed(reg, image)
+    assert reg.token_requests >= 5 and not inproc.waits
+
+
+def test_corrupt_layout_fails_before_any_request_naming_the_file(registry, tmp_path):
+    reg = registry()
+    image = make_layout(tmp_path / "oci")
+    layer = tmp_path / "oci" / "blobs" / "sha256" / image["order"][2][7:]
+    data = bytearray(layer.read_bytes())
+    data[1000] ^= 1
+    layer.write_bytes(data)
+    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert str(layer) in out.stderr and "corrupt" in out.stderr and image["order"][2] in out.stderr
+    layer.write_bytes(data[:-1])
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", env=env)
+    assert out.returncode == 1 and str(layer) in out.stderr
+    assert f"its descriptor says {len(data)}" in out.stderr
+    assert reg.log == []
+
+
+# ---- credentials, references, options ---------------------------------------------------------------------
+
+def test_basic_auth_from_docker_config_and_absolute_locations(registry, tmp_path):
+    """Basic auth (401 WWW-Authenticate: Basic) with credentials from ~/.docker/config.json; the registry's
+    Locations are absolute URLs with a query that must come back."""
+    reg = registry(auth="basic", absolute=True)
+    image = make_layout(tmp_path / "oci", sizes=(150_000,))
+    (tmp_path / ".docker").mkdir()
+    auth_file(tmp_path / ".docker" / "config.json", reg.host)
+    out = run_push(f"{tmp_path / 'oci'}:clefcore:test", f"{reg.host}/{NAME}:test", "--chunk-bytes", CHUNK,
+                   "--plain-http", env=clean_env(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_pushed(reg, image)
+    assert reg.token_requests == 0
+
+
+def test_refused_or_missing_credentials_say_how_to_log_in(registry, tmp_path):
+    reg = registry()
+    make_layout(tmp_path / "oci", sizes=(1000,))
+    wrong = auth_file(tmp_path / "wrong.json", reg.host, password="nope")
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http",
+                   env=clean_env(tmp_path, REGISTRY_AUTH_FILE=str(wrong)))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"credentials from {wrong}" in out.stderr and "401" in out.stderr and "buildah login" in out.stderr
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", env=clean_env(tmp_path))
+    assert out.returncode == 1 and "anonymous" in out.stderr and "buildah login" in out.stderr
+    basic = registry(auth="basic")
+    out = run_push(tmp_path / "oci", f"{basic.host}/{NAME}:test", "--plain-http", env=clean_env(tmp_path))
+    assert out.returncode == 1 and "none are stored" in out.stderr
+
+
+def test_credentials_lookup(tmp_path, inproc, monkeypatch):
+    """The most specific auths key wins (containers-auth.json namespaces), a key for another host never
+    matches, the first file that names the host wins, and credHelpers run docker-credential-NAME get."""
+    host = "registry.example:5000"
+    b64 = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"auths": {host: {"auth": b64("u1:p1")},
+                                           f"{host}/owner": {"auth": b64("u2:p2")},
+                                           f"{host}/other": {"auth": b64("u3:p3")}}}))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(first))
+    (tmp_path / ".docker").mkdir()
+    (tmp_path / ".docker" / "config.json").write_text(json.dumps(
+        {"auths": {"https://elsewhere.example": {"auth": b64("x:y")}},
+         "credHelpers": {"elsewhere.example": "fake"}}))
+    assert inproc.credentials(host, "owner/clefcore") == (("u2", "p2"), str(first))
+    assert inproc.credentials(host, "someone/clefcore") == (("u1", "p1"), str(first))
+    assert inproc.credentials("nowhere.example", "a/b") is None
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    helper = bin_dir / "docker-credential-fake"
+    helper.write_text("#!/bin/sh\nread host\nprintf "
+                      """'{"ServerURL": "%s", "Username": "hu", "Secret": "%s-secret"}' "$host" "$host"\n""")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    found = inproc.credentials("elsewhere.example", "a/b")
+    assert found == (("hu", "elsewhere.example-secret"), "docker-credential-fake")
+
+
+def test_manifest_over_the_chunk_size_fails_before_any_request(registry, tmp_path):
+    reg = registry()
+    image = make_layout(tmp_path / "oci", sizes=(1000,))
+    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--chunk-bytes", 300, env=env)
+    assert out.returncode == 1
+    assert f"the manifest is {len(image['manifest'])} bytes, over --chunk-bytes 300" in out.stderr
+    assert reg.log == []
+
+
+def test_registry_digest_must_match_the_manifest(registry, tmp_path):
+    reg = registry(lie_digest=True)
+    make_layout(tmp_path / "oci", sizes=(1000,))
+    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--digestfile",
+                   tmp_path / "digest", env=env)
+    assert out.returncode == 1 and "the registry answered digest" in out.stderr
+    assert not (tmp_path / "digest").exists()
+
+
+def test_layout_with_several_images_needs_a_tag(tmp_path, inproc):
+    make_layout(tmp_path / "oci", sizes=(100,), tags=("clefcore:a", "clefcore:b"))
+    with pytest.raises(inproc.PushError, match="2 manifests match.*clefcore:a, clefcore:b"):
+        inproc.read_image(str(tmp_path / "oci"))
+    body, media_type, blobs = inproc.read_image(f"{tmp_path / 'oci'}:clefcore:b")
+    assert media_type == MANIFEST_TYPE and [label for label, _, _ in blobs] == ["config", "layer 1/1"]
+    with pytest.raises(inproc.PushError, match="0 manifests match"):
+        inproc.read_image(f"{tmp_path / 'oci'}:clefcore:c")
+
+
+@pytest.mark.parametrize("ref, args, env, message", [
+    ("registry.example/owner/clefcore:1", ["--chunk-bytes", "0"], {},
+     "--chunk-bytes must be a positive whole number of bytes, not '0'"),
+    ("registry.example/owner/clefcore:1", [], {"CLEFCORE_IMAGE_PUSH_CHUNK": "95MB"},
+     "CLEFCORE_IMAGE_PUSH_CHUNK must be a positive whole number of bytes, not '95MB'"),
+    ("registry.example/owner/clefcore:1", [], {"CLEFCORE_IMAGE_PUSH_TLS": "no"},
+     "CLEFCORE_IMAGE_PUSH_TLS must be 1 (HTTPS) or 0 (plain HTTP), not 'no'"),
+    ("registry.example/owner/clefcore", [], {}, "expected [docker://]HOST[:PORT]/NAME:TAG"),
+    ("owner/clefcore:1", [], {}, "expected [docker://]HOST[:PORT]/NAME:TAG"),
+])
+def test_bad_options_are_named(tmp_path, inproc, capsys, monkeypatch, ref, args, env, message):
+    make_layout(tmp_path / "oci", sizes=(100,))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert inproc.main([str(tmp_path / "oci"), ref, *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_ca_bundle_is_named(tmp_path, inproc, capsys, monkeypatch):
+    make_layout(tmp_path / "oci", sizes=(100,))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-ca.pem"))
+    assert inproc.main([str(tmp_path / "oci"), "registry.example/owner/clefcore:1"]) == 1
+    assert f"CA bundle {tmp_path / 'no-such-ca.pem'} (SSL_CERT_FILE" in capsys.readouterr().err
+
+
+def test_https_is_the_default(registry, tmp_path, inproc, capsys, monkeypatch):
+    """Without --plain-http the push speaks TLS: to the plain-HTTP registry that is one clear error."""
+    reg = registry()
+    make_layout(tmp_path / "oci", sizes=(100,))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    assert inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test"]) == 1
+    err = capsys.readouterr().err
+    assert "SSL" in err and len(err.strip().splitlines()) == 1
+    assert not reg.manifests

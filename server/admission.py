@@ -1,15 +1,19 @@
-"""Admission by work: how long the work already accepted will keep the device busy, and whether one more
-request fits the wait budget.
+"""Admission by cost: the numbers behind a 429 (server/batcher.py applies them).
 
-The device's rate (prompt tokens per second) is measured as it serves: an exponentially weighted mean over
-forwards and chunk steps, weighted by their tokens so that a tiny batch's fixed overhead does not swing it.
-Until the first forwards it is a start value per device kind.
+Budget: the wait a caller tolerates, in seconds, as a function of its prompt's size. ``max_s`` for a prompt of
+``context_tokens``, in proportion below that, never under ``min_s``; and never under one device step plus the
+request's own run (a request is never refused for the step that happens to be running).
 
-A request's expected time to its answer is the work that will run before it (tokens, over that rate) plus its
-own. Its budget grows with its own size: ``slowdown`` times its own device time, at least MIN_BUDGET_S, at most
-the cap (``--max-queue-wait``). A one-second prompt may so wait a few seconds, while a short decision is only
-admitted where it can be answered in a fraction of a second; past that it gets a 429 it can act on at once,
-instead of a long wait that looks the same to its caller as a dead server.
+A request is admitted when its expected time to its answer fits its budget. That time counts only the work
+that runs before it in the scheduler's order, at the measured device rate. For a prompt that runs whole
+(shortest first): what is left of the running step, the queued prompts ahead of it and at most one chunk of
+the long prompt being run. Long queued prompts start only when no whole prompt waits, so they never count
+against a short one. For a chunked prompt: all of that plus the long prompts ahead of it, over the share of
+recent time in which no whole prompt was waiting (only then can it start; whole prompts keep arriving and pass
+it), then its own run. A queued
+long prompt whose expected answer moves past its budget is refused then (evicted). So when the device cannot
+keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
+alone exceeds what the device does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ START_RATE = {"cpu": 2_000.0, "cuda": 20_000.0}
 # Weight of one forward of `_HALF_TOKENS` tokens in the mean; larger forwards weigh more, up to 0.5.
 _HALF_TOKENS = 8_192
 _MAX_WEIGHT = 0.5
+# The share of time long prompts are counted on when whole prompts were (nearly) always waiting: the work
+# before them is then counted ~20x, past any budget, without dividing by zero.
+MIN_SPARE = 0.05
+# Size classes of the refusal counter's label (prompt tokens, upper bounds).
+SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
 
 class RateMeter:
@@ -44,46 +53,68 @@ class RateMeter:
         self.samples += 1
 
 
+class RecentShare:
+    """The share of recent wall time that something held (here: whole prompts waiting for the device), an
+    exponentially weighted mean over ``tau_s``, updated at the end of every device step."""
+
+    def __init__(self, tau_s: float = 2.0):
+        self._tau = tau_s
+        self._share = 0.0
+        self._at: float | None = None
+
+    def step(self, end: float, held_s: float) -> None:
+        """A step ended at ``end``; for ``held_s`` of the time since the last one it held."""
+        if self._at is None:
+            self._at = end - held_s
+        span = end - self._at
+        if span > 0:
+            keep = math.exp(-span / self._tau)
+            self._share = keep * self._share + (1 - keep) * min(1.0, held_s / span)
+            self._at = end
+
+    def share(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        return self._share * math.exp(-max(0.0, now - self._at) / self._tau)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Seconds of wait a caller tolerates by prompt size (see the module doc)."""
+    min_s: float
+    max_s: float
+    context_tokens: int
+
+    def __post_init__(self):
+        if not (self.min_s > 0 and self.max_s > 0 and self.context_tokens > 0):
+            raise ValueError(f"budgets must be > 0: min {self.min_s} s, max {self.max_s} s, "
+                             f"context {self.context_tokens} tokens")
+
+    def __call__(self, tokens: int) -> float:
+        return max(self.min_s, self.max_s * tokens / self.context_tokens)
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is not admitted; ``retry_after_s`` is whole seconds, as the header wants."""
-    reason: str            # "queued_work" or "queue_full"
+    reason: str  # "queued_work", "queue_full" or "evicted" (admitted, then displaced by cheaper work)
     retry_after_s: int
-    wait_s: float          # expected wait had it been admitted
+    wait_s: float          # expected wait had it been admitted (or kept)
     budget_s: float
 
 
-# Below this a device step's own length dominates the estimate's error: no budget is tighter.
-MIN_BUDGET_S = 0.25
+def retry_after(wait_s: float, budget_s: float, cap_s: float) -> int:
+    """Whole seconds until the expected wait fits the budget again: at least 1, at most ``cap_s``."""
+    over = wait_s - budget_s
+    return max(1, math.ceil(min(over, cap_s))) if not math.isnan(over) else 1
 
 
-def budget(own_tokens: int, rate: float, slowdown: float, cap_s: float) -> float:
-    """Seconds to its answer a request of ``own_tokens`` may be admitted into (see the module doc)."""
-    if math.isinf(slowdown):
-        return cap_s
-    return min(cap_s, max(MIN_BUDGET_S, slowdown * own_tokens / rate))
-
-
-def expected_wait(backlog_tokens: int, rate: float) -> float:
-    return backlog_tokens / rate if backlog_tokens > 0 else 0.0
-
-
-def retry_after(backlog_tokens: int, rate: float, budget_s: float) -> int:
-    """Seconds until the backlog has drained to what fits the budget again, at least 1."""
-    over = expected_wait(backlog_tokens, rate) - budget_s
-    return max(1, math.ceil(over)) if math.isfinite(over) else 1
-
-
-def check(backlog_tokens: int, own_tokens: int, rate: float, budget_s: float) -> Refusal | None:
-    """None when a request of ``own_tokens`` may be admitted behind ``backlog_tokens`` of work that runs before
-    it. With nothing ahead it is always admitted (a prompt longer than the budget would otherwise never run);
-    the budget bounds the time to its own answer: the work ahead of it plus itself."""
-    if backlog_tokens <= 0:
-        return None
-    wait = expected_wait(backlog_tokens + own_tokens, rate)
-    if wait <= budget_s:
-        return None
-    return Refusal("queued_work", retry_after(backlog_tokens + own_tokens, rate, budget_s), wait, budget_s)
+def size_class(tokens: int | None) -> str:
+    """The refusal counter's label for a prompt of ``tokens`` (None: not known, a body refused unread whose
+    size could not be estimated)."""
+    if tokens is None:
+        return "unknown"
+    return next((str(bound) for bound in SIZE_CLASSES if tokens <= bound), "+Inf")
 
 
 class BodySizer:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import hmac
 import json
-import math
 import os
 import re
 import time
@@ -28,13 +27,14 @@ from clefcore.cli import backend_options, gpu_options, image_options
 from clefcore.errors import ClefError, RequestError
 
 from . import errors
+from .admission import Budgets
 from .batcher import Batcher, DeadlineExceeded, QueueFull
 from .body import read_json
 from .codings import DECODED
 from .device_thread import DeviceThread
 from .engine_status import describe
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
-from .logs import log
+from .logs import RefusalLog, log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics, clear_multiprocess_dir, multiprocess_dir
 from .openapi import build_spec
@@ -58,6 +58,7 @@ class ServerState:
         self.config = config
         self.lifecycle = Lifecycle()
         self.metrics = Metrics()
+        self.refusals = RefusalLog()
         self.hooks = TestHooks.from_environment()
         self.device = DeviceThread()
         self.engine: Any = None
@@ -103,16 +104,6 @@ def _age_rate(text: str) -> float | None:
     return value
 
 
-def _slowdown(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1 or inf, got {text}") from None
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (a request cannot answer before its own run), got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model directory (config.json, safetensors, tokenizer)")
@@ -150,13 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=_positive(float), default=30.0,
                         help="seconds a request may wait for its answer, 503 after (default: %(default)s)")
     parser.add_argument("--max-queue-wait", type=_positive(float), default=None,
-                        help="admit no request into a longer expected time to its answer (the work before it "
-                             "plus its own, in tokens / measured device rate), else 429 "
-                             "(default: half of --request-timeout)")
-    parser.add_argument("--max-slowdown", type=_slowdown, default=4.0,
-                        help="nor admit a request into an expected time to its answer over this many times its "
-                             "own device time (at least 0.25 s; inf: --max-queue-wait alone): short decisions "
-                             "get a fast 429 rather than a long wait (default: %(default)s)")
+                        help="the wait a request of --context-length tokens tolerates, shorter ones in "
+                             "proportion: a request is admitted while the work that runs before it plus its "
+                             "own (tokens / measured device rate) fits, else 429 (default: half of "
+                             "--request-timeout)")
+    parser.add_argument("--min-queue-wait", type=_positive(float), default=1.0,
+                        help="the wait any request tolerates, however short it is; never less than one "
+                             "device step plus its own run (default: %(default)s)")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
                              "short ones; 0: off (default: %(default)s)")
@@ -229,6 +220,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await state.batcher.stop()
     state.metrics.ready.set(0)
     await runner.cleanup()
+    state.refusals.flush()
     state.device.stop()
     state.cpu.shutdown(wait=False, cancel_futures=True)
     log("exit", code=code)
@@ -256,8 +248,8 @@ async def _load(state: ServerState) -> None:
     state.metrics.watch_engine(engine)
     state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                            hooks=state.hooks, wait_budget_s=wait_budget(cfg),
-                            slowdown=getattr(cfg, "max_slowdown", math.inf),
+                            hooks=state.hooks,
+                            budgets=Budgets(cfg.min_queue_wait, wait_budget(cfg), cfg.context_length),
                             chunk_tokens=getattr(cfg, "chunk_tokens", 0),
                             age_rate=getattr(cfg, "age_rate", None))
     state.batcher.start()
@@ -268,13 +260,14 @@ async def _load(state: ServerState) -> None:
 
 
 def wait_budget(cfg: argparse.Namespace) -> float:
-    """Seconds of expected wait a request may be admitted into: half the timeout leaves the other half for
-    the estimate's error and the request's own run."""
+    """Seconds of expected wait a request of --context-length tokens may be admitted into: half the timeout
+    leaves the other half for the estimate's error."""
     budget = getattr(cfg, "max_queue_wait", None)
     return budget if budget is not None else cfg.request_timeout / 2
 
 
-def _refused(refusal, capacity: int) -> errors.ApiError:
+def _refused(refusal, capacity: int, request: web.Request) -> errors.ApiError:
+    request["log"]["refused"] = refusal.reason  # for the refusals' aggregated log line
     if refusal.reason == "queue_full":
         return errors.queue_full(capacity, refusal.retry_after_s)
     return errors.overloaded(refusal.wait_s, refusal.budget_s, refusal.retry_after_s)
@@ -358,6 +351,10 @@ async def _answer(request: web.Request, handler, state: ServerState) -> web.Stre
 def _finish(state: ServerState, request: web.Request, route: str, status: int) -> None:
     duration = time.monotonic() - request["started"]
     state.metrics.requests.labels(route, str(status)).inc()
+    refused = request["log"].get("refused")
+    if refused is not None:  # one line a second for all of them: a retry storm must not cost a line each
+        state.refusals.note(refused)
+        return
     log("request", request_id=request["id"], method=request.method, path=request.path, route=route,
         status=status, duration_ms=round(duration * 1000, 2), client=request.remote, **request["log"])
 
@@ -425,8 +422,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         body_bytes = request.content_length if plain else None
         refusal = batcher.early_refusal(body_bytes)
         if refusal is not None:
-            state.metrics.rejected.labels(refusal.reason).inc()
-            raise _refused(refusal, batcher.capacity)
+            raise _refused(refusal, batcher.capacity, request)
         body = await read_json(request, cfg.max_body_bytes, state.cpu)
         if path_model is not None and isinstance(body, dict):
             # Workers AI takes the model from the path: a body may leave it out or name it either way.
@@ -445,7 +441,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         try:
             outcome = await batcher.submit(prepared, deadline)
         except QueueFull as full:
-            raise _refused(full.refusal, batcher.capacity) from None
+            raise _refused(full.refusal, batcher.capacity, request) from None
         except DeadlineExceeded:
             raise errors.timed_out(cfg.request_timeout) from None
         except ClefError as error:

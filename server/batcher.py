@@ -9,13 +9,15 @@ packed into the next one, so under load batches grow by themselves and an idle s
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
 get a 500, the rest of the batch is answered normally.
 
-Overload (issue 20): a request is admitted while the work that will run before it plus its own, in tokens
-over the measured device rate, fits its budget, which grows with its size (server/admission.py); otherwise it
-gets a 429 at once. Short prompts are ordered shortest first with aging. A prompt longer than ``chunk_tokens``
-runs as a ChunkedRun, one chunk per step; each next chunk takes its turn in the same order as a queued request
-of a chunk's size that arrived when the previous step ended. So a short request waits for at most one chunk,
-not a whole long prompt, and a long prompt still moves under a stream of short ones. Long prompts run one at a
-time, shortest first with the same aging (a medium prompt does not queue behind every long one).
+Overload (issues 20, 28): a request is admitted while the work that runs before it plus its own fits the wait
+its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once. Prompts
+that run whole are ordered shortest first with aging. A prompt longer than ``chunk_tokens`` runs as a
+ChunkedRun, one chunk per step, one prompt at a time: the next one starts only when no whole prompt waits, and
+each next chunk of the one started takes its turn in the same order as a queued request of a chunk's size that
+arrived when the previous step ended. So a short request waits for at most one chunk, a long prompt once
+started keeps moving under a stream of short ones, and long prompts not yet started are what gives way when
+short work needs the device: a queued one whose expected answer moves past its budget is refused then
+(``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from clefcore.errors import DeviceError
 from clefcore.scheduler import Entry, Scheduler
 
 from . import admission
-from .admission import RateMeter, Refusal
+from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_thread import DeviceThread
 from .metrics import Metrics
 from .testhooks import TestHooks
 
 
 class QueueFull(Exception):
-    """Not admitted: ``refusal`` says why (queued work over the budget, or the queue's count bound)."""
+    """Not admitted, or evicted before it started: ``refusal`` says why."""
 
     def __init__(self, refusal: Refusal):
         super().__init__(refusal.reason)
@@ -75,11 +77,9 @@ class _Chunked:
 
 class Batcher:
     def __init__(self, engine: Any, device: DeviceThread, metrics: Metrics, *, max_queue: int,
-                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks,
-                 wait_budget_s: float = math.inf, slowdown: float = math.inf, chunk_tokens: int = 0,
-                 age_rate: float | None = None, start_rate: float | None = None):
-        """``wait_budget_s``: no request is admitted into a longer expected time to its answer; ``slowdown``:
-        nor into more than this many times its own device time (at least admission.MIN_BUDGET_S).
+                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks, budgets: Budgets,
+                 chunk_tokens: int = 0, age_rate: float | None = None, start_rate: float | None = None):
+        """``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate; inf: first in, first out)."""
@@ -91,17 +91,22 @@ class Batcher:
         self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
         self._max_tokens = max_batch_tokens
         self._max_requests = max_batch_requests
-        self._budget_s = wait_budget_s
-        self._slowdown = slowdown
+        self._budgets = budgets
+        # when whole prompts have been waiting since (None: none waits), and the recent share of such time
+        self._whole_waiting_since: float | None = None
+        self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
         self._chunk = chunk_tokens
         self._device = device
         self._wake = asyncio.Event()
         self._running: list = []  # entries of the batch on the device now
         self._running_tokens = 0
-        self._step_tokens = 0  # the chunk on the device now
-        # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together)
+        self._step_tokens = 0      # the step on the device now (a batch or a chunk), and when it started
+        self._step_started = 0.0
+        # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together), and
+        # their order keys, by which they are weighed for eviction
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
+        self._long_keys: dict[Entry, float] = {}
         self._active: _Chunked | None = None
         self._task: asyncio.Task | None = None
         self._hooks = hooks
@@ -135,60 +140,99 @@ class Batcher:
 
     def _chunk_key(self) -> float:
         """The next chunk step's place in the scheduler's order: that of a queued request of the chunk's size
-        that arrived when the chunk became due (inf: no chunked work)."""
-        if self._active is not None:
-            ready, left = self._active.ready_at, self._active.tokens_left
-        elif len(self._long):
-            head = self._long.head()
-            ready, left = head.enqueued_at, head.tokens
-        else:
+        that arrived when the chunk became due (inf: no chunked run started)."""
+        if self._active is None:
             return math.inf
-        return ready + min(self._chunk, left) / self._scheduler.age_rate
+        return self._active.ready_at + min(self._chunk, self._active.tokens_left) / self._scheduler.age_rate
 
-    def tokens_ahead(self, tokens: int) -> int:
-        """Tokens that run before a request of ``tokens`` admitted now. A prompt that runs whole waits for the
-        step on the device, the queued prompts ahead of it in the scheduler's order and the next chunk if that
-        is due first; a chunked one waits for all accepted work."""
-        now = time.monotonic()
+    def _step_left(self, now: float) -> float:
+        """Tokens of the step on the device that are not done yet, at the measured rate."""
+        return max(0.0, self._step_tokens - (now - self._step_started) * self._rate.rate)
+
+    def budget(self, tokens: int) -> float:
+        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than
+        one device step (a chunk, or the step running now if longer) plus its own run."""
+        step = max(self._chunk, self._step_tokens)
+        return max(self._budgets(tokens), (step + tokens) / self._rate.rate)
+
+    def _long_ahead(self, now: float) -> float:
+        """Tokens that run before any long prompt not yet started: the whole batch on the device, every queued
+        whole prompt and the rest of the chunked run."""
+        ahead = self._scheduler.live_tokens + (self._active.tokens_left if self._active is not None else 0)
+        return ahead + (self._step_left(now) if self._running else 0.0)
+
+    def _long_rate(self, now: float) -> float:
+        """Tokens per second the work before a long prompt not yet started drains at: the device's rate times
+        the recent share of time no whole prompt was waiting (it starts only then; whole prompts keep arriving
+        and pass it). Once started, its chunks take their turns, so its own tokens count at the full rate."""
+        return self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
+
+    def expected_wait(self, tokens: int, now: float) -> float:
+        """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc)."""
         if self._chunked(tokens):
-            running = self._running_tokens + self._scheduler.live_tokens
-            active = self._active.tokens_left if self._active is not None else 0
-            return running + active + self._long.tokens_before(self._long.key(tokens, now))
+            ahead = self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
+            return ahead / self._long_rate(now) + tokens / self._rate.rate
         key = self._scheduler.key(tokens, now)
-        ahead = self._running_tokens + self._step_tokens + self._scheduler.tokens_before(key)
+        ahead = self._step_left(now) + self._scheduler.tokens_before(key)
         if self._chunk_key() <= key:
-            ahead += self._chunk
-        return ahead
+            ahead += min(self._chunk, self._active.tokens_left)
+        return (ahead + tokens) / self._rate.rate
+
+    def _evictable(self, tokens: int) -> Entry | None:
+        """The queued long prompt a full queue gives up for a request of ``tokens``: the largest, if
+        larger."""
+        victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
+        return victim if victim is not None and victim.tokens > tokens else None
+
+    def refusal(self, tokens: int, now: float | None = None) -> Refusal | None:
+        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. Until the first step
+        is measured the rate is a guess per device kind, so the work is judged against the largest budget only
+        (a cold server's first burst is not refused on a guess, nor admitted without bound)."""
+        now = time.monotonic() if now is None else now
+        budget = self.budget(tokens)
+        if not self._rate.samples:
+            budget = max(budget, self._budgets.max_s)
+        wait = self.expected_wait(tokens, now)
+        if self.full() and self._evictable(tokens) is None:
+            return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
+        if wait <= budget:
+            return None
+        return Refusal("queued_work", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)
 
     def early_refusal(self, body_bytes: int | None) -> Refusal | None:
-        """The check before a body is read: refused when the step on the device alone is past the largest
-        budget, or when a request of the body's estimated size would be refused at half to twice that size
-        (the estimate is rough; a request it cannot judge is tokenized and checked exactly)."""
-        refusal = self.refusal()
-        if refusal is not None:
-            return refusal
-        refusals = [self.refusal(tokens) for tokens in self.sizer.estimates(body_bytes)]
-        return refusals[1] if refusals and all(refusals) else None
+        """The check before a body is read: refused when a request of the body's estimated size would be
+        refused at half to twice that size (the estimate is rough; a request it cannot judge is tokenized and
+        checked exactly), or when the queue is full and holds nothing a request could displace. Counted."""
+        now = time.monotonic()
+        estimates = self.sizer.estimates(body_bytes)
+        if not estimates:
+            if not (self.full() and not self._long_keys):
+                return None
+            refused, size = Refusal("queue_full", 1, 0.0, 0.0), None
+        else:
+            refusals = [self.refusal(tokens, now) for tokens in estimates]
+            if not all(refusals):
+                return None
+            refused, size = refusals[1], estimates[1]
+        self._count_refusal(refused.reason, size)
+        return refused
 
-    def refusal(self, tokens: int | None = None) -> Refusal | None:
-        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. None asks whether
-        anything could be (the cheap check before tokenizing): not while the step on the device alone is past
-        the largest budget."""
-        rate = self._rate.rate
-        if self.full():
-            backlog = self.backlog_tokens()
-            return Refusal("queue_full", admission.retry_after(backlog, rate, self._budget_s),
-                           admission.expected_wait(backlog + (tokens or 0), rate), self._budget_s)
-        if tokens is None:
-            return admission.check(self._running_tokens + self._step_tokens, 0, rate, self._budget_s)
-        return admission.check(self.tokens_ahead(tokens), tokens, rate,
-                               admission.budget(tokens, rate, self._slowdown, self._budget_s))
+    def _count_refusal(self, reason: str, tokens: int | None) -> None:
+        self._metrics.rejected.labels(reason, admission.size_class(tokens)).inc()
 
     def _publish(self) -> None:
         backlog = self.backlog_tokens()
         self._metrics.queue_depth.set(self.queued)
         self._metrics.queued_tokens.set(backlog)
-        self._metrics.estimated_wait.set(admission.expected_wait(backlog, self._rate.rate))
+        self._metrics.estimated_wait.set(backlog / self._rate.rate)
+
+    def _stepped(self, tokens: int, seconds: float) -> None:
+        """A device step ended: its time counts as busy, and whole prompts that waited during it as such."""
+        self._metrics.device_busy.inc(seconds)
+        now = time.monotonic()
+        since = self._whole_waiting_since if len(self._scheduler) else None
+        self._whole_waiting.step(now, now - max(self._step_started, since) if since is not None else 0.0)
+        self._observe_rate(tokens, seconds)
 
     def _observe_rate(self, tokens: int, seconds: float) -> None:
         self._rate.observe(tokens, seconds)
@@ -205,6 +249,7 @@ class Batcher:
         """The drain timeout has passed: answer everything still queued or on the device with a timeout
         (so no accepted request is cut off without an answer) and stop the dispatcher."""
         active = [self._active.entry] if self._active is not None else []
+        self._long_keys.clear()
         for entry in self._scheduler.drain() + self._running + self._long.drain() + active:
             _, future = entry.payload
             if not future.done():
@@ -220,15 +265,22 @@ class Batcher:
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
         entry = Entry((prepared, future), prepared.num_tokens, deadline, now)
-        refused = self.refusal(entry.tokens)
+        refused = self.refusal(entry.tokens, now)
         if refused is not None:
-            self._metrics.rejected.labels(refused.reason).inc()
+            self._count_refusal(refused.reason, entry.tokens)
             raise QueueFull(refused)
+        if self.full():  # refusal() found a larger queued long prompt to give up instead
+            self._evict(self._evictable(entry.tokens), now)
         long = self._chunked(entry.tokens)
+        if long:
+            self._long_keys[entry] = self._long.key(entry.tokens, now)
+        elif len(self._scheduler) == 0:
+            self._whole_waiting_since = now
         # push cannot fail after refusal() (the count bound is checked over both queues); kept as their word
         if not (self._long if long else self._scheduler).push(entry):
-            self._metrics.rejected.labels("queue_full").inc()
-            raise QueueFull(Refusal("queue_full", 1, 0.0, self._budget_s))
+            self._long_keys.pop(entry, None)
+            self._count_refusal("queue_full", entry.tokens)
+            raise QueueFull(Refusal("queue_full", 1, 0.0, self.budget(entry.tokens)))
         self._publish()
         self._wake.set()
         try:
@@ -250,20 +302,50 @@ class Batcher:
         run already started stops at its next step, which sees its settled future."""
         queued = entry.queued
         (self._long if long else self._scheduler).cancel(entry)
+        self._long_keys.pop(entry, None)
         return queued
+
+    def _evict(self, entry: Entry, now: float) -> None:
+        """Refuse a queued long prompt that has not started (its caller gets the 429 now)."""
+        wait = self._long_ahead(now) / self._long_rate(now) + entry.tokens / self._rate.rate
+        budget = self.budget(entry.tokens)
+        self._long.cancel(entry)
+        self._long_keys.pop(entry, None)
+        self._count_refusal("evicted", entry.tokens)
+        _, future = entry.payload
+        if not future.done():
+            future.set_exception(QueueFull(Refusal(
+                "evicted", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)))
+
+    def _evict_late(self, now: float) -> None:
+        """Queued long prompts, in the order they would start, whose expected answer has moved past their
+        budget (whole prompts passed them meanwhile) are refused now rather than answered late."""
+        if not self._long_keys or not self._rate.samples:
+            return
+        ahead = self._long_ahead(now)
+        rate = self._long_rate(now)
+        for entry, _ in sorted(self._long_keys.items(), key=lambda item: item[1]):
+            answer_at = now + ahead / rate + entry.tokens / self._rate.rate
+            if answer_at > entry.enqueued_at + self.budget(entry.tokens):
+                self._evict(entry, now)
+            else:
+                ahead += entry.tokens
 
     async def _dispatch(self) -> None:
         while True:
             if len(self._scheduler) == 0 and len(self._long) == 0 and self._active is None:
                 self._wake.clear()
                 await self._wake.wait()
-            # The next chunk runs when it is first in the scheduler's order (see the module doc).
-            if len(self._scheduler) == 0 or self._chunk_key() <= self._scheduler.head_key():
-                if len(self._long) or self._active is not None:
-                    await self._chunk_step()
-                    continue
-            if len(self._scheduler):
+            self._evict_late(time.monotonic())
+            # The started run's next chunk goes when it is first in the scheduler's order; the next long
+            # prompt starts only when no whole prompt waits (see the module doc).
+            if self._active is not None and (len(self._scheduler) == 0
+                                             or self._chunk_key() <= self._scheduler.head_key()):
+                await self._chunk_step()
+            elif len(self._scheduler):
                 await self._short_batch()
+            elif len(self._long):
+                await self._chunk_step()
 
     def _expire(self, entries) -> None:
         """Answer the entries a queue dropped past their deadline with a timeout."""
@@ -275,6 +357,8 @@ class Batcher:
 
     async def _short_batch(self) -> None:
         batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
+        if len(self._scheduler) == 0:
+            self._whole_waiting_since = None
         self._expire(batch.expired)
         if not batch.entries:
             self._publish()
@@ -282,16 +366,17 @@ class Batcher:
         started = time.monotonic()
         prepared = [entry.payload[0] for entry in batch.entries]
         self._running = batch.entries
-        self._running_tokens = batch.tokens
+        self._running_tokens = self._step_tokens = batch.tokens
+        self._step_started = started
         self._publish()
         self._metrics.running.set(len(prepared))
         try:
             results, prefill_s = await self._device.run(self._run_on_device, prepared)
         finally:
             self._running = []
-            self._running_tokens = 0
+            self._running_tokens = self._step_tokens = 0
             self._metrics.running.set(0)
-        self._observe_rate(batch.tokens, prefill_s)
+        self._stepped(batch.tokens, prefill_s)
         self._publish()
         self._metrics.batches.inc()
         self._metrics.after_batch(self._engine)
@@ -314,6 +399,8 @@ class Batcher:
         now = time.monotonic()
         if self._active is None:
             batch = self._long.take(0, 1, now)
+            for entry in batch.entries + batch.expired + batch.cancelled:
+                self._long_keys.pop(entry, None)
             self._expire(batch.expired)
             if not batch.entries:
                 self._publish()
@@ -335,6 +422,8 @@ class Batcher:
             return
         self._metrics.running.set(1)
         self._step_tokens = min(self._chunk, active.tokens_left)
+        self._step_started = now
+        active.ready_at = now + self._step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
             active.run, done, response, tokens, error, seconds = await self._device.run(
                 self._step_on_device, active.entry.payload[0], active.run)
@@ -344,7 +433,7 @@ class Batcher:
             active.ready_at = time.monotonic()
         active.device_s += seconds
         self._metrics.chunk_steps.inc()
-        self._observe_rate(tokens, seconds)
+        self._stepped(tokens, seconds)
         if done or error is not None:
             self._active = None
             self._metrics.after_batch(self._engine)

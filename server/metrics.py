@@ -87,8 +87,13 @@ class Metrics:
                                     multiprocess_mode="livemax")
         self.device_rate = Gauge("clef_device_rate_tokens_per_second", "Measured prompt tokens per second of "
                                  "device time (smoothed)", registry=r, multiprocess_mode="liveall")
-        self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 at admission, by reason",
-                                ["reason"], registry=r)
+        # size: the prompt's tokens up to this bound (admission.SIZE_CLASSES; the estimate from the body's
+        # size when refused unread, "unknown" when there was none)
+        self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 by reason (queued_work, "
+                                "queue_full, evicted) and prompt size", ["reason", "size"], registry=r)
+        # The loadtest (and a dashboard) takes the device's busy fraction from this counter's rate.
+        self.device_busy = Counter("clef_device_busy_seconds", "Seconds the device spent running forwards "
+                                   "and chunk steps", registry=r)
         self.chunk_steps = Counter("clef_chunk_steps", "Chunks of long prompts run (chunked prefill)",
                                    registry=r)
         self.cancelled = Counter("clef_requests_cancelled", "Queued requests dropped because the client left",

@@ -191,9 +191,9 @@ _ERROR_STATUSES = {
            "in total. With `field` `images`: a deployment started with --no-images answers any image with "
            f"\"{NO_IMAGES}\", and one whose model has no usable vision tower with "
            "\"images: this model has no vision tower\" (or: its tower is incomplete)",
-    "429": "overloaded: the work before this request plus its own would exceed its budget (--max-slowdown times "
-           "its own device time, at least 0.25 s, at most --max-queue-wait; reason queued_work) or the queue is "
-           "full (queue_full); honour Retry-After",
+    "429": "overloaded: the work that runs before this request plus its own would exceed the wait it is "
+           "allowed (--min-queue-wait, and --max-queue-wait for a prompt of --context-length tokens, shorter "
+           "ones in proportion; reason queued_work), or the queue is full (queue_full); honour Retry-After",
     "500": "the device failed this request",
     "503": "loading, draining, or the request waited past --request-timeout; honour Retry-After",
 }

@@ -1,18 +1,19 @@
-"""Admission by work (server/admission.py): the measured rate, the budget check and Retry-After."""
+"""Admission by cost (server/admission.py, server/batcher.py): the measured rate, the budgets, the work
+counted before a request, evictions and Retry-After, against hand-worked numbers."""
 
 from __future__ import annotations
 
-import math
-
-import pytest
-
+import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (MIN_BUDGET_S, BodySizer, RateMeter, budget, check, expected_wait,
-                                      retry_after)
-from clefcore.server.batcher import Batcher
+from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, retry_after,
+                                      size_class)
+from clefcore.server.batcher import Batcher, QueueFull
+from clefcore.server.metrics import Metrics
 
 
 def test_rate_meter_starts_at_its_guess_and_follows_the_device():
@@ -40,68 +41,197 @@ def test_small_forwards_move_the_rate_less_than_large_ones():
     assert 1_000 < small.rate < large.rate < 10_000
 
 
-def test_check_admits_within_the_budget_and_an_idle_device_always():
-    assert check(0, 10**6, rate=1_000, budget_s=1.0) is None  # alone: however long, it runs
-    assert check(500, 400, rate=1_000, budget_s=1.0) is None  # 0.9 s
-    refusal = check(500, 600, rate=1_000, budget_s=1.0)       # 1.1 s
-    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(1.1)
-    assert refusal.retry_after_s == 1
-    refusal = check(10_000, 100, rate=1_000, budget_s=2.0)    # 10.1 s: fits again in ~8.1 s
-    assert refusal.retry_after_s == 9
+def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_only():
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    b._rate.samples = 0
+    now = time.monotonic()
+    for _ in range(10):
+        b._scheduler.push(entry(loop, 300, now - 10))      # 3 s ahead at the start value
+    assert b.refusal(400, now) is None                     # 3.4 s, within the 10 s of the largest budget
+    for _ in range(30):
+        b._scheduler.push(entry(loop, 300, now - 10))      # 12 s ahead
+    assert b.refusal(400, now).budget_s == 10.0
+    b._rate.observe(1_000, 1.0)                            # measured: 1,000 tokens/s, as guessed
+    assert b.refusal(400, now).budget_s == pytest.approx(1.4)
+    loop.close()
 
 
-def test_wait_and_retry_after_edges():
-    assert expected_wait(0, 1_000) == 0.0
-    assert retry_after(0, 1_000, 5.0) == 1
-    assert retry_after(3_500, 1_000, 1.0) == math.ceil(2.5)
+def test_budget_is_an_absolute_wait_growing_with_size_from_a_floor():
+    budgets = Budgets(min_s=1.0, max_s=15.0, context_tokens=24_576)
+    assert budgets(100) == 1.0 and budgets(1_200) == 1.0     # 15 s x 1,200 / 24,576 = 0.73 s: the floor
+    assert budgets(8_192) == pytest.approx(5.0)
+    assert budgets(24_576) == 15.0
+    with pytest.raises(ValueError, match="budgets must be > 0"):
+        Budgets(0.0, 15.0, 24_576)
 
 
-def test_budget_grows_with_the_request_between_the_floor_and_the_cap():
-    assert budget(10, rate=1_000, slowdown=4, cap_s=10) == MIN_BUDGET_S     # 4 x 0.01 s is below the floor
-    assert budget(500, rate=1_000, slowdown=4, cap_s=10) == pytest.approx(2.0)
-    assert budget(5_000, rate=1_000, slowdown=4, cap_s=10) == 10           # 20 s, capped
-    assert budget(0, rate=1_000, slowdown=math.inf, cap_s=7) == 7           # inf: the cap alone
+def test_recent_share_follows_what_held_and_decays_when_it_stops():
+    share = RecentShare(tau_s=2.0)
+    assert share.share(0.0) == 0.0
+    t = 0.0
+    for _ in range(40):                      # held through 8 s of steps
+        t += 0.2
+        share.step(t, 0.2)
+    assert share.share(t) > 0.95
+    for _ in range(40):                      # then not at all
+        t += 0.2
+        share.step(t, 0.0)
+    assert share.share(t) < 0.05
+    share.step(t + 1.0, 0.5)                 # half of the last second
+    assert 0.0 < share.share(t + 1.0) < 0.5
+    assert share.share(t + 11.0) < share.share(t + 1.0) * 0.01   # no step since: decays
+
+
+def test_retry_after_and_size_classes():
+    assert retry_after(2.5, 1.0, 15.0) == 2
+    assert retry_after(1.1, 1.0, 15.0) == 1          # at least 1 s
+    assert retry_after(1e9, 1.0, 15.0) == 15         # at most the cap
+    assert [size_class(n) for n in (None, 1, 1_024, 1_025, 9_000, 30_000)] == [
+        "unknown", "1024", "1024", "2048", "16384", "+Inf"]
+
+
+class Prepared(SimpleNamespace):
+    pass
 
 
 def batcher(**kw) -> Batcher:
-    options = dict(max_queue=64, max_batch_tokens=4096, max_batch_requests=8, hooks=None, wait_budget_s=10.0,
-                   slowdown=4.0, chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+    """1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up to 10 s at 10,000
+    tokens."""
+    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8, hooks=None,
+                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
     options.update(kw)
-    return Batcher(SimpleNamespace(device="cpu"), None, None, **options)
+    b = Batcher(SimpleNamespace(device="cpu"), None, Metrics(), **options)
+    b._rate.samples = 1  # as if measured: the start value stands
+    return b
 
 
-def test_a_request_counts_only_the_work_that_runs_before_it():
-    b = batcher()  # 1,000 tokens/s, chunks of 1,000 tokens, aging at the rate
-    now = time.monotonic()
-    b._long.push(Entry(None, 8_000, now + 60, now))  # 8 s of chunked work accepted
-    # A longer prompt runs after it (shortest first): 8 s + its own 9 s is past the 10 s cap; a shorter one
-    # passes it, and with nothing before it is admitted however long.
-    refused = b.refusal(9_000)
-    assert refused is not None and refused.reason == "queued_work" and refused.retry_after_s >= 7
-    assert b.tokens_ahead(5_000) == 0 and b.refusal(5_000) is None
-    # A short one passes the queued chunk (due at now + 1 s): nothing runs before it.
-    assert b.tokens_ahead(100) == 0 and b.refusal(100) is None
-    for _ in range(3):
-        b._scheduler.push(Entry(None, 300, now + 60, now))
-    assert b.tokens_ahead(100) == 0          # shortest first: it goes before the three 300-token ones
-    assert b.tokens_ahead(400) == 900        # they arrived first and are smaller
-    assert b.refusal(400) is None            # (900 + 400) / 1000 = 1.3 s <= 4 x 0.4 s
-    assert b.refusal(150) is None and b.refusal(None) is None
-    b._running_tokens = 2_000                 # a 2 s batch on the device now: every short one waits for it
-    assert b.tokens_ahead(100) == 2_000
-    refused = b.refusal(100)                  # 2.1 s > max(0.25 s, 4 x 0.1 s)
-    assert refused is not None and refused.budget_s == pytest.approx(0.4)
-    assert b.refusal(None) is None            # the cheap check: a larger request could still fit
+def entry(loop, tokens: int, at: float) -> Entry:
+    return Entry((Prepared(num_tokens=tokens), loop.create_future()), tokens, at + 60, at)
 
 
-def test_the_next_chunk_counts_for_a_short_request_once_it_is_due():
+def queue_long(b: Batcher, e: Entry) -> None:
+    b._long_keys[e] = b._long.key(e.tokens, e.enqueued_at)
+    assert b._long.push(e)
+
+
+def refused(b: Batcher, reason: str) -> float:
+    return sum(s.value for m in b._metrics.rejected.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels["reason"] == reason)
+
+
+def test_queued_long_prompts_do_not_count_against_a_short_one():
+    loop = asyncio.new_event_loop()
     b = batcher()
     now = time.monotonic()
-    b._long.push(Entry(None, 8_000, now + 60, now - 5))  # due since now - 4 s
-    assert b.tokens_ahead(100) == 1_000
-    b._running_tokens = 20_000                # the step on the device alone is past the 10 s cap
-    refused = b.refusal(None)
-    assert refused is not None and refused.reason == "queued_work"
+    queue_long(b, entry(loop, 8_000, now))              # 8 s of long work queued, not started
+    assert b.expected_wait(100, now) == pytest.approx(0.1)
+    assert b.refusal(100, now) is None
+    for _ in range(3):
+        b._scheduler.push(entry(loop, 300, now))
+    assert b.expected_wait(100, now) == pytest.approx(0.1)    # shortest first: ahead of the three
+    assert b.expected_wait(400, now) == pytest.approx(1.3)    # behind them: 900 + its own 400
+    # a long one behind: every whole prompt, the long one before it (shorter), its own, over the device
+    assert b.expected_wait(9_000, now) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
+    loop.close()
+
+
+def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone():
+    b = batcher(chunk_tokens=0, max_batch_tokens=4_000)
+    now = time.monotonic()
+    b._running = [object()]
+    b._step_tokens, b._step_started = 4_000, now - 1.0         # a 4 s step, 1 s done
+    assert b.expected_wait(100, now) == pytest.approx(3.1)      # 3,000 left + its own
+    assert b.budget(100) == pytest.approx(4.1)                  # that step + its own, over the 1 s floor
+    assert b.refusal(100, now) is None
+
+
+def test_the_started_runs_next_chunk_counts_once_it_is_due():
+    b = batcher()
+    now = time.monotonic()
+    b._active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)   # due since long ago
+    assert b.expected_wait(100, now) == pytest.approx(1.1)      # one chunk of 1,000, not the 5,000 left
+    b._active.ready_at = now                                    # just stepped: due in 1 s
+    assert b.expected_wait(100, now) == pytest.approx(0.1)
+
+
+def test_over_budget_a_short_request_is_refused_with_retry_after():
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    now = time.monotonic()
+    for _ in range(10):
+        b._scheduler.push(entry(loop, 300, now))               # 3 s of short work
+    refusal = b.refusal(400, now)
+    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(3.4)
+    assert refusal.budget_s == pytest.approx(1.4)               # one chunk + its own, over the 1 s floor
+    assert refusal.retry_after_s == 2
+    loop.close()
+
+
+def test_the_work_before_a_long_prompt_counts_over_the_time_no_whole_prompt_waits():
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    now = time.monotonic()
+    b._scheduler.push(entry(loop, 300, now))
+    # nothing waited lately: 0.3 s of whole work, then its own 5 s, within one step + 5 s
+    assert b.expected_wait(5_000, now) == pytest.approx(5.3)
+    assert b.refusal(5_000, now) is None
+    t = now - 10.0
+    b._whole_waiting.step(t, 0.0)
+    while t < now:                                              # whole prompts were waiting for 10 s
+        t += 0.1
+        b._whole_waiting.step(t, 0.1)
+    refusal = b.refusal(5_000, now)                             # it would start only once they stop coming
+    assert refusal.reason == "queued_work"
+    assert refusal.wait_s == pytest.approx(0.3 / MIN_SPARE + 5.0, rel=0.05)
+    assert refusal.retry_after_s == 5
+    assert b.refusal(500, now) is None                          # a whole prompt is not held back by it
+    loop.close()
+
+
+def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
+    loop = asyncio.new_event_loop()
+    b = batcher(budgets=Budgets(1.0, 20.0, 10_000))             # 4 s for 2,000 tokens, 6 s for 3,000
+    now = time.monotonic()
+    first, second = entry(loop, 2_000, now), entry(loop, 3_000, now)
+    queue_long(b, first)
+    queue_long(b, second)
+    b._evict_late(now)
+    assert not first.payload[1].done() and not second.payload[1].done()   # answered at 2 s and 5 s
+    for _ in range(5):
+        b._scheduler.push(entry(loop, 300, now))                # 1.5 s of whole work arrives before them
+    b._evict_late(now)
+    assert not first.payload[1].done()                          # 3.5 s of the 4 s it allows
+    error = second.payload[1].exception()                       # 6.5 s of the 6 s it allows
+    assert isinstance(error, QueueFull) and error.refusal.reason == "evicted"
+    assert error.refusal.retry_after_s >= 1
+    assert b.queued == 6 and list(b._long_keys) == [first]
+    assert refused(b, "evicted") == 1
+    loop.close()
+
+
+def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
+    loop = asyncio.new_event_loop()
+    b = batcher(max_queue=2)
+    now = time.monotonic()
+    small, large = entry(loop, 1_500, now), entry(loop, 4_000, now)
+    queue_long(b, small)
+    queue_long(b, large)
+    assert b.full()
+    assert b.refusal(5_000, now).reason == "queue_full"         # nothing queued is larger
+    assert b.refusal(300, now) is None                          # the 4,000-token one would make room
+
+    async def submit():
+        task = asyncio.ensure_future(b.submit(Prepared(num_tokens=300), now + 60))
+        await asyncio.sleep(0)
+        return task
+
+    task = loop.run_until_complete(submit())
+    assert large.payload[1].exception().refusal.reason == "evicted"
+    assert not small.payload[1].done() and b.queued == 2
+    task.cancel()
+    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    loop.close()
 
 
 def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
@@ -115,13 +245,21 @@ def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
     assert sizer.estimates(0) == ()
 
 
-def test_early_refusal_needs_every_size_in_the_estimates_span_refused():
+def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts_it():
+    loop = asyncio.new_event_loop()
     b = batcher()                                   # 1,000 tokens/s
     b.sizer.observe(4_000, 1_000)                   # 4 bytes per token
-    b._running_tokens = 2_000                       # 2 s on the device before any short request
-    # a ~100-token body: refused at 50, 100 and 200 tokens (budgets 0.25 to 0.8 s) -> refused unread
-    refused = b.early_refusal(400)
-    assert refused is not None and refused.reason == "queued_work"
-    # a ~500-token body: at 1,000 tokens the 4 s budget fits the 3 s wait, so it is read and checked exactly
-    assert b.early_refusal(2_000) is None and b.refusal(1_000) is None
-    assert b.early_refusal(None) is None            # size unknown (compressed): only the cheap check
+    now = time.monotonic()
+    for _ in range(10):
+        b._scheduler.push(entry(loop, 300, now - 10))   # 3 s of short work, aged ahead of any newcomer
+    refusal = b.early_refusal(400)                  # ~100 tokens: 3.05 to 3.2 s against 1.05 to 1.2 s
+    assert refusal is not None and refusal.reason == "queued_work"
+    assert refused(b, "queued_work") == 1
+    # ~2,500 tokens, chunked at each size behind all of it: 1,250 (4.25 s of 2.25 s), 2,500 (5.5 of 3.5 s) and
+    # 5,000 (8 of 6 s) refused
+    assert b.early_refusal(10_000) is not None
+    b._scheduler = type(b._scheduler)(64, 1_000.0)   # nothing queued: whatever its size, it is read
+    assert b.early_refusal(10_000) is None and b.early_refusal(400) is None
+    assert b.early_refusal(None) is None            # size unknown (compressed) and the queue not full
+    assert refused(b, "queued_work") == 2
+    loop.close()

@@ -52,7 +52,7 @@ def loadtest(server: Server, *args: str) -> dict:
 
 
 def test_closed_loop_and_fixed_rate_against_a_server():
-    with Server("--max-queue-wait", "30", "--max-slowdown", "inf") as s:
+    with Server("--max-queue-wait", "30", "--min-queue-wait", "1000") as s:
         s.wait_ready()
         closed = loadtest(s, "--route", "workers-ai", "--clients", "4", "--duration", "1.5",
                           "--mix", "short:0.5:200,long:0.5:500")

@@ -37,7 +37,7 @@ def test_gpu_server_answers_like_the_cpu_engine(engine, precision):
     bodies += [ticket(f"Ticket {i}: checkout fails with error {i * 7} in region {i}.") for i in range(16)]
     # admission by the wait budget alone: the hook makes the device slow, and this tests the answers
     with Server("--device", "cuda:0", "--precision", *precision, "--max-batch-requests", "16",
-                "--max-slowdown", "inf", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+                "--min-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
         s.wait_ready(timeout=180)
         s.decide(SUPPORT_TICKET)        # keeps the device busy so the next ones queue up together
         with ThreadPoolExecutor(16) as pool:

@@ -58,7 +58,7 @@ def percentile(values: list[float], q: float) -> float:
 def test_load_32_clients_20_seconds():
     # admission out of the way (on CI's two cores the measured rate can make even a 15 s budget refuse): this
     # test wants the deep queue it measures memory and batching under
-    with Server("--max-queue", "64", "--max-batch-requests", "16", "--max-slowdown", "inf",
+    with Server("--max-queue", "64", "--max-batch-requests", "16", "--min-queue-wait", "1000",
                 "--max-queue-wait", "1000") as s:
         s.wait_ready()
         record: list = []
@@ -98,7 +98,7 @@ def test_load_32_clients_20_seconds():
 @pytest.mark.slow
 def test_sigterm_during_load_answers_every_accepted_request():
     # admission out of the way (the count bound aside): a deep queue at the signal is what is drained
-    with Server("--shutdown-timeout", "15", "--max-queue", "256", "--max-slowdown", "inf",
+    with Server("--shutdown-timeout", "15", "--max-queue", "256", "--min-queue-wait", "1000",
                 "--max-queue-wait", "1000") as s:
         s.wait_ready()
         record: list = []

@@ -121,9 +121,9 @@ def test_over_the_wait_budget_429_with_retry_after_arrives_fast_and_no_accepted_
 
 def test_chunked_requests_fail_alone_time_out_and_drain():
     env = dict(TOKEN_DELAY, CLEFCORE_TEST_FAIL_MARKER="EXPLODE")
-    # --max-queue-wait above the timeout and no --max-slowdown: admission lets everything in, so the deadline is
-    # what is tested (the timed-out run's last chunk may still be on the device when the next request comes)
-    with Server("--chunk-tokens", "256", "--request-timeout", "1", "--max-queue-wait", "30", "--max-slowdown", "inf",
+    # --min-queue-wait above the timeout: admission lets everything in, so the deadline is what is tested (the
+    # timed-out run's last chunk may still be on the device when the next request comes)
+    with Server("--chunk-tokens", "256", "--request-timeout", "1", "--min-queue-wait", "30",
                 env=env) as s:
         s.wait_ready()
         # A device fault in one chunked request: a 500 for it, the short one beside it is answered.
@@ -153,7 +153,7 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
     ("--chunk-tokens", "-1", "must be >= 0"),
     ("--max-queue-wait", "0", "must be > 0"),
     ("--age-rate", "fast", "tokens/s, inf or auto"),
-    ("--max-slowdown", "0.5", "must be >= 1"),
+    ("--min-queue-wait", "-1", "must be > 0"),
 ])
 def test_bad_overload_flags_are_refused_by_name(flag, value, message):
     import subprocess
@@ -185,11 +185,12 @@ def test_a_client_that_leaves_stops_its_chunked_run():
         assert s.metric("clef_queued_tokens") == 0
 
 
-def test_a_long_prompt_still_finishes_under_a_stream_of_short_ones():
-    # 3 ms per token. Three clients send short requests back to back for as long as the long one runs: each
-    # next chunk takes its turn in the scheduler's order, so the long prompt keeps moving (no starvation) and
-    # the short ones keep being answered beside it.
-    with Server("--chunk-tokens", "160", "--max-slowdown", "inf", "--max-queue-wait", "30",
+def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
+    # 3 ms per token. Once the long prompt has started, three clients send short requests back to back for as
+    # long as it runs: each next chunk takes its turn in the scheduler's order, so it keeps moving (no
+    # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a
+    # stream starts only when no short one waits: admission counts the time that takes.)
+    with Server("--chunk-tokens", "160", "--min-queue-wait", "30", "--max-queue-wait", "30",
                 env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
         s.wait_ready()
         s.decide(short(99))  # warm-up
@@ -202,9 +203,11 @@ def test_a_long_prompt_still_finishes_under_a_stream_of_short_ones():
             while not done.is_set():
                 timed(s, short(n), shorts)
 
+        runner = in_threads((timed, s, long(3, repeat=30), longs))
+        time.sleep(0.3)  # started: its first chunk is on the device
         streams = in_threads(*[(stream, 100 + i) for i in range(3)])
-        time.sleep(0.2)
-        timed(s, long(3, repeat=30), longs)
+        for t in runner:
+            t.join(60)
         done.set()
         for t in streams:
             t.join(30)

@@ -35,7 +35,7 @@ def test_concurrent_requests_are_batched_and_answer_like_single_requests(engine)
     bodies = [ticket(f"Ticket {i}: checkout fails with error {i * 7} for customers in region {i}.")
               for i in range(16)]
     # admission by the wait budget alone (the hook makes the device slow; this tests batching, not refusals)
-    with Server("--max-batch-requests", "16", "--max-slowdown", "inf",
+    with Server("--max-batch-requests", "16", "--min-queue-wait", "1000",
                 env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.3"}) as s:
         s.wait_ready()
         s.decide(SUPPORT_TICKET)  # occupies the device so that the next ones queue up together
@@ -106,8 +106,8 @@ def test_503_while_loading():
 def test_device_failure_fails_alone_and_the_server_keeps_serving(engine):
     good = [ticket(f"healthy request {i}") for i in range(5)]
     poisoned = ticket("please BOOM now")
-    with Server("--max-batch-requests", "8", "--max-slowdown", "inf", env={"CLEFCORE_TEST_FAIL_MARKER": "BOOM",
-                                                   "CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+    with Server("--max-batch-requests", "8", "--min-queue-wait", "1000",
+                env={"CLEFCORE_TEST_FAIL_MARKER": "BOOM", "CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
         s.wait_ready()
         s.decide(SUPPORT_TICKET)
         replies = concurrently(s.decide, good[:3] + [poisoned] + good[3:])
@@ -170,7 +170,7 @@ def test_sigterm_drains_accepted_requests_then_exits():
 
 
 def test_drain_timeout_bounds_the_exit():
-    with Server("--max-batch-requests", "1", "--shutdown-timeout", "1", "--max-slowdown", "inf",
+    with Server("--max-batch-requests", "1", "--shutdown-timeout", "1", "--min-queue-wait", "1000",
                 env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.8"}) as s:
         s.wait_ready()
         with ThreadPoolExecutor(6) as pool:
@@ -203,7 +203,7 @@ def test_one_worker_per_device_shares_the_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with Server("--device", "cpu,cpu", "--port", str(port), "--max-slowdown", "inf") as s:
+    with Server("--device", "cpu,cpu", "--port", str(port), "--min-queue-wait", "1000") as s:
         s.wait_ready()
         # Both workers come up and log their own start; either may answer.
         deadline = time.monotonic() + 60

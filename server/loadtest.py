@@ -2,11 +2,15 @@
 
 Clients send System One requests whose states are sized to a class's prompt tokens. The client has no
 tokenizer: two probe requests first measure the server's tokens per state word and the prompt's fixed part
-(``usage.input_tokens``), and the states are sized from those; the report gives the server's own count. Closed loop (each
-client sends its next request when the last is answered) or a fixed rate (a request every 1/rate seconds,
-at most ``--clients`` in flight). The report: per class, latency percentiles of the answered (200) requests
-and their prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be
-fast).
+(``usage.input_tokens``), and the states are sized from those; the report gives the server's own count.
+Closed loop (each client sends its next request when the last is answered) or a fixed rate (a request every
+1/rate seconds, at most ``--clients`` in flight). After a 429 or 503 a closed-loop client waits Retry-After
+(at most ``--max-backoff``) before its next draw; with ``--no-backoff`` it sends at once, and at a fixed rate
+the refused request itself is sent again at once until it is answered otherwise or the run ends. The report:
+per class, the answered share of attempts, latency percentiles of the answered (200) requests and their
+prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be fast); the
+device's busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``; absent
+from servers that do not count it).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Run:
     sizing: Sizing = field(default_factory=Sizing)
     started: float = 0.0
     ended: float = 0.0
+    busy_s: float | None = None    # device-seconds the server counted between start and end, per worker
 
 
 def parse_mix(text: str) -> list[RequestClass]:
@@ -113,11 +118,14 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
     report = {"duration_s": round(seconds, 3), "requests": len(run.records), "ok": len(ok),
               "requests_per_s": round(len(ok) / seconds, 3),
               "prompt_tokens_per_s": round(sum(r.input_tokens for r in ok) / seconds, 1),
+              "device_busy_fraction": None if run.busy_s is None else round(run.busy_s / seconds, 3),
               "classes": {}, "non_200": {}}
     for cls in classes:
         mine = [r for r in run.records if r.cls == cls.name]
         answered = [r for r in mine if r.status == 200]
-        entry = {"sent": len(mine), "ok": len(answered), "target_tokens": cls.tokens}
+        entry = {"sent": len(mine), "ok": len(answered), "target_tokens": cls.tokens,
+                 "answered_share": round(len(answered) / len(mine), 4) if mine else None,
+                 "ok_per_s": round(len(answered) / seconds, 3)}
         if answered:
             latencies = [r.latency_s for r in answered]
             entry.update({f"p{q}_ms": round(percentile(latencies, q) * 1000, 1) for q in (50, 90, 99)},
@@ -135,15 +143,17 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
 
 
 def format_report(report: dict) -> str:
+    busy = report["device_busy_fraction"]
     lines = [f"{report['requests']} requests in {report['duration_s']} s, {report['ok']} answered: "
-             f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s"]
+             f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s; "
+             + (f"device busy {busy:.1%}" if busy is not None else "device busy: not reported by the server")]
     for name, c in report["classes"].items():
+        head = f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6} ({(c['answered_share'] or 0):>6.1%})"
         if c["ok"]:
-            lines.append(f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6}  "
-                         f"~{c['mean_input_tokens']:>8} tokens  "
+            lines.append(f"{head}  ~{c['mean_input_tokens']:>8} tokens  "
                          f"p50 {c['p50_ms']:>9} ms  p90 {c['p90_ms']:>9} ms  p99 {c['p99_ms']:>9} ms")
         else:
-            lines.append(f"  {name:<8} sent {c['sent']:>6} ok      0")
+            lines.append(head)
     if report["non_200"]:
         lines.append("  non-200: " + ", ".join(f"{k}: {v}" for k, v in sorted(report["non_200"].items())))
     if "refused_p50_ms" in report:
@@ -151,8 +161,10 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict, run: Run) -> float:
-    """Send one request, record it; returns the backoff a 429 asked for (0 otherwise)."""
+async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict,
+               run: Run) -> tuple[int | str, float]:
+    """Send one request, record it; returns its status and the backoff a 429 or 503 asked for (0 otherwise;
+    0.1 after a transport error)."""
     import aiohttp
 
     sent = time.monotonic()
@@ -166,20 +178,47 @@ async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict, ru
                 record.input_tokens = int(answer.get("usage", {}).get("input_tokens", 0))
             run.records.append(record)
             if reply.status in (429, 503):
-                return float(reply.headers.get("Retry-After", "1") or 1)
+                return reply.status, float(reply.headers.get("Retry-After", "1") or 1)
+            return reply.status, 0.0
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
         run.records.append(Record(cls.name, type(error).__name__, time.monotonic() - sent))
-        return 0.1
-    return 0.0
+        return type(error).__name__, 0.1
 
 
-async def _count(http, path: str, body: dict, headers: dict) -> int | None:
-    """The server's prompt tokens for ``body`` (None when it did not answer 200)."""
-    async with http.post(path, json=body, headers=headers) as reply:
-        if reply.status != 200:
-            return None
-        answer = json.loads(await reply.read())
-        return int(answer.get("result", answer).get("usage", {}).get("input_tokens", 0)) or None
+async def _count(http, path: str, body: dict, headers: dict, tries: int = 10) -> int | None:
+    """The server's prompt tokens for ``body`` (None when it did not answer 200); a 429 or 503 is tried again
+    after its Retry-After (at most 1 s), as a busy server may refuse a probe."""
+    for _ in range(tries):
+        async with http.post(path, json=body, headers=headers) as reply:
+            if reply.status in (429, 503):
+                await asyncio.sleep(min(1.0, float(reply.headers.get("Retry-After", "1") or 1)))
+                continue
+            if reply.status != 200:
+                return None
+            answer = json.loads(await reply.read())
+            return int(answer.get("result", answer).get("usage", {}).get("input_tokens", 0)) or None
+    return None
+
+
+async def device_busy_s(http) -> float | None:
+    """The server's device-seconds so far per worker (``clef_device_busy_seconds_total`` over
+    ``clef_workers``); None when /metrics does not say."""
+    import aiohttp
+
+    values = {}
+    try:
+        async with http.get("/metrics") as reply:
+            if reply.status != 200:
+                return None
+            for line in (await reply.text()).splitlines():
+                name, _, value = line.partition(" ")
+                if name in ("clef_device_busy_seconds_total", "clef_workers"):
+                    values[name] = float(value)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    if "clef_device_busy_seconds_total" not in values:
+        return None
+    return values["clef_device_busy_seconds_total"] / max(1.0, values.get("clef_workers", 1.0))
 
 
 async def calibrate(http, path: str, headers: dict, rng: random.Random) -> Sizing:
@@ -214,6 +253,7 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
         # Bodies are built once per class: generating a 24k-word state per request would load the client.
         bodies = {c.name: [make_body(c.tokens, random.Random(rng.random()), run.sizing) for _ in range(4)]
                   for c in classes}
+        busy_at_start = await device_busy_s(http)
         run.started = time.monotonic()
         stop_at = run.started + args.duration
 
@@ -227,7 +267,9 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
 
             async def fire(cls, body):
                 try:
-                    await _one(http, path, cls, body, headers, run)
+                    status, _ = await _one(http, path, cls, body, headers, run)
+                    while args.no_backoff and status in (429, 503) and time.monotonic() < stop_at:
+                        status, _ = await _one(http, path, cls, body, headers, run)  # the refused one again
                 finally:
                     slots.release()
 
@@ -246,12 +288,15 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
         else:
             async def client():
                 while time.monotonic() < stop_at:
-                    backoff = await _one(http, path, *pick(), headers, run)
-                    if backoff:
+                    _, backoff = await _one(http, path, *pick(), headers, run)
+                    if backoff and not args.no_backoff:
                         await asyncio.sleep(min(backoff, args.max_backoff))
 
             await asyncio.gather(*(client() for _ in range(args.clients)))
         run.ended = time.monotonic()
+        busy_at_end = await device_busy_s(http)
+        if busy_at_start is not None and busy_at_end is not None:
+            run.busy_s = busy_at_end - busy_at_start
     return run
 
 
@@ -287,6 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="client timeout per request, s")
     parser.add_argument("--max-backoff", type=float, default=1.0,
                         help="closed loop: after a 429/503 wait Retry-After, at most this many seconds")
+    parser.add_argument("--no-backoff", action="store_true",
+                        help="after a 429/503 send again at once: a closed-loop client its next request, at "
+                             "a fixed rate the refused request itself (a retry storm)")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None,
@@ -298,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(result, args.mix)
     report["sizing"] = asdict(result.sizing)
     report["config"] = {"url": args.url, "route": args.route, "clients": args.clients,
-                        "duration_s": args.duration, "rate": args.rate, "mix": [asdict(c) for c in args.mix]}
+                        "duration_s": args.duration, "rate": args.rate, "no_backoff": args.no_backoff,
+                        "mix": [asdict(c) for c in args.mix]}
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -35,11 +35,15 @@ def test_percentiles_and_report_by_class():
     records = [Record("short", 200, 0.1 * i, 100) for i in range(1, 11)]
     records += [Record("long", 200, 2.0, 1000), Record("long", 429, 0.004), Record("long", 429, 0.006),
                 Record("short", "ClientOSError", 0.0)]
-    report = summarize(Run(records, started=0.0, ended=2.0), classes)
-    assert report["requests"] == 14 and report["ok"] == 11
+    report = summarize(Run(records, started=0.0, ended=2.0, busy_s=1.5), classes)
+    assert report["requests"] == 14 and report["ok"] == 11 and report["device_busy_fraction"] == 0.75
     assert report["requests_per_s"] == 5.5 and report["prompt_tokens_per_s"] == 1000.0
     assert report["classes"]["short"]["p50_ms"] == 500.0 and report["classes"]["short"]["p99_ms"] == 1000.0
     assert report["classes"]["long"]["sent"] == 3 and report["classes"]["long"]["mean_input_tokens"] == 1000.0
+    assert report["classes"]["short"]["answered_share"] == round(10 / 11, 4)
+    assert report["classes"]["long"]["answered_share"] == round(1 / 3, 4)
+    assert report["classes"]["long"]["ok_per_s"] == 0.5
+    assert summarize(Run(records, started=0.0, ended=2.0), classes)["device_busy_fraction"] is None
     assert report["non_200"] == {"429": 2, "ClientOSError": 1}
     assert report["refused_p50_ms"] == 4.0
 
@@ -71,3 +75,25 @@ def test_closed_loop_and_fixed_rate_against_a_server():
         fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "16", "--mix", "only:1:200")
         assert 6 <= fixed["requests"] <= 10 and fixed["ok"] == fixed["requests"]
         assert fixed["ok"] + 2 == s.metric("clef_requests_total", "/v1/systemone")
+
+
+def test_no_backoff_resends_at_once_and_the_busy_fraction_comes_from_the_server():
+    # One queued request at most and 0.2 s per batch: most requests are refused (queue_full) at first.
+    with Server("--max-queue", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+        s.wait_ready()
+        busy_before = s.metric("clef_device_busy_seconds_total")
+        # at a fixed rate the refused request itself is sent again until admitted (or the run ends): of the 8,
+        # about one per batch is answered, after many refused attempts
+        fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "8", "--no-backoff",
+                         "--mix", "only:1:200")
+        only = fixed["classes"]["only"]
+        assert fixed["config"]["no_backoff"] and set(fixed["non_200"]) <= {"429"}, fixed["non_200"]
+        assert fixed["non_200"]["429"] >= 5 and only["sent"] == only["ok"] + fixed["non_200"]["429"]
+        assert 2 <= only["ok"] <= 8 and only["answered_share"] < 0.5
+        # a closed-loop client sends its next request at once after a 429: far more attempts than answers
+        closed = loadtest(s, "--clients", "4", "--duration", "1", "--no-backoff", "--mix", "only:1:200")
+        assert closed["non_200"]["429"] > 4 * closed["ok"] > 0
+        busy = s.metric("clef_device_busy_seconds_total") - busy_before
+        # each report's share of the server's busy seconds: about 0.2 s a batch, the device mostly busy
+        assert 0.5 < fixed["device_busy_fraction"] <= 1.05 and 0.5 < closed["device_busy_fraction"] <= 1.05
+        assert busy >= 0.2 * (only["ok"] + closed["ok"])

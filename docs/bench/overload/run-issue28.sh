@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 28's H200 figures in one device call: the three client behaviours against this tree's server and against
+# the baseline at 0f26886, the same synthetic clef-flash checkpoint, --precision fast, the default mix.
+#
+# Prepare once, on the development machine, in the repository root (the baseline as a worktree in a folder git
+# ignores, which the device call carries):
+#   git worktree add --detach .base-0f26886 0f26886 && echo /.base-0f26886/ >> .git/info/exclude
+# Run (device tool, repository root as cwd; carry [".base-0f26886"]):
+#   bash docs/bench/overload/run-issue28.sh
+# It writes to $OUT: issue28-{base,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-{base,new}-
+# server.log (lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json.
+#
+# Needs: python3 with numpy, cupy, aiohttp, meson, ninja, cython and a C compiler (the device image has them);
+# no clefcore installed and nothing fetched. Each tree is built with meson alone (the image has no meson-python)
+# into a folder of its own and put on PYTHONPATH. The client is this tree's loadtest for both servers (the
+# baseline's has no --no-backoff and no busy fraction; against the baseline the busy fraction is null).
+#
+# Behaviours (issue 28, item 3), each DUR seconds (default 30):
+#   polite: 64 clients, closed loop, each waits Retry-After (at most 1 s) after a 429/503
+#   open:   --rate 15 (about 2x the device in prompt tokens), at most 256 in flight
+#   storm:  64 clients, closed loop, each sends again at once after a 429/503 (--no-backoff)
+# A dry run on a CPU (the tiny model, a few seconds each) checks the script itself:
+#   PRESET=tiny SERVE_ARGS="--device cpu" DUR=3 OUT=/tmp/o bash docs/bench/overload/run-issue28.sh
+# Expected wall time with DUR=30: checkpoint ~1.5 min, builds ~0.5 min, per server ~1 min to load and warm up
+# plus 3 x ~35 s of load: ~7.5 min in all (estimated, not yet run). Keep DUR <= 35 in a 10-minute call.
+set -euo pipefail
+DUR=${DUR:-30}
+OUT=${OUT:-/tmp/issue28-out}
+TREES=${TREES:-"base new"}
+PRESET=${PRESET:-clef-flash}
+SERVE_ARGS=${SERVE_ARGS:-"--device cuda:0 --precision fast"}
+MODEL=/tmp/$PRESET-synth
+PORT=8080
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROOT=$(pwd)
+started=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
+
+meson_cmd() { if command -v meson >/dev/null; then meson "$@"; else python3 -m mesonbuild.mesonmain "$@"; fi; }
+build() {  # build <source dir> <name>: the package into /tmp/site-<name>
+  rm -rf "/tmp/build-$2" "/tmp/site-$2"
+  meson_cmd setup "/tmp/build-$2" "$1" --prefix "/tmp/prefix-$2" --python.platlibdir "/tmp/site-$2" \
+    --python.purelibdir "/tmp/site-$2" >"/tmp/build-$2.log" 2>&1 || { tail -30 "/tmp/build-$2.log"; exit 1; }
+  meson_cmd install -C "/tmp/build-$2" --quiet >>"/tmp/build-$2.log" 2>&1 || { tail -30 "/tmp/build-$2.log"; exit 1; }
+}
+stamp "building"
+build "$ROOT" new
+[ -d "$ROOT/.base-0f26886" ] || { echo "no .base-0f26886: prepare it (see the header) and carry it"; exit 1; }
+build "$ROOT/.base-0f26886" base
+
+cd /tmp  # never import the source tree
+if [ ! -f "$MODEL/config.json" ]; then
+  stamp "synthesizing the $PRESET checkpoint"
+  PYTHONPATH=/tmp/site-new python3 -m clefcore.cli synth --preset "$PRESET" --out "$MODEL" >/dev/null
+fi
+
+python3 - "$OUT/issue28-meta.json" "$DUR" "$PRESET" "$SERVE_ARGS" <<'EOF'
+import json, shutil, subprocess, sys, time
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else None
+json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": gpu,
+           "duration_s": float(sys.argv[2]), "model": f"synthetic {sys.argv[3]}",
+           "server": f"{sys.argv[4]}, defaults otherwise", "mix": "the loadtest's default (80/15/5)"},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+
+loadtest() {  # loadtest <tree> <behaviour> <args...>
+  local tree=$1 name=$2; shift 2
+  stamp "$tree: $name"
+  PYTHONPATH=/tmp/site-new python3 -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
+    --json "$OUT/issue28-$tree-$name.json" "$@" | tee -a "/tmp/loadtest-$tree.txt"
+}
+
+for tree in $TREES; do
+  log=/tmp/server-$tree.log
+  # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
+  PYTHONPATH=/tmp/site-$tree python3 -m clefcore.cli serve --model "$MODEL" $SERVE_ARGS --port "$PORT" 2>"$log" &
+  pid=$!
+  stamp "$tree: loading (pid $pid)"
+  until python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health').status != 200)" 2>/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { tail -30 "$log"; exit 1; }
+    sleep 1
+  done
+  stamp "$tree: ready"
+  loadtest "$tree" polite --clients 64
+  loadtest "$tree" open --rate 15 --clients 256
+  loadtest "$tree" storm --clients 64 --no-backoff
+  kill -TERM "$pid"
+  code=0; wait "$pid" || code=$?
+  stamp "$tree: exit $code"
+  { grep -E '"event": "(listening|ready|draining|drained|drain_timeout|exit|load_failed|unhandled)"' "$log" || true
+    grep '"event": "refused"' "$log" | tail -20 || true
+    echo "exit code $code"; } >"$OUT/issue28-$tree-server.log"
+done
+stamp "done"

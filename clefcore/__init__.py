@@ -8,6 +8,6 @@
 from .engine import Engine, Prepared, load
 from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, RequestError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["load", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError", "CheckpointError",
            "DeviceError", "__version__"]

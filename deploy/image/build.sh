@@ -8,8 +8,9 @@
 #      file, ~500 MB compressed), which only ever travels in chunks (push.py),
 #   5. check_image.py runs inside the image as its non-root user with networking off: `clefcore demo` must
 #      answer, NVRTC must load from the wheels, and cuBLAS must load (full image) or be absent (lean image),
-#   6. with CLEFCORE_IMAGE_PUSH set, push.py uploads the OCI layout to the registry, every request body at most
-#      95,000,000 bytes (a plain `buildah push` sends a layer in one request and gets 413 for cuBLASLt's).
+#   6. with CLEFCORE_IMAGE_PUSH set, publish.sh pushes the OCI layout with push.py, every request body at most
+#      95,000,000 bytes (a plain `buildah push` sends a layer in one request and gets 413 for cuBLASLt's), pulls
+#      it back, compares every digest and runs check_image.py inside the pulled copy.
 #
 # Usage (as root, from anywhere):  bash deploy/image/build.sh
 # It installs buildah and mmdebstrap with apt-get when they are missing. Environment:
@@ -18,7 +19,7 @@
 #                         build.log
 #   CLEFCORE_IMAGE_CUBLAS 1 (default): the full image, GEMMs through cuBLAS as in the benchmarks; 0: the lean
 #                         image (~1.1 GB smaller unpacked, every layer under the limit, clefcore's own GEMM
-#                         kernels: ~4x slower on the H200, README "The serving image")
+#                         kernels: 3.4x-4.1x slower on the H200, README "The serving image")
 #   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml, plus -lean for the lean image)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
@@ -26,7 +27,7 @@
 #                         creation (default 0): same files, same layer digests, build after build
 #   CLEFCORE_IMAGE_KEEP=1 keep buildah's storage (several GB) for inspection instead of deleting it
 #   CLEFCORE_IMAGE_PUSH   after every check passed, push the image there with push.py, e.g.
-#                         forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.1.0 (log in first with
+#                         forgejo.riotpiao.com/riotpiao-poimen/clefcore:0.2.0 (log in first with
 #                         `buildah login forgejo.riotpiao.com`; push.py reads the credentials it stored)
 #   CLEFCORE_IMAGE_PUSH_TLS=0            push over plain HTTP (a test registry on 127.0.0.1)
 #   CLEFCORE_IMAGE_PUSH_CHUNK            largest request body of the push in bytes (default 95000000)
@@ -51,6 +52,10 @@ image=localhost/clefcore:$tag
 
 step() { printf '\n== [%4ds] %s\n' "$SECONDS" "$*" >&2; }
 
+case "${CLEFCORE_IMAGE_PUSH_TLS:-1}" in 0|1) ;;
+  *) echo "build.sh: CLEFCORE_IMAGE_PUSH_TLS must be 1 (HTTPS) or 0 (plain HTTP)" >&2; exit 1 ;; esac
+case "$work" in *[[:space:]]*) echo "build.sh: CLEFCORE_IMAGE_WORK must not contain spaces: $work" >&2; exit 1 ;; esac
+
 if [ "$(id -u)" != 0 ]; then
   echo "build.sh: run as root (buildah with vfs storage and chroot isolation, mmdebstrap in root mode)" >&2
   exit 1
@@ -71,7 +76,7 @@ cleanup() {
     "${B[@]}" rm --all >/dev/null 2>&1 || true
     "${B[@]}" rmi --all --force >/dev/null 2>&1 || true
     # never delete through a mount that a failed run may have left behind
-    if grep -q " $work/" /proc/self/mountinfo; then
+    if grep -qF " $work/" /proc/self/mountinfo; then
       echo "build.sh: mounts remain under $work; storage left in place" >&2
     else
       rm -rf --one-file-system "$work/storage" "$work/run"
@@ -136,42 +141,11 @@ if [ "$cublas" = 1 ]; then note=" (but libcublasLt's own layer, pushed in chunks
 step "measure: every layer <= $limit bytes$note"
 python3 "$repo/deploy/image/measure.py" "$work/oci" --limit "$limit" "${chunked[@]}" --markdown "$work/layers.md"
 
-# check_image.py inside an image (a local name, or oci:DIR:TAG), as its user 10001, with networking off.
-# chroot isolation shares the caller's network namespace (buildah refuses --network none with it), so the
-# run gets a new, empty one from unshare: only a loopback device that is down. check_image.py verifies that.
-check_inside() {
-  local ctr
-  ctr=$("${B[@]}" from --quiet --pull=never "$1")
-  "${B[@]}" copy --quiet "$ctr" "$repo/deploy/image/check_image.py" /tmp/check_image.py
-  unshare --net -- "${B[@]}" run --isolation chroot --user 10001:10001 "$ctr" -- \
-    python3 /tmp/check_image.py --cublas "$check"
-  "${B[@]}" rm "$ctr" >/dev/null
-}
-
 step "run: clefcore demo inside the image, user 10001, networking off"
-check_inside "$image"
+bash "$repo/deploy/image/run_check.sh" "$work" "$image" "$check"
 
 if [ -n "${CLEFCORE_IMAGE_PUSH:-}" ]; then
-  ref=${CLEFCORE_IMAGE_PUSH#docker://}
-  tls=true
-  if [ "${CLEFCORE_IMAGE_PUSH_TLS:-1}" = 0 ]; then tls=false; fi
-  if ! command -v skopeo >/dev/null; then
-    step "installing skopeo (apt-get), to pull the pushed image back"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q skopeo >/dev/null
-  fi
-  # The OCI layout that was measured and checked is what the registry receives, blob for blob (same digests).
-  # Its config is OCI's, which has no HEALTHCHECK: Kubernetes ignores it anyway (deploy/k8s has probes).
-  step "push: $ref (deploy/image/push.py, in chunks)"
-  python3 "$repo/deploy/image/push.py" "$work/oci" "$ref" --digestfile "$work/pushed.digest"
-  # What the cluster will pull, checked: skopeo keeps the registry's blobs as they are, so every digest must be
-  # the one built, and the pulled image must pass the same checks.
-  step "pull back: skopeo copy docker://$ref -> oci:$work/pulled, every digest compared"
-  rm -rf "$work/pulled"
-  skopeo copy --quiet --src-tls-verify="$tls" "docker://$ref" "oci:$work/pulled:$tag"
-  python3 "$repo/deploy/image/compare.py" "$work/oci" "$work/pulled"
-  step "run: clefcore demo inside the pulled image, user 10001, networking off"
-  check_inside "oci:$work/pulled:$tag"
-  echo "pushed $ref@$(cat "$work/pushed.digest")" >&2
+  bash "$repo/deploy/image/publish.sh" "$work/oci" "$CLEFCORE_IMAGE_PUSH"
 fi
 
 step "image OK: $image, layers in $work/layers.md, OCI layout in $work/oci"

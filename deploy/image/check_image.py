@@ -3,8 +3,9 @@
     python3 /tmp/check_image.py --cublas yes|no
 
 Fails (exit 1) unless: the user is not root, the network is unreachable, the compile caches point into the
-writable /cache, NVRTC loads from the wheels (CuPy's binding and clefcore's offline compiler, which builds one
-kernel for sm_70), `clefcore demo` answers every question of its request, and cuBLAS is as the variant says:
+writable /cache, every module the server imports loads from current bytecode, NVRTC loads from the wheels
+(CuPy's binding and clefcore's offline compiler, which builds one kernel for sm_70), `clefcore demo` answers every
+question of its request, and cuBLAS is as the variant says:
 - yes (the full image): CuPy's cuBLAS binding imports, and libcublas and libcublasLt open from the image's
   wheel, which is the condition under which the engine runs its GEMMs through them on a GPU
   (clefcore.backends.cuda.cublas.missing() is None, cublaslt.available());
@@ -109,6 +110,16 @@ def main() -> int:
                   f"{smallest.name}, {len(c.image)} bytes of cubin in {time.perf_counter() - t:.1f} s")
         except Exception as e:  # noqa: BLE001 - the message is the report
             check("clefcore compiles a kernel for sm_70 offline", False, f"{type(e).__name__}: {e}")
+
+    # every module the server imports loads from bytecode that is current: the root filesystem is read-only to
+    # this user, so a stale or missing .pyc would mean compiling from source at every start
+    verbose = subprocess.run([sys.executable, "-v", "-c", "import clefcore.server, clefcore.backends.cuda.ops"],
+                             capture_output=True, text=True, timeout=300)
+    from_source = [line.split()[-1] for line in verbose.stderr.splitlines()
+                   if line.startswith("# code object from ") and line.rstrip().endswith(".py")]
+    check("every imported module loads from current bytecode", verbose.returncode == 0 and not from_source,
+          f"exit {verbose.returncode}, compiled from source: {', '.join(from_source[:5])}"
+          + (f" and {len(from_source) - 5} more" if len(from_source) > 5 else ""))
 
     exe = shutil.which("clefcore")
     check("clefcore on PATH", exe is not None, exe or "")

@@ -288,3 +288,67 @@ def test_measure_refuses_a_blob_that_disagrees_with_its_manifest(tmp_path):
     path.write_bytes(path.read_bytes() + b"\0")
     out = measure(tmp_path)
     assert out.returncode != 0 and "the manifest says" in out.stderr
+
+
+def test_measure_names_a_missing_or_malformed_file_in_one_line(tmp_path):
+    make_layout(tmp_path, [{"a": b"abc"}])
+    layer = _manifest(tmp_path)["layers"][0]["digest"]
+    path = tmp_path / "blobs" / "sha256" / layer.split(":")[1]
+    path.write_bytes(b"x" * path.stat().st_size)      # the size the manifest says, not a gzip tar
+    _fails_in_one_line(measure(tmp_path), f"{path}: not a readable gzip tar")
+    path.unlink()
+    _fails_in_one_line(measure(tmp_path), f"{path}: layer 0: No such file or directory")
+    (tmp_path / "index.json").write_text("[]")
+    _fails_in_one_line(measure(tmp_path), f"{tmp_path / 'index.json'}: not a JSON object")
+
+
+# ------------------------------------------------------------------------------------------ compare.py
+
+def compare(built: Path, pulled: Path):
+    return subprocess.run([sys.executable, str(DEPLOY / "image" / "compare.py"), str(built), str(pulled)],
+                          capture_output=True, text=True)
+
+
+def _manifest(layout: Path) -> dict:
+    digest = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
+    return json.loads((layout / "blobs" / "sha256" / digest.split(":")[1]).read_text())
+
+
+def _fails_in_one_line(out: subprocess.CompletedProcess, message: str):
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+
+
+def test_compare_passes_equal_layouts_and_catches_an_altered_blob(tmp_path):
+    make_layout(tmp_path / "built", [{"a": b"a" * 1000}, {"b": b"b"}])
+    shutil.copytree(tmp_path / "built", tmp_path / "pulled")
+    out = compare(tmp_path / "built", tmp_path / "pulled")
+    assert out.returncode == 0 and "4 of 4 digests the same" in out.stdout, out.stdout + out.stderr
+    layer = _manifest(tmp_path / "pulled")["layers"][1]["digest"]
+    path = tmp_path / "pulled" / "blobs" / "sha256" / layer.split(":")[1]
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))     # same name, other bytes
+    out = compare(tmp_path / "built", tmp_path / "pulled")
+    assert out.returncode == 1 and "3 of 4 digests the same; 1 differ" in out.stdout
+    assert f"FAIL layer 1: {layer} (pulled names {layer}, its bytes hash to sha256:" in out.stdout
+
+
+def test_compare_names_a_missing_or_malformed_file_in_one_line(tmp_path):
+    built, pulled = tmp_path / "built", tmp_path / "pulled"
+    make_layout(built, [{"a": b"a"}])
+    shutil.copytree(built, pulled)
+    layer = _manifest(pulled)["layers"][0]["digest"]
+    missing = pulled / "blobs" / "sha256" / layer.split(":")[1]
+    missing.unlink()
+    _fails_in_one_line(compare(built, pulled), f"compare.py: {missing}: unreadable (No such file or")
+    shutil.rmtree(pulled)
+    _fails_in_one_line(compare(built, pulled), f"{pulled / 'index.json'}: unreadable, so {pulled} is no OCI")
+    shutil.copytree(built, pulled)
+    manifest = json.loads((pulled / "index.json").read_text())["manifests"][0]["digest"]
+    manifest_file = pulled / "blobs" / "sha256" / manifest.split(":")[1]
+    manifest_file.write_text(json.dumps({"schemaVersion": 2, "config": _manifest(built)["config"]}))
+    _fails_in_one_line(compare(built, pulled), f"{manifest_file}: not an image manifest")
+    manifest_file.unlink()
+    _fails_in_one_line(compare(built, pulled), f"{manifest_file}: missing (the layout names {manifest})")
+    (pulled / "index.json").write_text(json.dumps({"manifests": [{"digest": "sha256:../../etc", "size": 1}]}))
+    _fails_in_one_line(compare(built, pulled), "digest 'sha256:../../etc' is not sha256:<64 hex digits>")

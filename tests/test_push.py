@@ -1,7 +1,7 @@
 """deploy/image/push.py against a registry made here: an in-process HTTP server speaking the OCI
 distribution API (HEAD blob, POST/PATCH/GET/PUT uploads, PUT manifest) that refuses any request body over its
 limit with 413, asks for the Bearer token flow (or Basic), hands out Locations with a query string that must
-come back, checks each PATCH's Content-Range against what it holds, and fails a chosen PATCH the ways a
+come back, checks each PATCH's Content-Range against what it holds, and fails a chosen request the ways a
 registry behind a proxy does. No network, no GPU. The push runs as a subprocess where the command line
 matters, in-process (main()) where the test replaces the backoff's sleep."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -33,13 +35,6 @@ PUSH_ENV = ("REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "CLEFCORE_IMAGE_PUSH_CHUNK"
             "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
 
 
-def load_push():
-    spec = importlib.util.spec_from_file_location("clefcore_image_push", PUSH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -53,6 +48,13 @@ class Registry:
     forget: as drop, and the upload is gone from then on (404), as in docker's registry, whose Location's
     _state no longer matches what it holds;
     short: keeps the first half and answers 202 with a Range that says so.
+    `faults` maps (kind, n), the n-th authorized request of a kind ("HEAD", "POST", "PUT blob",
+    "PUT manifest"; "token": the n-th token request), to a failure:
+    drop: the connection closes without an answer, nothing done (a reset on the way to the registry);
+    lost: the request is done (a blob committed, a token issued), then the connection closes without its
+    answer;
+    forget ("PUT blob"): the upload is gone, nothing committed, no answer;
+    "503", "429", ...: that status, nothing done, with `Retry-After: retry_after` when that is set.
     `counts_bytes`: GET <upload> answers Range 0-<bytes held> as Forgejo does, else the spec's 0-<last byte>
     (0-0 when empty, as docker's registry)."""
 
@@ -68,6 +70,9 @@ class Registry:
         self.token_requests = 0
         self.fail: dict[int, str] = {}
         self.patches = 0
+        self.faults: dict[tuple[str, int], str] = {}
+        self.retry_after: str | None = None
+        self.counts: Counter = Counter()
         self.log: list[dict] = []
         self.lock = threading.Lock()
         registry = self
@@ -153,6 +158,8 @@ class Registry:
             return self.error(h, 413, "TOO_LARGE", f"body over {self.limit} bytes", entry,
                               {"Connection": "close"})
         if url.path == "/token":
+            if self.fault(h, "token", url.path, entry):
+                return None
             return self.token(h, query, entry)
         failure = None
         if h.command == "PATCH":
@@ -165,6 +172,10 @@ class Registry:
                 f'scope="repository:{NAME}:pull,push"')
             return self.error(h, 401, "UNAUTHORIZED", "authentication required", entry,
                               {"WWW-Authenticate": challenge})
+        kind = {"HEAD": "HEAD", "POST": "POST"}.get(h.command) or \
+            (h.command == "PUT" and ("PUT manifest" if "/manifests/" in url.path else "PUT blob"))
+        if kind and self.fault(h, kind, url.path, entry):
+            return None
         prefix = f"/v2/{NAME}/"
         if not url.path.startswith(prefix):
             return self.error(h, 404, "NAME_UNKNOWN", url.path, entry)
@@ -187,6 +198,26 @@ class Registry:
         if h.command == "PUT" and m:
             return self.manifest(h, m.group(1), body, entry)
         return self.error(h, 404, "UNSUPPORTED", f"{h.command} {url.path}", entry)
+
+    def fault(self, h, kind: str, path: str, entry: dict) -> bool:
+        """Fail this request as self.faults says; True when that took the answer's place."""
+        self.counts[kind] += 1
+        fault = self.faults.get((kind, self.counts[kind]))
+        entry["fault"] = fault
+        if fault is None:
+            return False
+        h.close_connection = True
+        if fault == "lost":          # done below; its answer goes nowhere
+            h.wfile = io.BytesIO()
+            return False
+        if fault in ("drop", "forget"):
+            if fault == "forget":
+                del self.uploads[path.rsplit("/", 1)[1]]
+            entry["status"] = "dropped"
+            return True
+        self.error(h, int(fault), "UNAVAILABLE", f"injected {fault}", entry,
+                   {"Retry-After": self.retry_after} if self.retry_after is not None else None)
+        return True
 
     def upload(self, h, upload: str, query: dict, body: bytes, failure: str | None, entry: dict):
         held = self.uploads[upload]
@@ -365,8 +396,13 @@ def test_chunk_over_the_proxy_limit_gets_413_and_a_smaller_one_passes(registry, 
 
 @pytest.fixture
 def inproc(tmp_path, monkeypatch):
-    """push.py loaded in-process, its backoff sleeps recorded instead of slept, logins only from tmp_path."""
-    push = load_push()
+    """push.py loaded in-process (its directory on sys.path for `import layout`, as when run as a script), its
+    backoff sleeps recorded instead of slept, logins only from tmp_path."""
+    monkeypatch.syspath_prepend(str(PUSH.parent))
+    spec = importlib.util.spec_from_file_location("clefcore_image_push", PUSH)
+    push = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, push)     # dataclasses look their module up there
+    spec.loader.exec_module(push)
     waits: list[float] = []
     monkeypatch.setattr(push.time, "sleep", waits.append)
     for k in PUSH_ENV:
@@ -468,6 +504,124 @@ def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_
     # three tries at byte 0; before each retry the registry's "0-0" (empty, or byte 0?) costs one 416
     assert [p["status"] for p in patches_of(reg)] == [503, 416, 503, 416, 503] and inproc.waits == [1, 2]
     assert not reg.manifests
+
+
+def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr."""
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def chunks(image: dict) -> int:
+    return sum(-(-len(b) // CHUNK) for b in image["blobs"].values())
+
+
+def answered_after(reg: Registry, entry: dict) -> list[tuple[str, object]]:
+    """(method, status) of the requests after `entry`, leaving out 401s (token renewals)."""
+    return [(e["method"], e["status"]) for e in reg.log[reg.log.index(entry) + 1:] if e["status"] != 401]
+
+
+@pytest.mark.parametrize("fault, retry_after, waits", [
+    ("lost", None, [1]),         # committed, its answer lost: the PUT again meets 404, a HEAD finds the blob
+    ("drop", None, [1]),         # lost on the way to the registry: the PUT again completes it
+    ("503", "7", [7]),           # Retry-After obeyed
+    ("429", "100000", ["cap"]),  # ... up to MAX_RETRY_AFTER
+    ("429", "soon", [1]),        # not seconds: the backoff
+])
+def test_a_failed_completion_goes_again_and_a_committed_blob_is_not_sent_again(
+        registry, tmp_path, inproc, capsys, monkeypatch, fault, retry_after, waits):
+    """The first layer's (300,001 bytes, 5 chunks) `PUT ?digest=` fails: it goes again, and where the
+    registry already committed the blob, a HEAD says so; no chunk is sent twice, no second upload begun."""
+    reg = registry()
+    reg.faults[("PUT blob", 2)] = fault
+    reg.retry_after = retry_after
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
+    assert_pushed(reg, image)
+    assert inproc.waits == [inproc.MAX_RETRY_AFTER if w == "cap" else w for w in waits]
+    assert inproc.MAX_RETRY_AFTER < 100000
+    assert sum(e["method"] == "POST" for e in reg.log) == len(image["blobs"])
+    assert [p["status"] for p in patches_of(reg)] == [202] * chunks(image)
+    failed = next(e for e in reg.log if e.get("fault") == fault)
+    layer = image["order"][1]
+    assert failed["method"] == "PUT" and failed["path"].startswith(f"/v2/{NAME}/blobs/uploads/")
+    if fault == "lost":
+        assert answered_after(reg, failed)[:2] == [("PUT", 404), ("HEAD", 200)]
+        assert f"yet the registry holds {layer}" in out
+    else:
+        assert answered_after(reg, failed)[0] == ("PUT", 201)
+    assert f"layer 1/3 {layer}: completing the upload: " in out and f"again in {inproc.waits[0]}s" in out
+
+
+def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(registry, tmp_path, inproc, capsys,
+                                                                         monkeypatch):
+    """The registry drops the upload at the `PUT ?digest=` without storing the blob: the PUT again meets 404,
+    the HEAD 404, and the blob goes again in a new upload from byte 0."""
+    reg = registry()
+    reg.faults[("PUT blob", 2)] = "forget"
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
+    assert_pushed(reg, image)
+    failed = next(e for e in reg.log if e.get("fault") == "forget")
+    assert answered_after(reg, failed)[:4] == [("PUT", 404), ("HEAD", 404), ("POST", 202), ("PATCH", 202)]
+    layer_chunks = -(-len(image["blobs"][image["order"][1]]) // CHUNK)
+    assert [p["status"] for p in patches_of(reg)] == [202] * (chunks(image) + layer_chunks)
+    assert sum(e["method"] == "POST" for e in reg.log) == len(image["blobs"]) + 1
+    assert "does not hold the blob; a new upload from byte 0" in out and inproc.waits == [1]
+
+
+@pytest.mark.parametrize("kind, fault", [("POST", "drop"), ("POST", "429"), ("PUT manifest", "lost"),
+                                         ("PUT manifest", "503"), ("token", "drop"), ("token", "503"),
+                                         ("HEAD", "drop")])
+def test_other_requests_go_again(registry, tmp_path, inproc, capsys, monkeypatch, kind, fault):
+    """A connection lost or a 429/503 (with Retry-After: 3) on starting an upload, the manifest, the token
+    request or a HEAD: that request goes again after the wait, the push completes, every chunk sent once."""
+    reg = registry()
+    reg.faults[(kind, 1)] = fault
+    reg.retry_after = "3"
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
+    assert_pushed(reg, image)
+    assert inproc.waits == [3 if fault.isdigit() else 1]
+    assert [p["status"] for p in patches_of(reg)] == [202] * chunks(image)
+    failed = [e for e in reg.log if e.get("fault") == fault]
+    assert len(failed) == 1
+    assert failed[0]["path"] == "/token" if kind == "token" else failed[0]["method"] == kind.split()[0]
+    ok = {"POST": 202, "PUT": 201, "GET": 200, "HEAD": 404}[failed[0]["method"]]
+    assert answered_after(reg, failed[0])[0] == (failed[0]["method"], ok)
+    assert f"; again in {inproc.waits[0]}s" in out
+
+
+@pytest.mark.parametrize("kind, fault, message", [
+    ("PUT blob", "503", "config {config}: completing the upload: failed 3 times in a row, last answer: "
+                        "503 Service Unavailable: UNAVAILABLE: injected 503"),
+    ("PUT manifest", "503", "manifest test: failed 3 times in a row, last answer: 503"),
+    ("POST", "429", "config {config}: starting an upload: failed 3 times in a row, last answer: 429"),
+    ("token", "503", "token from http://{host}/token: failed 3 times in a row, last answer: 503"),
+    ("HEAD", "drop", "HEAD blob {config}: failed 3 times in a row, last answer: RemoteDisconnected"),
+])
+def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, capsys, monkeypatch, kind,
+                                                   fault, message):
+    """Every request of one kind fails: after --retries 2 (waits 1 s, 2 s) the push stops with one line
+    naming the request and its last answer; a completion that never got its 201 is first checked by a HEAD."""
+    reg = registry()
+    reg.faults.update({(kind, n): fault for n in range(1, 50)})
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert message.format(config=image["order"][0], host=reg.host) in err
+    assert inproc.waits == [1, 2]
+    assert sum(e.get("fault") == fault for e in reg.log) == 3
+    assert not reg.manifests
+    if kind == "PUT blob":
+        assert (reg.log[-1]["method"], reg.log[-1]["status"]) == ("HEAD", 404)
+        assert reg.log[-1]["path"].endswith(image["order"][0])
 
 
 def test_an_expired_token_is_renewed(registry, tmp_path, inproc, capsys, monkeypatch):
@@ -581,12 +735,12 @@ def test_registry_digest_must_match_the_manifest(registry, tmp_path):
 
 def test_layout_with_several_images_needs_a_tag(tmp_path, inproc):
     make_layout(tmp_path / "oci", sizes=(100,), tags=("clefcore:a", "clefcore:b"))
-    with pytest.raises(inproc.PushError, match="2 manifests match.*clefcore:a, clefcore:b"):
-        inproc.read_image(str(tmp_path / "oci"))
-    body, media_type, blobs = inproc.read_image(f"{tmp_path / 'oci'}:clefcore:b")
+    with pytest.raises(inproc.LayoutError, match="2 manifests match, expected 1.*clefcore:a, clefcore:b"):
+        inproc.checked_image(str(tmp_path / "oci"))
+    body, media_type, blobs = inproc.checked_image(f"{tmp_path / 'oci'}:clefcore:b")
     assert media_type == MANIFEST_TYPE and [label for label, _, _ in blobs] == ["config", "layer 1/1"]
-    with pytest.raises(inproc.PushError, match="0 manifests match"):
-        inproc.read_image(f"{tmp_path / 'oci'}:clefcore:c")
+    with pytest.raises(inproc.LayoutError, match="0 manifests match 'clefcore:c'"):
+        inproc.checked_image(f"{tmp_path / 'oci'}:clefcore:c")
 
 
 @pytest.mark.parametrize("ref, args, env, message", [

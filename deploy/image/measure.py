@@ -8,29 +8,22 @@ size the manifest declares. "files" is the bytes of the regular files inside; "l
 most of them are; the instruction that made each layer comes from the image config's history.
 Exit status 1 when any layer is over the limit, except a layer whose regular files are all named FILENAME*
 (--chunked, repeatable): such a layer is exempt because it cannot be made smaller (one file over the limit),
-and it reaches the registry only through deploy/image/push.py's chunked upload. Standard library only: it runs on
-the build host.
+and it reaches the registry only through deploy/image/push.py's chunked upload. A missing or malformed file in
+the layout is one line naming it, exit status 1. Standard library only: it runs on the build host.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tarfile
+import zlib
 from collections import Counter
 from pathlib import Path
 
+from layout import LayoutError, blob_path, read_image, read_json
+
 MB = 1000 * 1000
-
-
-def blob(layout: Path, digest: str) -> Path:
-    algo, hexdigest = digest.split(":", 1)
-    return layout / "blobs" / algo / hexdigest
-
-
-def read_json(layout: Path, digest: str) -> dict:
-    return json.loads(blob(layout, digest).read_text())
 
 
 def group(name: str) -> str:
@@ -45,11 +38,14 @@ def contents(path: Path) -> tuple[int, Counter, set[str]]:
     """Bytes of regular files in a layer blob (streamed, gzip), in all and per group; the files' names."""
     sizes: Counter = Counter()
     names = set()
-    with tarfile.open(path, mode="r|gz") as tar:
-        for member in tar:
-            if member.isfile():
-                sizes[group(member.name)] += member.size
-                names.add(member.name.rsplit("/", 1)[-1])
+    try:
+        with tarfile.open(path, mode="r|gz") as tar:
+            for member in tar:
+                if member.isfile():
+                    sizes[group(member.name)] += member.size
+                    names.add(member.name.rsplit("/", 1)[-1])
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise LayoutError(f"{path}: not a readable gzip tar ({e})") from None
     return sum(sizes.values()), sizes, names
 
 
@@ -63,27 +59,27 @@ def holds(sizes: Counter, n: int = 3) -> str:
     return ", ".join(f"{name} {size / MB:.1f} MB" for name, size in sizes.most_common(n) if size)
 
 
-def layers(layout: Path, chunked: tuple[str, ...] = ()) -> list[dict]:
-    index = json.loads((layout / "index.json").read_text())
-    manifests = index["manifests"]
-    if len(manifests) != 1:
-        raise SystemExit(f"{layout}: expected one image in the layout, found {len(manifests)}")
-    manifest = read_json(layout, manifests[0]["digest"])
-    config = read_json(layout, manifest["config"]["digest"])
-    made = [h.get("created_by", "") for h in config.get("history", []) if not h.get("empty_layer")]
-    if len(made) != len(manifest["layers"]):   # history is optional in OCI; say so rather than guess
-        made = ["(no history)"] * len(manifest["layers"])
+def layers(root: Path, chunked: tuple[str, ...] = ()) -> list[dict]:
+    image = read_image(root)
+    config = read_json(root, image.config["digest"])
+    history = config["history"] if isinstance(config.get("history"), list) else []
+    made = [h.get("created_by", "") for h in history if isinstance(h, dict) and not h.get("empty_layer")]
+    if len(made) != len(image.layers):   # history is optional in OCI; say so rather than guess
+        made = ["(no history)"] * len(image.layers)
     out = []
-    for i, (desc, created_by) in enumerate(zip(manifest["layers"], made)):
-        path = blob(layout, desc["digest"])
-        size = path.stat().st_size
+    for i, (desc, created_by) in enumerate(zip(image.layers, made)):
+        path = blob_path(root, desc["digest"])
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise LayoutError(f"{path}: layer {i}: {e.strerror}") from None
         if size != desc["size"]:
-            raise SystemExit(f"layer {i}: blob has {size} bytes, the manifest says {desc['size']}")
-        if "gzip" not in desc["mediaType"]:
-            raise SystemExit(f"layer {i}: {desc['mediaType']} is not gzip-compressed")
+            raise LayoutError(f"{path}: layer {i} has {size} bytes, the manifest says {desc['size']}")
+        if "gzip" not in str(desc.get("mediaType")):
+            raise LayoutError(f"{path}: layer {i} is {desc.get('mediaType')}, not gzip-compressed")
         unpacked, sizes, names = contents(path)
         out.append({"index": i, "digest": desc["digest"], "compressed": size, "unpacked": unpacked,
-                    "holds": holds(sizes), "created_by": describe(created_by),
+                    "holds": holds(sizes), "created_by": describe(str(created_by)),
                     "chunked": bool(names) and bool(chunked) and all(n.startswith(chunked) for n in names)})
     return out
 
@@ -110,15 +106,19 @@ def main(argv=None) -> int:
                    help="a layer holding only files named FILENAME* may exceed the limit (pushed in chunks)")
     p.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = p.parse_args(argv)
-    rows = layers(args.layout, tuple(args.chunked))
+    try:
+        rows = layers(args.layout, tuple(args.chunked))
+    except LayoutError as e:
+        print(f"measure.py: {e}", file=sys.stderr)
+        return 1
     text = table(rows, args.limit)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
     over = [r for r in rows if r["compressed"] > args.limit and not r["chunked"]]
     for r in over:
-        print(f"layer {r['index']} ({r['digest']}) is {r['compressed']} bytes, over the {args.limit}-byte limit",
-              file=sys.stderr)
+        print(f"layer {r['index']} ({r['digest']}) is {r['compressed']} bytes, over the {args.limit}-byte "
+              "limit", file=sys.stderr)
     return 1 if over else 0
 
 

@@ -10,9 +10,13 @@ every layer; the manifest goes last, as it is in the layout (same bytes, same di
 
 OCI_DIR is what `buildah push IMAGE oci:DIR:NAME` wrote; TAG (needed only when it holds several images) picks
 the manifest whose org.opencontainers.image.ref.name is TAG. Every blob's size and sha256 are checked before
-anything is sent; blobs the registry already has are skipped, so a rerun sends only what is missing. A failed
-chunk (connection error, timeout, 5xx, 416) goes again from the offset the registry reports (in a new upload
-when the registry lost this one), at most --retries times in a row.
+anything is sent; blobs the registry already has are skipped, so a rerun sends only what is missing.
+
+Retries: every request that meets a connection error, a timeout, 408, 429, 5xx or Cloudflare's 520-524 goes
+again, at most --retries times in a row, after 1, 2, 4 ... 30 seconds or what the answer's Retry-After asks
+(at most 300). A failed chunk goes on from the offset the registry then reports (in a new upload when the
+registry lost this one). A failed `PUT ?digest=` (completing a blob) may have been committed with only its
+answer lost: a HEAD of the blob decides before the blob goes again from byte 0.
 
 Credentials: what `buildah login`, `podman login` or `docker login` stored, from the first of
 $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, /run/containers/UID/auth.json,
@@ -38,13 +42,21 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Callable
+
+from layout import LayoutError, blob_path, file_sha256, read_image
 
 DEFAULT_CHUNK = 95_000_000
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
-# a PATCH answered so is retried; 52x are Cloudflare's "origin unreachable/timed out"
-RETRY_STATUS = {404, 408, 416, 429, 500, 502, 503, 504, 520, 522, 523, 524}
+# any request answered so goes again; 520-524 are Cloudflare's "origin unreachable / timed out"
+TRANSIENT = {408, 429, 500, 502, 503, 504, 520, 521, 522, 523, 524}
+# a PATCH also on 404 (the upload is gone: a new one) and 416 (the offset was wrong: ask the registry)
+PATCH_RETRY = TRANSIENT | {404, 416}
+MAX_BACKOFF = 30          # seconds, the longest wait of our own
+MAX_RETRY_AFTER = 300     # seconds, the longest Retry-After obeyed
 NETWORK_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -54,61 +66,35 @@ class PushError(Exception):
 
 # ---- the layout ------------------------------------------------------------------------------------------
 
-def blob_path(layout: Path, digest: str) -> Path:
-    algo, _, hexdigest = digest.partition(":")
-    if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
-        raise PushError(f"{layout}: digest {digest!r} is not sha256:<64 hex digits>")
-    return layout / "blobs" / algo / hexdigest
-
-
 def verify(path: Path, desc: dict) -> None:
-    """The file holds exactly the descriptor's bytes (size, then sha256, streamed)."""
+    """The file holds exactly the descriptor's bytes (size, then sha256)."""
     if not path.is_file():
         raise PushError(f"{path}: missing (the layout names {desc['digest']})")
     if path.stat().st_size != desc["size"]:
         raise PushError(f"{path}: {path.stat().st_size} bytes, its descriptor says {desc['size']}")
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    if "sha256:" + h.hexdigest() != desc["digest"]:
-        raise PushError(f"{path}: its bytes hash to sha256:{h.hexdigest()}, not {desc['digest']} "
-                        "(corrupt layout)")
+    actual = file_sha256(path)
+    if actual != desc["digest"]:
+        raise PushError(f"{path}: its bytes hash to {actual}, not {desc['digest']} (corrupt layout)")
 
 
-def read_image(source: str) -> tuple[bytes, str, list[tuple[str, dict, Path]]]:
-    """The manifest's bytes and media type, and (label, descriptor, file) of the config and each layer."""
-    layout, tag = Path(source), None
-    if not layout.is_dir() and ":" in source:
+def checked_image(source: str) -> tuple[bytes, str, list[tuple[str, dict, Path]]]:
+    """The manifest's bytes and media type, and (label, descriptor, file) of the config and each layer, every
+    file checked against its descriptor."""
+    root, tag = Path(source), None
+    if not root.is_dir() and ":" in source:
         path, tag = source.split(":", 1)
-        layout = Path(path)
-    try:
-        entries = json.loads((layout / "index.json").read_text())["manifests"]
-    except (OSError, ValueError, KeyError) as e:
-        raise PushError(f"{layout}: not an OCI layout ({e})") from None
-    names = [e.get("annotations", {}).get("org.opencontainers.image.ref.name") for e in entries]
-    if tag is not None:
-        entries = [e for e, n in zip(entries, names) if n == tag]
-    if len(entries) != 1:
-        raise PushError(f"{source}: {len(entries)} manifests match; name one as OCI_DIR:TAG "
-                        f"(ref.name annotations: {', '.join(map(str, names)) or 'none'})")
-    path = blob_path(layout, entries[0]["digest"])
-    verify(path, entries[0])
-    body = path.read_bytes()
-    manifest = json.loads(body)
-    media_type = manifest.get("mediaType") or entries[0].get("mediaType")
-    if media_type not in MANIFEST_TYPES:
-        raise PushError(f"{path}: media type {media_type!r}; push.py pushes one image manifest "
-                        f"({', '.join(MANIFEST_TYPES)})")
-    try:
-        descs = [("config", manifest["config"])]
-        descs += [(f"layer {i + 1}/{len(manifest['layers'])}", d) for i, d in enumerate(manifest["layers"])]
-        blobs = [(label, d, blob_path(layout, d["digest"])) for label, d in descs]
-    except (KeyError, TypeError) as e:
-        raise PushError(f"{path}: not an image manifest (no {e})") from None
+        root = Path(path)
+    image = read_image(root, tag)
+    verify(blob_path(root, image.entry["digest"]), image.entry)
+    if image.media_type not in MANIFEST_TYPES:
+        raise PushError(f"{blob_path(root, image.entry['digest'])}: media type {image.media_type!r}; push.py "
+                        f"pushes one image manifest ({', '.join(MANIFEST_TYPES)})")
+    n = len(image.layers)
+    blobs = [("config", image.config, blob_path(root, image.config["digest"]))]
+    blobs += [(f"layer {i + 1}/{n}", d, blob_path(root, d["digest"])) for i, d in enumerate(image.layers)]
     for _, d, p in blobs:
         verify(p, d)
-    return body, media_type, blobs
+    return image.manifest, image.media_type, blobs
 
 
 # ---- credentials -----------------------------------------------------------------------------------------
@@ -188,6 +174,35 @@ class Response:
         return status + (f": {text}" if text and text != status else "")
 
 
+def backoff(failures: int, r: Response | None) -> int:
+    """Seconds to wait before retry number `failures`: what the answer's Retry-After asks (at most
+    MAX_RETRY_AFTER), else 1, 2, 4 ... MAX_BACKOFF. Only Retry-After's seconds form is read; its date form,
+    which registries and Cloudflare do not send, gets the backoff."""
+    asked = r.headers.get("Retry-After", "").strip() if r is not None else ""
+    if asked.isascii() and asked.isdigit():
+        return min(int(asked), MAX_RETRY_AFTER)
+    return min(2 ** (failures - 1), MAX_BACKOFF)
+
+
+@dataclass
+class Upload:
+    """One blob's upload under way: its Location, the next byte to send, the other offsets the registry's last
+    Range may mean (tried on 416), failed chunks in a row, PATCH requests answered 202."""
+    label: str
+    digest: str
+    size: int
+    path: Path
+    location: str
+    offset: int = 0
+    alternatives: list[int] = field(default_factory=list)
+    failures: int = 0
+    patches: int = 0
+
+    @property
+    def what(self) -> str:
+        return f"{self.label} {self.digest}"
+
+
 class Registry:
     def __init__(self, host: str, name: str, plain_http: bool, timeout: float, retries: int):
         self.base = f"{'http' if plain_http else 'https'}://{host}/v2/{name}/"
@@ -249,6 +264,33 @@ class Registry:
             raise PushError(f"{method} {url}: {r}; {who} refused - {self.hint}")
         return r
 
+    def retrying(self, what: str, attempt: Callable[[], Response]) -> Response:
+        """attempt() again after a network error or a TRANSIENT answer, at most --retries times in a row,
+        waiting backoff() in between. Returns the first other answer; PushError naming `what` and the last
+        failure once the retries are spent."""
+        failures = 0
+        while True:
+            try:
+                r = attempt()
+            except NETWORK_ERRORS as e:
+                r, answer = None, f"{type(e).__name__}: {e}"
+            else:
+                if r.status not in TRANSIENT:
+                    return r
+                answer = str(r)
+            failures += 1
+            if failures > self.retries:
+                raise PushError(f"{what}: failed {failures} times in a row, last answer: {answer}")
+            wait = backoff(failures, r)
+            print(f"  {what}: {answer}; again in {wait}s", flush=True)
+            time.sleep(wait)
+
+    def request(self, what: str, method: str, url: str, body: bytes = b"",
+                headers: dict | None = None) -> Response:
+        """call() through retrying(): for every request that can simply go again (not a PATCH, whose retry
+        depends on what the registry kept)."""
+        return self.retrying(what, lambda: self.call(method, url, body, headers))
+
     def authenticate(self, r: Response) -> None:
         challenges = r.headers.get_all("WWW-Authenticate") or []
         bearer = next((c for c in challenges if c.lower().startswith("bearer ")), None)
@@ -266,7 +308,8 @@ class Registry:
             query["service"] = params["service"]
         realm = params["realm"]
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
-        t = self.send("GET", url, headers={"Authorization": f"Basic {basic}"} if basic else {})
+        headers = {"Authorization": f"Basic {basic}"} if basic else {}
+        t = self.retrying(f"token from {realm}", lambda: self.send("GET", url, headers=headers))
         if t.status != 200:
             who = f"credentials from {self.login[1]}" if self.login else "no credentials (anonymous)"
             raise PushError(f"token from {realm} with {who}: {t} - {self.hint}")
@@ -284,13 +327,14 @@ class Registry:
         return PushError(f"{what}: {r}")
 
     def has_blob(self, digest: str) -> bool:
-        r = self.call("HEAD", self.base + f"blobs/{digest}")
+        r = self.request(f"HEAD blob {digest}", "HEAD", self.base + f"blobs/{digest}")
         if r.status not in (200, 404):
             raise self.failure(f"HEAD blob {digest}", r)
         return r.status == 200
 
     def upload_status(self, location: str) -> tuple[int, int | None]:
-        """GET <upload>: its HTTP status (0: no answer) and the N of its `Range: 0-N` (None: not said)."""
+        """GET <upload>: its HTTP status (0: no answer) and the N of its `Range: 0-N` (None: not said). Asked
+        once per failed chunk, whose own retries bound it: not retried itself."""
         try:
             r = self.call("GET", location)
         except NETWORK_ERRORS:
@@ -319,73 +363,105 @@ class Registry:
         return offsets
 
     def start_upload(self, what: str) -> str:
-        r = self.call("POST", self.base + "blobs/uploads/")
+        r = self.request(f"{what}: starting an upload", "POST", self.base + "blobs/uploads/")
         if r.status != 202 or not r.headers.get("Location"):
             raise self.failure(f"{what}: starting an upload", r)
         return urllib.parse.urljoin(self.base, r.headers["Location"])
 
     def upload(self, label: str, desc: dict, path: Path, chunk: int) -> int:
-        """POST, a PATCH per chunk, PUT ?digest=; returns how many PATCH requests were answered 202."""
-        digest, size = desc["digest"], desc["size"]
-        what = f"{label} {digest}"
-        location = self.start_upload(what)
-        offset, failures, sent = 0, 0, 0
-        alternatives: list[int] = []   # other offsets the registry's last Range may mean, tried on 416
-        with path.open("rb") as f:
-            while offset < size:
-                f.seek(offset)
-                data = f.read(min(chunk, size - offset))
-                end = offset + len(data) - 1
-                try:
-                    r = self.call("PATCH", location, data, {"Content-Type": "application/octet-stream",
-                                                            "Content-Range": f"{offset}-{end}"})
-                except NETWORK_ERRORS as e:
-                    answer = f"{type(e).__name__}: {e}"
-                else:
-                    answer = str(r)
-                    if r.status == 202:
-                        location = urllib.parse.urljoin(location, r.headers.get("Location") or location)
-                        m = re.fullmatch(r"0-(\d+)", r.headers.get("Range", ""))
-                        held = int(m.group(1)) + 1 if m else end + 1
-                        if not offset < held <= end + 1:
-                            raise PushError(f"{what}: after bytes {offset}-{end} the registry reports Range "
-                                            f"{r.headers['Range']}")
-                        self.learn_status_reading(location, held)
-                        offset, failures, alternatives, sent = held, 0, [], sent + 1
-                        if size > chunk:
-                            print(f"  {label}: {offset}/{size} bytes", flush=True)
-                        continue
-                    if r.status not in RETRY_STATUS:
-                        raise self.failure(f"{what}: bytes {offset}-{end}", r, len(data))
-                    if r.status == 416 and alternatives:
-                        offset = alternatives.pop(0)
-                        continue
-                failures += 1
-                if failures > self.retries:
-                    raise PushError(f"{what} ({path}): the chunk at offset {offset} failed {failures} times, "
-                                    f"last answer: {answer} - run push.py again to start this blob over")
-                wait = min(2 ** (failures - 1), 30)
-                time.sleep(wait)
-                failed, offsets = offset, self.resume_offsets(location, size, what)
-                if offsets is None:
-                    location, offset, alternatives = self.start_upload(what), 0, []
-                    going_on = "the registry lost the upload: a new one from byte 0"
-                else:
-                    offset, *alternatives = offsets or [offset]
-                    going_on = f"resuming at byte {offset}" + (
-                        f" (or {alternatives[0]} on 416)" if alternatives else "")
-                print(f"  {label}: bytes {failed}-{end} failed ({answer}); after {wait}s, {going_on}",
-                      flush=True)
-        sep = "&" if urllib.parse.urlsplit(location).query else "?"
-        r = self.call("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}")
-        if r.status != 201:
-            raise self.failure(f"{what}: completing the upload", r)
-        if r.headers.get("Docker-Content-Digest", digest) != digest:
-            raise PushError(f"{what}: the registry stored it as {r.headers['Docker-Content-Digest']}")
-        return sent
+        """The blob in a new upload, a PATCH per chunk, then completed; all again from byte 0 when the
+        registry lost the upload at its completion (at most --retries times). Returns how many PATCH
+        requests were answered 202."""
+        what, patches = f"{label} {desc['digest']}", 0
+        for _ in range(self.retries + 1):
+            up = Upload(label, desc["digest"], desc["size"], path, self.start_upload(what))
+            with path.open("rb") as f:
+                while up.offset < up.size:
+                    self.send_chunk(up, f, chunk)
+            patches += up.patches
+            if self.complete(up):
+                return patches
+            print(f"  {label}: the registry lost the upload at its completion and does not hold the blob; "
+                  "a new upload from byte 0", flush=True)
+        raise PushError(f"{what}: the registry lost the upload at its completion {self.retries + 1} times")
+
+    def send_chunk(self, up: Upload, f: BinaryIO, chunk: int) -> None:
+        """PATCH the chunk at up.offset; move up on by what the registry reports it took, or resume()."""
+        f.seek(up.offset)
+        data = f.read(min(chunk, up.size - up.offset))
+        end = up.offset + len(data) - 1
+        try:
+            r = self.call("PATCH", up.location, data, {"Content-Type": "application/octet-stream",
+                                                       "Content-Range": f"{up.offset}-{end}"})
+        except NETWORK_ERRORS as e:
+            self.resume(up, end, None, f"{type(e).__name__}: {e}")
+            return
+        if r.status == 202:
+            up.location = urllib.parse.urljoin(up.location, r.headers.get("Location") or up.location)
+            m = re.fullmatch(r"0-(\d+)", r.headers.get("Range", ""))
+            held = int(m.group(1)) + 1 if m else end + 1
+            if not up.offset < held <= end + 1:
+                raise PushError(f"{up.what}: after bytes {up.offset}-{end} the registry reports Range "
+                                f"{r.headers['Range']}")
+            self.learn_status_reading(up.location, held)
+            up.offset, up.failures, up.alternatives, up.patches = held, 0, [], up.patches + 1
+            if up.size > chunk:
+                print(f"  {up.label}: {up.offset}/{up.size} bytes", flush=True)
+        elif r.status not in PATCH_RETRY:
+            raise self.failure(f"{up.what}: bytes {up.offset}-{end}", r, len(data))
+        elif r.status == 416 and up.alternatives:
+            up.offset = up.alternatives.pop(0)
+        else:
+            self.resume(up, end, r, str(r))
+
+    def resume(self, up: Upload, end: int, r: Response | None, answer: str) -> None:
+        """After the chunk up.offset-end failed (`r`: the answer, None when there was none): give up after
+        --retries in a row, else wait and go on where the registry says the upload stands, or in a new
+        upload when it lost this one."""
+        up.failures += 1
+        if up.failures > self.retries:
+            raise PushError(f"{up.what} ({up.path}): the chunk at offset {up.offset} failed {up.failures} "
+                            f"times, last answer: {answer} - run push.py again to start this blob over")
+        wait = backoff(up.failures, r)
+        time.sleep(wait)
+        failed, offsets = up.offset, self.resume_offsets(up.location, up.size, up.what)
+        if offsets is None:
+            up.location, up.offset, up.alternatives = self.start_upload(up.what), 0, []
+            going_on = "the registry lost the upload: a new one from byte 0"
+        else:
+            up.offset, *up.alternatives = offsets or [up.offset]
+            going_on = f"resuming at byte {up.offset}" + (
+                f" (or {up.alternatives[0]} on 416)" if up.alternatives else "")
+        print(f"  {up.label}: bytes {failed}-{end} failed ({answer}); after {wait}s, {going_on}", flush=True)
+
+    def complete(self, up: Upload) -> bool:
+        """PUT <upload>?digest=. True once the registry holds the blob, False when it lost the upload
+        without storing the blob (404). A PUT whose answer was lost may have been committed (its retry then
+        meets 404, or the retries run out): a HEAD of the blob decides rather than sending it all again."""
+        sep = "&" if urllib.parse.urlsplit(up.location).query else "?"
+        what = f"{up.what}: completing the upload"
+        gave_up: PushError | None = None
+        try:
+            r = self.request(what, "PUT", f"{up.location}{sep}digest={urllib.parse.quote(up.digest)}")
+        except PushError as e:
+            gave_up, r = e, None
+        if r is not None and r.status == 201:
+            if r.headers.get("Docker-Content-Digest", up.digest) != up.digest:
+                raise PushError(f"{up.what}: the registry stored it as {r.headers['Docker-Content-Digest']}")
+            return True
+        if self.has_blob(up.digest):
+            print(f"  {up.label}: completing the upload was not answered 201, yet the registry holds "
+                  f"{up.digest} (an earlier answer was lost)", flush=True)
+            return True
+        if gave_up is not None:
+            raise gave_up
+        if r.status == 404:
+            return False
+        raise self.failure(what, r)
 
     def put_manifest(self, tag: str, body: bytes, media_type: str) -> str:
-        r = self.call("PUT", self.base + f"manifests/{tag}", body, {"Content-Type": media_type})
+        r = self.request(f"manifest {tag}", "PUT", self.base + f"manifests/{tag}", body,
+                         {"Content-Type": media_type})
         if r.status != 201:
             raise self.failure(f"manifest {tag}", r, len(body))
         return r.headers.get("Docker-Content-Digest", "")
@@ -410,7 +486,7 @@ def push(args: argparse.Namespace) -> str:
     if not m or not ("." in m.group(1) or ":" in m.group(1) or m.group(1) == "localhost"):
         raise PushError(f"REF {args.ref!r}: expected [docker://]HOST[:PORT]/NAME:TAG")
     host, name, tag = m.groups()
-    body, media_type, blobs = read_image(args.source)
+    body, media_type, blobs = checked_image(args.source)
     if len(body) > chunk:
         raise PushError(f"the manifest is {len(body)} bytes, over --chunk-bytes {chunk}")
     total = sum(d["size"] for _, d, _ in blobs)
@@ -445,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"largest request body (default: $CLEFCORE_IMAGE_PUSH_CHUNK or {DEFAULT_CHUNK})")
     p.add_argument("--digestfile", type=Path, help="write the manifest digest the registry returned here")
     p.add_argument("--plain-http", action="store_true", help="plain HTTP (as CLEFCORE_IMAGE_PUSH_TLS=0)")
-    p.add_argument("--retries", type=int, default=5, help="retries of a failed chunk in a row (default 5)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="how often a failed request goes again, in a row (default 5)")
     p.add_argument("--timeout", type=float, default=300,
                    help="seconds without progress on a socket (default 300)")
     args = p.parse_args(argv)
@@ -453,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--retries must be 0 or more and --timeout more than 0")
     try:
         pushed = push(args)
-    except PushError as e:
+    except (PushError, LayoutError) as e:
         print(f"push.py: {e}", file=sys.stderr)
         return 1
     except NETWORK_ERRORS as e:

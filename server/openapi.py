@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from clefcore import images as _images
+from clefcore import __version__, images as _images
 from clefcore.engine import NO_IMAGES
 
 # Descriptions (choice options, score levels, noul criteria values) may be any JSON value: they are
@@ -223,7 +223,7 @@ def build_spec(config: argparse.Namespace) -> dict:
     plain_503 = {"description": "not ready", "content": _json_content({"type": "object"})}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "clefcore", "version": "0.1.0",
+        "info": {"title": "clefcore", "version": __version__,
                  "description": "System One decisions (Cloudflare Clef-flash) served by clefcore."},
         "paths": {
             "/v1/systemone": {"post": {

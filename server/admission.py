@@ -1,8 +1,9 @@
 """Admission by cost: the numbers behind a 429 (server/batcher.py applies them).
 
 Budget: the wait a caller tolerates, in seconds, as a function of its prompt's size. ``max_s`` for a prompt of
-``context_tokens``, in proportion below that, never under ``min_s``; and never under one device step plus the
-request's own run (a request is never refused for the step that happens to be running).
+``context_tokens``, in proportion below that, never under ``min_s``; and never under what the scheduler's
+order alone can make it wait: one device step, the next chunk of a long prompt, and its own run (a request is
+never refused for the step that happens to be running).
 
 A request is admitted when its expected time to its answer fits its budget. That time counts only the work
 that runs before it in the scheduler's order, at the measured device rate. For a prompt that runs whole

@@ -147,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--request-timeout)")
     parser.add_argument("--min-queue-wait", type=_positive(float), default=1.0,
                         help="the wait any request tolerates, however short it is; never less than one "
-                             "device step plus its own run (default: %(default)s)")
+                             "device step, one chunk and its own run (default: %(default)s)")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=4096,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
                              "short ones; 0: off (default: %(default)s)")

@@ -151,9 +151,10 @@ class Batcher:
 
     def budget(self, tokens: int) -> float:
         """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than
-        one device step (a chunk, or the step running now if longer) plus its own run."""
+        what the order alone can make it wait: one device step (a chunk, or the step running now if longer),
+        the started run's next chunk, and its own run."""
         step = max(self._chunk, self._step_tokens)
-        return max(self._budgets(tokens), (step + tokens) / self._rate.rate)
+        return max(self._budgets(tokens), (step + self._chunk + tokens) / self._rate.rate)
 
     def _long_ahead(self, now: float) -> float:
         """Tokens that run before any long prompt not yet started: the whole batch on the device, every queued

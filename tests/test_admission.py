@@ -53,7 +53,7 @@ def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_on
         b._scheduler.push(entry(loop, 300, now - 10))      # 12 s ahead
     assert b.refusal(400, now).budget_s == 10.0
     b._rate.observe(1_000, 1.0)                            # measured: 1,000 tokens/s, as guessed
-    assert b.refusal(400, now).budget_s == pytest.approx(1.4)
+    assert b.refusal(400, now).budget_s == pytest.approx(2.4)   # a step, a chunk and its own 400
     loop.close()
 
 
@@ -159,12 +159,13 @@ def test_over_budget_a_short_request_is_refused_with_retry_after():
     loop = asyncio.new_event_loop()
     b = batcher()
     now = time.monotonic()
-    for _ in range(10):
-        b._scheduler.push(entry(loop, 300, now))               # 3 s of short work
+    for _ in range(15):
+        b._scheduler.push(entry(loop, 300, now))               # 4.5 s of short work
     refusal = b.refusal(400, now)
-    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(3.4)
-    assert refusal.budget_s == pytest.approx(1.4)               # one chunk + its own, over the 1 s floor
-    assert refusal.retry_after_s == 2
+    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(4.9)
+    # what the order alone may make it wait: a step, the next chunk and its own, over the 1 s floor
+    assert refusal.budget_s == pytest.approx(2.4)
+    assert refusal.retry_after_s == 3
     loop.close()
 
 
@@ -173,7 +174,7 @@ def test_the_work_before_a_long_prompt_counts_over_the_time_no_whole_prompt_wait
     b = batcher()
     now = time.monotonic()
     b._scheduler.push(entry(loop, 300, now))
-    # nothing waited lately: 0.3 s of whole work, then its own 5 s, within one step + 5 s
+    # nothing waited lately: 0.3 s of whole work, then its own 5 s, within a step, a chunk and its own 5 s
     assert b.expected_wait(5_000, now) == pytest.approx(5.3)
     assert b.refusal(5_000, now) is None
     t = now - 10.0
@@ -184,7 +185,7 @@ def test_the_work_before_a_long_prompt_counts_over_the_time_no_whole_prompt_wait
     refusal = b.refusal(5_000, now)                             # it would start only once they stop coming
     assert refusal.reason == "queued_work"
     assert refusal.wait_s == pytest.approx(0.3 / MIN_SPARE + 5.0, rel=0.05)
-    assert refusal.retry_after_s == 5
+    assert refusal.retry_after_s == 4                           # 11 s against 7 s
     assert b.refusal(500, now) is None                          # a whole prompt is not held back by it
     loop.close()
 
@@ -252,11 +253,11 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
     now = time.monotonic()
     for _ in range(10):
         b._scheduler.push(entry(loop, 300, now - 10))   # 3 s of short work, aged ahead of any newcomer
-    refusal = b.early_refusal(400)                  # ~100 tokens: 3.05 to 3.2 s against 1.05 to 1.2 s
+    refusal = b.early_refusal(400)                  # ~100 tokens: 3.05 to 3.2 s against 2.05 to 2.2 s
     assert refusal is not None and refusal.reason == "queued_work"
     assert refused(b, "queued_work") == 1
-    # ~2,500 tokens, chunked at each size behind all of it: 1,250 (4.25 s of 2.25 s), 2,500 (5.5 of 3.5 s) and
-    # 5,000 (8 of 6 s) refused
+    # ~2,500 tokens, chunked at each size behind all of it: 1,250 (4.25 s of 3.25 s), 2,500 (5.5 of 4.5 s) and
+    # 5,000 (8 of 7 s) refused
     assert b.early_refusal(10_000) is not None
     b._scheduler = type(b._scheduler)(64, 1_000.0)   # nothing queued: whatever its size, it is read
     assert b.early_refusal(10_000) is None and b.early_refusal(400) is None

@@ -22,7 +22,10 @@
 # A dry run on a CPU (the tiny model, a few seconds each) checks the script itself:
 #   PRESET=tiny SERVE_ARGS="--device cpu" DUR=3 OUT=/tmp/o bash docs/bench/overload/run-issue28.sh
 # Expected wall time with DUR=30: checkpoint ~1.5 min, builds ~0.5 min, per server ~1 min to load and warm up
-# plus 3 x ~35 s of load: ~7.5 min in all (estimated, not yet run). Keep DUR <= 35 in a 10-minute call.
+# plus 3 x ~35 s of load: ~7.5 min in all (estimated, not yet run on a GPU). A run lasts DUR plus the tail of
+# the requests still in flight (in the CPU dry run the baseline's took up to 29 s more), so up to ~9 min: keep
+# DUR <= 30 in a 10-minute call, or split it, TREES=base in one call and TREES=new in the next (the checkpoint
+# is written again if /tmp did not survive).
 set -euo pipefail
 DUR=${DUR:-30}
 OUT=${OUT:-/tmp/issue28-out}
@@ -33,6 +36,8 @@ MODEL=/tmp/$PRESET-synth
 PORT=8080
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+PATH="$(dirname "$(command -v python3)"):$PATH"  # meson, ninja and cython beside the python3 that builds
+export PATH
 ROOT=$(pwd)
 started=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }

@@ -2,17 +2,21 @@
 # Issue 28's H200 figures in one device call: the three client behaviours against this tree's server and against
 # the baseline at 0f26886, the same synthetic clef-flash checkpoint, --precision fast, the default mix.
 #
-# Prepare once, on the development machine, in the repository root (the baseline as a worktree in a folder git
-# ignores, which the device call carries):
-#   git worktree add --detach .base-0f26886 0f26886 && echo /.base-0f26886/ >> .git/info/exclude
-# Run (device tool, repository root as cwd; carry [".base-0f26886"]):
+# Prepare once, on the development machine, in the repository root: each tree as a cp312 wheel (the device's
+# python3 is 3.12 and has no meson-python), and clefcore's dependencies that the device lacks, all under .whl/
+# (ignored by git), which the device call carries:
+#   py=python3.12   # e.g. /root/.pyenv/versions/3.12.1/bin/python3.12
+#   git worktree add --detach /tmp/base-0f26886 0f26886 && $py -m pip wheel --no-deps -w .whl/base /tmp/base-0f26886
+#   $py -m pip wheel --no-deps -w .whl/new .
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
+# Run (device tool, repository root as cwd; carry [".whl"]):
 #   bash docs/bench/overload/run-issue28.sh
 # It writes to $OUT: issue28-{base,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-{base,new}-
 # server.log (lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json.
 #
-# Needs: python3 with numpy, cupy, aiohttp, meson, ninja, cython and a C compiler (the device image has them);
-# no clefcore installed and nothing fetched. Each tree is built with meson alone (the image has no meson-python)
-# into a folder of its own and put on PYTHONPATH. The client is this tree's loadtest for both servers (the
+# Needs: python3 with numpy, cupy and aiohttp (the device image has them); nothing fetched. Each tree is installed
+# from its wheel into a folder of its own and put on PYTHONPATH. The client is this tree's loadtest for both servers (the
 # baseline's has no --no-backoff and no busy fraction; against the baseline the busy fraction is null).
 #
 # Behaviours (issue 28, item 3), each DUR seconds (default 30):
@@ -36,28 +40,24 @@ MODEL=/tmp/$PRESET-synth
 PORT=8080
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PATH="$(dirname "$(command -v python3)"):$PATH"  # meson, ninja and cython beside the python3 that builds
-export PATH
+
 ROOT=$(pwd)
 started=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
 
-meson_cmd() { if command -v meson >/dev/null; then meson "$@"; else python3 -m mesonbuild.mesonmain "$@"; fi; }
-build() {  # build <source dir> <name>: the package into /tmp/site-<name>
-  rm -rf "/tmp/build-$2" "/tmp/site-$2"
-  meson_cmd setup "/tmp/build-$2" "$1" --prefix "/tmp/prefix-$2" --python.platlibdir "/tmp/site-$2" \
-    --python.purelibdir "/tmp/site-$2" >"/tmp/build-$2.log" 2>&1 || { tail -30 "/tmp/build-$2.log"; exit 1; }
-  meson_cmd install -C "/tmp/build-$2" --quiet >>"/tmp/build-$2.log" 2>&1 || { tail -30 "/tmp/build-$2.log"; exit 1; }
+install() {  # install <name>: .whl/<name>/clefcore-*.whl (built on the development machine) into /tmp/site-<name>
+  rm -rf "/tmp/site-$1"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$1" "$ROOT"/.whl/"$1"/clefcore-*.whl
 }
-stamp "building"
-build "$ROOT" new
-[ -d "$ROOT/.base-0f26886" ] || { echo "no .base-0f26886: prepare it (see the header) and carry it"; exit 1; }
-build "$ROOT/.base-0f26886" base
+stamp "installing"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deps "$ROOT"/.whl/deps/*.whl
+install new
+install base
 
 cd /tmp  # never import the source tree
 if [ ! -f "$MODEL/config.json" ]; then
   stamp "synthesizing the $PRESET checkpoint"
-  PYTHONPATH=/tmp/site-new python3 -m clefcore.cli synth --preset "$PRESET" --out "$MODEL" >/dev/null
+  PYTHONPATH=/tmp/site-new:/tmp/site-deps python3 -m clefcore.cli synth --preset "$PRESET" --out "$MODEL" >/dev/null
 fi
 
 python3 - "$OUT/issue28-meta.json" "$DUR" "$PRESET" "$SERVE_ARGS" <<'EOF'
@@ -73,14 +73,14 @@ EOF
 loadtest() {  # loadtest <tree> <behaviour> <args...>
   local tree=$1 name=$2; shift 2
   stamp "$tree: $name"
-  PYTHONPATH=/tmp/site-new python3 -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
+  PYTHONPATH=/tmp/site-new:/tmp/site-deps python3 -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
     --json "$OUT/issue28-$tree-$name.json" "$@" | tee -a "/tmp/loadtest-$tree.txt"
 }
 
 for tree in $TREES; do
   log=/tmp/server-$tree.log
   # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
-  PYTHONPATH=/tmp/site-$tree python3 -m clefcore.cli serve --model "$MODEL" $SERVE_ARGS --port "$PORT" 2>"$log" &
+  PYTHONPATH=/tmp/site-$tree:/tmp/site-deps python3 -m clefcore.cli serve --model "$MODEL" $SERVE_ARGS --port "$PORT" 2>"$log" &
   pid=$!
   stamp "$tree: loading (pid $pid)"
   until python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health').status != 200)" 2>/dev/null; do

@@ -26,7 +26,6 @@ import platform
 import statistics
 import subprocess
 import time
-import types
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -34,12 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from . import precision
+from .bench_records import image_record, record
+from .timing import spread, wall_ms
 
 LENGTHS = (346, 2048, 8192, 24576)
-# the image case: text tokens before the image (the prompt's system prefix) and after it (state, schema,
-# suffix), as a short request with one image is laid out; the image's time may be at most IMAGE_TARGET x the
-# text-only request's of the same length
-IMAGE_TEXT = (32, 224)
+# the image case (bench_records.IMAGE_TEXT lays out its text): the image's time may be at most IMAGE_TARGET x
+# the text-only request's of the same length
 IMAGE_TARGET = 1.5
 IMAGE_ROUNDS = 9          # interleaved rounds of the image case's three runs (at least --reps)
 
@@ -366,14 +365,6 @@ def random_vision_params(cp, ops, cfg):
     return p
 
 
-def _questions(L):
-    q = lambda qs, opts, t: types.SimpleNamespace(question_span=qs, option_spans=opts, type_index=t)  # noqa: E731
-    b = max(0, L - 120)
-    return [q((b, b + 10), [(b + 10, b + 20), (b + 20, b + 30)], 0),
-            q((b + 30, b + 40), [(b + 40 + 8 * i, b + 48 + 8 * i) for i in range(5)], 1),
-            q((b + 80, b + 90), [(b + 90 + 6 * i, b + 96 + 6 * i) for i in range(4)], 2)]
-
-
 class PeakInUse:
     """CuPy allocator wrapper that records the default pool's in-use bytes right after every allocation: in-use
     memory only grows at an allocation, so the largest sample is the exact high-water of live arrays. Reading
@@ -407,19 +398,6 @@ def _device_used(cp):
     return total - free
 
 
-def spread(ts) -> str:
-    """The timed runs' range, printed beside their median: a wide range flags a disturbed measurement."""
-    return f"{min(ts):.1f}-{max(ts):.1f} ms"
-
-
-def _record(ids, **images):
-    """An EncodedRecord of the bench's making: random ids, the bench's questions, no tokenizer."""
-    from .encode import EncodedRecord
-    L = len(ids)
-    return EncodedRecord(input_ids=ids, questions=tuple(_questions(L)), state_span=(0, 0),
-                         state_tokens_before_truncation=0, state_truncated=False, **images)
-
-
 def forward_run(ops, params, records, vp=None, image=None):
     """One call = what Engine.forward does for ``records`` (the head queued before the guard read). With
     ``image`` for records[0]'s one image, each call first makes its pixels on the host: from file bytes, decoding
@@ -444,21 +422,6 @@ def forward_run(ops, params, records, vp=None, image=None):
         ops.check_watched()
         return outs
     return run
-
-
-def image_record(data: bytes, vocab: int):
-    """The record of a request with one image (file bytes ``data``) as the engine lays it out: IMAGE_TEXT random
-    text ids before and after the image's pads, M-RoPE positions, the bench's questions at the end; without its
-    pixels (forward_run makes them in each timed call)."""
-    from . import images
-    from .encode import MERGE, mrope_positions
-    from .preprocess import preprocess
-    px = preprocess(images.decode(data, 0))
-    (a, b), n = IMAGE_TEXT, px.num_tokens
-    T = a + n + b
-    spans = ((a, a + n, px.grid_thw[1] // MERGE, px.grid_thw[2] // MERGE),)
-    return _record(np.random.default_rng(1).integers(0, vocab, T), image_spans=spans,
-                   positions=mrope_positions(T, spans)), px
 
 
 def path_counts(seen: dict) -> dict:
@@ -533,20 +496,9 @@ def end_to_end(cp, ops, params, lengths, packed, reps, out):
     for label, lens in cases:
         ids = rng.integers(0, V, sum(lens))
         cuts = np.cumsum(lens)[:-1]
-        run = forward_run(ops, params, [_record(x) for x in np.split(ids, cuts)])
+        run = forward_run(ops, params, [record(x) for x in np.split(ids, cuts)])
         res.append(_measure(cp, ops, label, sum(lens), run, reps))
     return res
-
-
-def wall_ms(fn, reps) -> float:
-    """Median wall time of ``fn`` (which waits for its own device work) after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def image_case(cp, ops, params, vp, size, reps):
@@ -567,7 +519,7 @@ def image_case(cp, ops, params, vp, size, reps):
     T, n, patches = len(rec.input_ids), px.num_tokens, px.grid_thw[1] * px.grid_thw[2]
     runs = {"image": (f"{T} tokens, one {w}x{h} image", forward_run(ops, params, [rec], vp, rgb)),
             "image_png": (f"{T} tokens, one {w}x{h} PNG", forward_run(ops, params, [rec], vp, data)),
-            "text": (f"{T} tokens, text only", forward_run(ops, params, [_record(rec.input_ids)]))}
+            "text": (f"{T} tokens, text only", forward_run(ops, params, [record(rec.input_ids)]))}
     cases = {k: _measure(cp, ops, label, T, run, 1) for k, (label, run) in runs.items()}
     times = {k: [] for k in runs}
     for _ in range(max(reps, IMAGE_ROUNDS)):

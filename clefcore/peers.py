@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 
-from .bench import image_record, spread, wall_ms
+from .bench_records import image_record
+from .timing import spread, wall_ms
 
 
 def _import_transformers(out, key, label):

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import precision
 from .checkpoint import to_float32
+from .options import image_options
 from .progress import terminal_bar
 
 REQUEST = {
@@ -44,7 +45,6 @@ def image_request() -> dict:
 
 
 def add_arguments(parser):
-    from .cli import image_options
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--device", default="cuda:0")
     image_options(parser)

@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.answers import CONFIDENCE_MODES
-from clefcore.cli import backend_options, gpu_options, image_options
 from clefcore.errors import ClefError, RequestError
+from clefcore.options import backend_options, gpu_options, image_options
 
 from . import errors
 from .admission import Budgets
@@ -40,6 +40,7 @@ from .metrics import Metrics, clear_multiprocess_dir, multiprocess_dir
 from .openapi import build_spec
 from .prepare import PrepareGate
 from .testhooks import TestHooks
+from .workers import supervise
 
 PLAYGROUND = Path(__file__).parent / "playground" / "index.html"
 CLOUDFLARE_PREFIX = "/client/v4/"
@@ -164,8 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     devices = _devices(args)
     if len(devices) > 1:
-        from .workers import supervise
-        return supervise(args, devices)
+        return supervise(args, devices, run)
     args.device = devices[0]
     if multiprocess_dir() and not getattr(args, "reuse_port", False):
         clear_multiprocess_dir()  # a lone server in a directory named for it: an earlier run's files go

@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -29,14 +30,17 @@ from .logs import log
 from .metrics import MULTIPROC_ENV, clear_multiprocess_dir
 
 
-def supervise(args: argparse.Namespace, devices: list[str]) -> int:
+def supervise(args: argparse.Namespace, devices: list[str], serve: Callable[[argparse.Namespace], int]) -> int:
+    """Run ``serve(args)`` in one spawned process per device. ``serve`` is passed in (app.run), not imported:
+    the single-device server starts its workers from here, so this module stays below it (no import cycle).
+    It must be a module-level function: spawn pickles it by name."""
     if args.port == 0:
         raise SystemExit("several workers share one port: give --port explicitly")
     spawn = multiprocessing.get_context("spawn")  # no CUDA state may be inherited through fork
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     metrics_dir, owned = _metrics_dir()
     try:
-        return _run_workers(args, devices, spawn, inherited, metrics_dir)
+        return _run_workers(args, devices, serve, spawn, inherited, metrics_dir)
     finally:
         if owned:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -57,7 +61,7 @@ def _metrics_dir() -> tuple[str, bool]:
     return path, True
 
 
-def _run_workers(args, devices, spawn, inherited, metrics_dir) -> int:
+def _run_workers(args, devices, serve, spawn, inherited, metrics_dir) -> int:
     workers = []
     try:
         for device in devices:
@@ -65,7 +69,7 @@ def _run_workers(args, devices, spawn, inherited, metrics_dir) -> int:
             child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
             child.workers, child.reuse_port = 0, True
             child.device = _isolate(device, inherited)
-            process = spawn.Process(target=_worker, args=(child,), name=f"clef-worker-{device}")
+            process = spawn.Process(target=_worker, args=(serve, child), name=f"clef-worker-{device}")
             process.start()  # the child copies os.environ now
             workers.append(process)
     finally:
@@ -120,7 +124,5 @@ def _restore(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _worker(args: argparse.Namespace) -> None:
-    from .app import run
-
-    sys.exit(run(args))
+def _worker(serve: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> None:
+    sys.exit(serve(args))

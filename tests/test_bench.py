@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
-from clefcore import bench, peers  # noqa: E402
+from clefcore import bench, bench_records, peers  # noqa: E402
 from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 
@@ -224,14 +224,14 @@ def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_w
     from clefcore.synth import picture_png
     _, params, vp = tiny_with_tower
     data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
-    rec, px = bench.image_record(data, params.text.vocab_size)
+    rec, px = bench_records.image_record(data, params.text.vocab_size)
     assert px.grid_thw == (1, 14, 20) and rec.image_spans == ((32, 102, 7, 10),)
     assert len(rec.input_ids) == 32 + 70 + 224 and rec.questions[0].question_span[0] >= 102
     assert np.array_equal(rec.positions, mrope_positions(326, rec.image_spans))
     from_bytes = bench.forward_run(cpu, params, [rec], vp, data)()
     from_rgb = bench.forward_run(cpu, params, [rec], vp, images.decode(data, 0))()
     from_pixels = bench.forward_run(cpu, params, [replace(rec, images=(px,))], vp)()
-    text_only = bench.forward_run(cpu, params, [bench._record(rec.input_ids)])()
+    text_only = bench.forward_run(cpu, params, [bench_records.record(rec.input_ids)])()
     for a, c, b, t in zip(from_bytes[0], from_rgb[0], from_pixels[0], text_only[0]):
         assert np.array_equal(a, b) and np.array_equal(c, b) and not np.allclose(a, t)
 

@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from clefcore.example_request import support_ticket
+
 DEFAULT_MIX = "short:0.80:1200,medium:0.15:7800,long:0.05:24576"
 ROUTES = {"systemone": "/v1/systemone",
           "workers-ai": "/client/v4/accounts/loadtest/ai/run/@cf/cloudflare/clef-flash"}
@@ -32,8 +34,8 @@ ROUTES = {"systemone": "/v1/systemone",
 _WORDS = ("the customer order payment failed again after checkout service error page login account team "
           "billing refund invoice network timeout region server node retry request support ticket urgent "
           "card bank transfer user reports issue since morning today app mobile web site down slow").split()
-# The schema and chat template around the state take about this many tokens with Qwen's vocabulary (three
-# questions below): the sizing used when the probes cannot run.
+# The schema and chat template around the state take about this many tokens with Qwen's vocabulary (the
+# example request's three questions): the sizing used when the probes cannot run.
 _OVERHEAD_TOKENS = 260
 _PROBE_WORDS = 400
 
@@ -96,14 +98,7 @@ def parse_mix(text: str) -> list[RequestClass]:
 
 def make_body(tokens: int, rng: random.Random, sizing: Sizing = Sizing()) -> dict:
     state = " ".join(rng.choice(_WORDS) for _ in range(sizing.words(tokens)))
-    return {"model": "clef-flash", "state": state, "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle this request?",
-                 "criteria": {"billing": "Payments, invoices, and refunds",
-                              "technical": "Outages, errors, and configuration",
-                              "sales": "Plans and upgrades"}},
-        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
-                     "criteria": ["No impact", "Minor", "Major", "Critical"]}}}
+    return support_ticket(state=state)
 
 
 def percentile(values: list[float], q: float) -> float:

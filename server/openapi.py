@@ -12,6 +12,7 @@ import argparse
 
 from clefcore import __version__, images as _images
 from clefcore.engine import NO_IMAGES
+from clefcore.example_request import support_ticket
 
 # Descriptions (choice options, score levels, noul criteria values) may be any JSON value: they are
 # rendered into the prompt as they are. The schema states exactly what the validator accepts, so that
@@ -64,19 +65,19 @@ _IMAGE_LIMITS = (f"at most {_MIB_EACH} of file bytes (after base64 decoding) and
 # A 16x16 PNG: the example request's image (decoded, preprocessed and answered like any other).
 EXAMPLE_PNG = ("iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAAM0lEQVR42mNkYPggwMAAQxOQ2AVYxVkY"
                "BBhIAnTRMAGJW4DExi4+OP1A2N3I4qPxQBMNAMbcCp7XUD9WAAAAAElFTkSuQmCC")
-EXAMPLE_REQUEST = {
-    "model": "clef-flash",
-    "state": "The customer attached a screenshot: checkout fails with an error for every card.",
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle this request?",
-                 "criteria": {"billing": "Payments, invoices, and refunds",
-                              "technical": "Outages, errors, and configuration"}},
-        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
-                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
-    },
-    "images": ["data:image/png;base64," + EXAMPLE_PNG],
-}
+
+
+def _example_request() -> dict:
+    """The example request about a screenshot, with the screenshot. Its team question offers two of the
+    example's three teams, as the published example always has (so that it does not change for users)."""
+    body = support_ticket(state="The customer attached a screenshot: checkout fails with an error for every "
+                                "card.")
+    del body["questions"]["team"]["criteria"]["sales"]
+    body["images"] = ["data:image/png;base64," + EXAMPLE_PNG]
+    return body
+
+
+EXAMPLE_REQUEST = _example_request()
 
 
 def _images_schema(cloudflare: bool, no_images: bool) -> dict:

@@ -19,22 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+from clefcore.example_request import support_ticket
+
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = GOLDEN / "model"
 
-SUPPORT_TICKET = {
-    "model": "clef",
-    "state": "Checkout has been failing for every customer for the last hour.",
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle this request?",
-                 "criteria": {"billing": "Payments, invoices, and refunds",
-                              "technical": "Outages, errors, and configuration",
-                              "sales": "Plans and upgrades"}},
-        "severity": {"type": "score", "instructions": "How severe is the customer impact?",
-                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
-    },
-}
+# The example request as golden/requests.jsonl records it, naming "clef": some tests rely on a body whose
+# model differs from a route's clef-flash.
+SUPPORT_TICKET = support_ticket(model="clef")
 
 
 def ticket(state: str, **changes) -> dict:

@@ -412,6 +412,15 @@ def inproc(tmp_path, monkeypatch):
     return push
 
 
+def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr."""
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                      "--plain-http", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.parametrize("counts_bytes", [False, True], ids=["spec-range", "forgejo-range"])
 @pytest.mark.parametrize("nth", [1, 4], ids=["config-patch", "layer-patch"])
 @pytest.mark.parametrize("failure", ["drop", "500", "502", "503"])
@@ -425,11 +434,8 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     reg = registry(counts_bytes=counts_bytes)
     reg.fail[nth] = failure
     image = make_layout(tmp_path / "oci")
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http"])
-    out = capsys.readouterr()
-    assert rc == 0, out.out + out.err
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
     assert_pushed(reg, image)
     assert inproc.waits == [1]
     patches = patches_of(reg)
@@ -449,7 +455,7 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     ambiguous = nth == 1 and (held == 0 or counts_bytes and held < end + 1)
     assert [p["status"] for p in patches].count(416) == int(ambiguous)
     resuming = re.search(rf"bytes {start}-{end} failed \(.*\); after 1s, resuming at byte (\d+)"
-                         rf"(?: \(or (\d+) on 416\))?", out.out)
+                         rf"(?: \(or (\d+) on 416\))?", out)
     assert resuming and resuming.group(2 if ambiguous else 1) == str(held)
 
 
@@ -459,18 +465,15 @@ def test_a_lost_upload_starts_again(registry, tmp_path, inproc, capsys, monkeypa
     reg = registry()
     reg.fail[3] = "forget"                                 # the first layer's second chunk
     image = make_layout(tmp_path / "oci")
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http"])
-    out = capsys.readouterr()
-    assert rc == 0, out.out + out.err
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
     assert_pushed(reg, image)
     failed = patches_of(reg)[2]
     assert failed["range"] == f"{CHUNK}-{2 * CHUNK - 1}" and failed["status"] == "dropped"
     after = [e for e in reg.log[reg.log.index(failed) + 1:] if e["status"] != 401]
     assert [(e["method"], e["status"]) for e in after[:3]] == [("GET", 404), ("POST", 202), ("PATCH", 202)]
     assert after[2]["range"] == f"0-{CHUNK - 1}" and after[2]["path"] != failed["path"]
-    assert "the registry lost the upload: a new one from byte 0" in out.out
+    assert "the registry lost the upload: a new one from byte 0" in out
     assert sum(e["method"] == "POST" for e in reg.log) == 4 + 1
 
 
@@ -479,9 +482,8 @@ def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, tmp_path, inproc
     reg = registry()
     reg.fail[3] = "short"
     image = make_layout(tmp_path / "oci")
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    assert inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                        "--plain-http"]) == 0, capsys.readouterr()
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
     assert_pushed(reg, image)
     ranges = [p["range"] for p in patches_of(reg)[2:4]]
     assert ranges == [f"{CHUNK}-{2 * CHUNK - 1}", f"{CHUNK + CHUNK // 2}-{2 * CHUNK + CHUNK // 2 - 1}"]
@@ -493,10 +495,7 @@ def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_
     reg = registry()
     reg.fail.update({n: "503" for n in range(1, 100)})
     image = make_layout(tmp_path / "oci")
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http", "--retries", "2"])
-    err = capsys.readouterr().err
+    rc, _, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
     assert rc == 1 and "Traceback" not in err
     config = image["order"][0]
     assert f"config {config}" in err and "chunk at offset 0 failed 3 times" in err
@@ -504,15 +503,6 @@ def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_
     # three tries at byte 0; before each retry the registry's "0-0" (empty, or byte 0?) costs one 416
     assert [p["status"] for p in patches_of(reg)] == [503, 416, 503, 416, 503] and inproc.waits == [1, 2]
     assert not reg.manifests
-
-
-def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr."""
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http", *args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def chunks(image: dict) -> int:
@@ -628,10 +618,8 @@ def test_an_expired_token_is_renewed(registry, tmp_path, inproc, capsys, monkeyp
     """Each token is good for 4 requests: the push meets 401 mid-upload, fetches a new token, goes on."""
     reg = registry(token_uses=4)
     image = make_layout(tmp_path / "oci")
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http"])
-    assert rc == 0, capsys.readouterr()
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
     assert_pushed(reg, image)
     assert reg.token_requests >= 5 and not inproc.waits
 

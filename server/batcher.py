@@ -271,7 +271,8 @@ class Batcher:
             self._count_refusal(refused.reason, entry.tokens)
             raise QueueFull(refused)
         if self.full():  # refusal() found a larger queued long prompt to give up instead
-            self._evict(self._evictable(entry.tokens), now)
+            victim = self._evictable(entry.tokens)
+            self._evict(victim, self.expected_wait(victim.tokens, now))
         long = self._chunked(entry.tokens)
         if long:
             self._long_keys[entry] = self._long.key(entry.tokens, now)
@@ -306,9 +307,9 @@ class Batcher:
         self._long_keys.pop(entry, None)
         return queued
 
-    def _evict(self, entry: Entry, now: float) -> None:
-        """Refuse a queued long prompt that has not started (its caller gets the 429 now)."""
-        wait = self._long_ahead(now) / self._long_rate(now) + entry.tokens / self._rate.rate
+    def _evict(self, entry: Entry, wait: float) -> None:
+        """Refuse a queued long prompt that has not started (its caller gets the 429 now); ``wait``: the
+        seconds to its answer that the caller found past its budget."""
         budget = self.budget(entry.tokens)
         self._long.cancel(entry)
         self._long_keys.pop(entry, None)
@@ -326,9 +327,9 @@ class Batcher:
         ahead = self._long_ahead(now)
         rate = self._long_rate(now)
         for entry, _ in sorted(self._long_keys.items(), key=lambda item: item[1]):
-            answer_at = now + ahead / rate + entry.tokens / self._rate.rate
-            if answer_at > entry.enqueued_at + self.budget(entry.tokens):
-                self._evict(entry, now)
+            wait = ahead / rate + entry.tokens / self._rate.rate
+            if now + wait > entry.enqueued_at + self.budget(entry.tokens):
+                self._evict(entry, wait)
             else:
                 ahead += entry.tokens
 

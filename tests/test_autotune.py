@@ -20,7 +20,8 @@ class _Clock:
 
 
 def _ops(mode="auto"):
-    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock(), cublas_missing=None)
+    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock(), cublas_missing=None,
+                                 _gemm_seen=None)
 
 
 def _path(ops, calls, name, cost, hiccup_on=None):
@@ -55,3 +56,19 @@ def test_without_cublas_its_path_is_never_run_or_chosen():
              "rows": _path(ops, calls, "rows", 3.0)}
     assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "wmma"
     assert "cublas" not in calls and calls["rows"] == 6
+
+
+def test_gemm_paths_records_each_choice_inside_its_block_only():
+    """CudaOps.gemm_paths: every _choose inside the block is recorded under the autotune's key, a pinned mode's
+    too; nothing is recorded before or after it."""
+    ops, calls = _ops(), {}
+    paths = {"cublas": _path(ops, calls, "cublas", 1.0), "wmma": _path(ops, calls, "wmma", 2.0)}
+    CudaOps._choose(ops, 300, 64, 64, paths, "before")
+    with CudaOps.gemm_paths(ops) as seen:
+        CudaOps._choose(ops, 300, 64, 64, paths, "t")
+        ops.gemm_mode = "wmma"
+        CudaOps._choose(ops, 20, 128, 64, paths, "t")
+    ops.gemm_mode = "auto"
+    CudaOps._choose(ops, 300, 64, 64, paths, "after")
+    assert seen == {(64, 64, 512, "t", "split"): "cublas", (128, 64, 32, "t", "split"): "wmma"}
+    assert ops._gemm_seen is None

@@ -164,15 +164,12 @@ class MatmulOps:
     def _choose(self, M, N, K, paths: dict, tag=""):
         """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
         first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
-        path."""
-        if self.gemm_mode != "auto":
-            return self.gemm_mode
-        if self.cublas_missing is not None:
-            paths = {name: run for name, run in paths.items() if name != "cublas"}
+        path. Inside ``gemm_paths()`` the choice is also recorded."""
         key = shape_key(M, N, K, tag, self.precision)
-        bucket = key[2]
-        got = self.gemm_choice.get(key)
+        got = self.gemm_mode if self.gemm_mode != "auto" else self.gemm_choice.get(key)
         if got is None:
+            if self.cublas_missing is not None:
+                paths = {name: run for name, run in paths.items() if name != "cublas"}
             cp = self.cp
             times = {name: math.inf for name in paths}
             for fn in paths.values():
@@ -187,9 +184,14 @@ class MatmulOps:
                     times[name] = min(times[name], cp.cuda.get_elapsed_time(e0, e1))
             got = min(times, key=times.get)
             self.gemm_choice[key] = got
-            log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", bucket, N, K, tag,
+            log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", key[2], N, K, tag,
                      ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), got)
+        if self._gemm_seen is not None:
+            self._gemm_seen[key] = got
         return got
+
+    # {shape_key: path} while a gemm_paths() block runs, else None
+    _gemm_seen: dict | None = None
 
     @contextmanager
     def gemm_paths(self):
@@ -197,18 +199,11 @@ class MatmulOps:
         "cublas" or "rows"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on cuBLAS.
         Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay. Not
         nested."""
-        seen = {}
-        choose = self._choose
-
-        def recorded(M, N, K, paths, tag=""):
-            got = choose(M, N, K, paths, tag)
-            seen[shape_key(M, N, K, tag, self.precision)] = got
-            return got
-        self._choose = recorded          # an instance attribute over the method, for the block only
+        self._gemm_seen = seen = {}
         try:
             yield seen
         finally:
-            del self._choose
+            self._gemm_seen = None
 
     def linear(self, x, w, b=None):
         cp = self.cp

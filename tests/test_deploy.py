@@ -185,7 +185,7 @@ def test_build_sources_exist():
     assert installed <= sources, installed - sources
 
 
-IMAGE_SCRIPTS = [DEPLOY / "image" / name for name in ("build.sh", "run_check.sh", "publish.sh")] + [
+IMAGE_SCRIPTS = [DEPLOY / "image" / name for name in ("build.sh", "run_check.sh", "publish.sh", "storage.sh")] + [
     ROOT / ".ci" / name for name in ("image", "registry")]
 
 
@@ -201,7 +201,9 @@ def test_image_scripts_parse():
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck not installed (apt-get install shellcheck)")
-    result = subprocess.run([shellcheck, *map(str, IMAGE_SCRIPTS)], capture_output=True, text=True)
+    # -x from the repository root: the scripts source deploy/image/storage.sh, named relative to it
+    result = subprocess.run([shellcheck, "-x", "--shell=bash", *map(str, IMAGE_SCRIPTS)], capture_output=True,
+                            text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -67,21 +67,16 @@ if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
 fi
 
 mkdir -p "$work"
-# A storage of our own: nothing else on the machine is read or changed, and cleaning up is one directory.
-B=(buildah --root "$work/storage" --runroot "$work/run" --storage-driver vfs)
+# A storage of our own (storage.sh): nothing else on the machine is read or changed, and cleaning up is one
+# directory.
+# shellcheck source=deploy/image/storage.sh
+. "$repo/deploy/image/storage.sh"
+buildah_for "$work"
+B=("${BUILDAH[@]}")
 
 cleanup() {
   local rc=$?
-  if [ "${CLEFCORE_IMAGE_KEEP:-0}" != 1 ]; then
-    "${B[@]}" rm --all >/dev/null 2>&1 || true
-    "${B[@]}" rmi --all --force >/dev/null 2>&1 || true
-    # never delete through a mount that a failed run may have left behind
-    if grep -qF " $work/" /proc/self/mountinfo; then
-      echo "build.sh: mounts remain under $work; storage left in place" >&2
-    else
-      rm -rf --one-file-system "$work/storage" "$work/run"
-    fi
-  fi
+  if [ "${CLEFCORE_IMAGE_KEEP:-0}" != 1 ]; then remove_storage "$work" "$work/storage" "$work/run"; fi
   exit "$rc"
 }
 trap cleanup EXIT

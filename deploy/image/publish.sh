@@ -29,15 +29,11 @@ fi
 step() { printf '\n== [%4ds] %s\n' "$SECONDS" "$*" >&2; }
 
 pulled=$(mktemp -d "${TMPDIR:-/tmp}/clefcore-pulled.XXXXXX")
+# shellcheck source=deploy/image/storage.sh
+. "$here/storage.sh"
 cleanup() {
   local rc=$?
-  buildah --root "$pulled/storage" --runroot "$pulled/run" --storage-driver vfs rmi --all --force \
-    >/dev/null 2>&1 || true
-  if grep -qF " $pulled/" /proc/self/mountinfo; then
-    echo "publish.sh: mounts remain under $pulled; left in place" >&2
-  else
-    rm -rf --one-file-system "$pulled"
-  fi
+  remove_storage "$pulled" "$pulled"
   exit "$rc"
 }
 trap cleanup EXIT

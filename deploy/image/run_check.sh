@@ -8,7 +8,10 @@
 #   yes|no   whether the image ships cuBLAS (check_image.py --cublas)
 set -euo pipefail
 if [ $# != 3 ]; then echo "usage: $0 STORAGE IMAGE yes|no" >&2; exit 2; fi
-B=(buildah --root "$1/storage" --runroot "$1/run" --storage-driver vfs)
+# shellcheck source=deploy/image/storage.sh
+. "$(dirname "${BASH_SOURCE[0]}")/storage.sh"
+buildah_for "$1"
+B=("${BUILDAH[@]}")
 ctr=$("${B[@]}" from --quiet --pull=never "$2")
 "${B[@]}" copy --quiet "$ctr" "$(dirname "${BASH_SOURCE[0]}")/check_image.py" /tmp/check_image.py
 status=0

@@ -14,18 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import answers, images, model, vision
+from . import answers, model, vision
 from .checkpoint import Checkpoint
-from .encode import EncodedRecord, Encoder
-from .errors import ClefError, ContextLengthError, DeviceError, GuardError, RequestError
-from .preprocess import preprocess
-from .tokenize import Tokenizer
-from .validate import validate_request
+from .encode import EncodedRecord
+from .errors import ClefError, DeviceError, GuardError, RequestError
+from .preparer import NO_IMAGES, Prepared, Preparer
 
 log = logging.getLogger("clefcore")
 
 DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
-NO_IMAGES = "images: this deployment was started without images (--no-images); send text only"
 
 SELF_CHECK_REQUEST = {
     "model": "clef-flash",
@@ -41,13 +38,19 @@ SELF_CHECK_REQUEST = {
 
 
 @dataclass(frozen=True)
-class Prepared:
-    request: dict            # normalised by validate_request
-    record: EncodedRecord
+class EngineStatus:
+    """What a loaded engine runs as and what it has done so far (the server's /health, /metrics and logs)."""
+    model_name: str
+    device: str
+    precision: str                 # fast / exact on a GPU (clefcore/precision.py); fp32 on the numpy path
+    images_refused: str | None     # None: image requests are answered; else the message they get
+    cublas_missing: str | None     # GPU only: why cuBLAS could not load (None: it loaded)
+    fallbacks: int                 # batches answered again on the range-safe exact path
+    memory_in_use: int             # device bytes (0 on the CPU)
 
     @property
-    def num_tokens(self) -> int:
-        return int(len(self.record.input_ids))
+    def gpu(self) -> bool:
+        return self.device != "cpu"
 
 
 def backend_for(device: str, **options):
@@ -80,10 +83,7 @@ class Engine:
         self.checkpoint = Checkpoint(path)
         self.model_name = self.checkpoint.path.resolve().name
         self.device = device
-        self.max_length = max_length
         self.confidence = confidence
-        self.validation = validation
-        self.encoder = Encoder(Tokenizer(self.checkpoint.tokenizer_path, regex=regex))
         self.ops = backend_for(device, **backend_options)
         # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
         self.precision = getattr(self.ops, "mode", "fp32")
@@ -93,6 +93,7 @@ class Engine:
             self.vision, self.images_refused = vision.attach(self.checkpoint, self.ops, self.params, progress)
         else:   # a text-only deployment leaves model.visual.* on disk (0.9 GB of GPU memory on the 9B)
             self.vision, self.images_refused = None, NO_IMAGES
+        self.host = Preparer(self.checkpoint, max_length, validation, self.images_refused, regex)
         summary = self.ops.fp16_summary()
         if summary:
             log.warning("%s", summary)
@@ -103,20 +104,8 @@ class Engine:
         return self.prepare(body).record
 
     def prepare(self, body, on_overflow: str = "truncate") -> Prepared:
-        """Validate and encode. ``on_overflow="reject"`` refuses a request whose state would be cut."""
-        request = validate_request(body, self.validation)
-        pixels = ()
-        if request.get("images"):
-            if self.vision is None:
-                raise RequestError(self.images_refused, field="images")
-            pixels = request_pixels(request)       # on the host, before any device work
-        record = self.encoder.encode(request, self.max_length, pixels)
-        if on_overflow == "reject" and record.state_truncated:
-            need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
-                + record.state_tokens_before_truncation
-            raise ContextLengthError(f"prompt needs {need} tokens (state {record.state_tokens_before_truncation}); "
-                                     f"maximum is {self.max_length}", required=need, maximum=self.max_length)
-        return Prepared(request, record)
+        """Validate and encode (clefcore/preparer.py); host only."""
+        return self.host.prepare(body, on_overflow)
 
     # ----------------------------------------------------------------------------------------- device side
     def forward(self, records: list[EncodedRecord], keep_layers: bool = False):
@@ -206,10 +195,9 @@ class Engine:
         used = getattr(self.ops, "memory_in_use", None)
         return int(used()) if used is not None else 0
 
-
-def request_pixels(request: dict) -> tuple:
-    """A validated request's images, decoded (bounded: clefcore/images.py) and preprocessed, in request order."""
-    return tuple(preprocess(images.decode(data, i)) for i, data in enumerate(request.get("images") or ()))
+    def status(self) -> EngineStatus:
+        return EngineStatus(self.model_name, self.device, self.precision, self.images_refused,
+                            getattr(self.ops, "cublas_missing", None), self.fallbacks, self.memory_in_use())
 
 
 def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecord]):

@@ -19,6 +19,18 @@ class ClefError(Exception):
     def to_json(self) -> dict:
         return {"error": {"message": self.message, "type": self.type}}
 
+    def __reduce__(self):
+        # Whole across the device process's pipe: Exception's own pickling keeps only ``args`` and would call a
+        # subclass with keyword fields (field, limit, required) without them.
+        return _restore, (type(self), self.message, dict(self.__dict__))
+
+
+def _restore(cls: type, message: str, fields: dict) -> ClefError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
+
 
 class RequestError(ClefError):
     """The client's request is wrong. ``field`` is a dotted path (``questions.team.criteria``) or ``""``

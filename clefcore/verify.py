@@ -109,7 +109,7 @@ def streamed_reference_params(ck):
 def records(ck, with_image: bool) -> list:
     """The encoded requests verify runs: REQUEST, and with an image the same request with one."""
     from .encode import Encoder
-    from .engine import request_pixels
+    from .preparer import request_pixels
     from .tokenize import Tokenizer
     from .validate import validate_request
     enc = Encoder(Tokenizer(ck.tokenizer_path))

@@ -35,6 +35,11 @@ MIN_SPARE = 0.05
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
 
+def start_rate(device: str) -> float:
+    """The rate assumed for ``device`` ("cpu", "cuda", "cuda:N") until forwards measure it."""
+    return START_RATE["cpu" if device == "cpu" else "cuda"]
+
+
 class RateMeter:
     """Tokens per second of device time, smoothed."""
 

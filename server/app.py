@@ -3,7 +3,7 @@
 One request through this module: middleware (request id, auth, error shape, log line, metrics)
 ► handler (phase, content type, body size, JSON) ► engine.prepare on a CPU thread, smallest bodies first
 (server/prepare.py; validation and tokenization happen before queueing, so a bad body never takes a queue
-slot) ► batcher (queue, packed forward on the device thread) ► bare or Cloudflare-enveloped JSON.
+slot) ► batcher (queue, packed forward in the device process: server/device_process.py) ► bare or Cloudflare-enveloped JSON.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.answers import CONFIDENCE_MODES
+from clefcore.checkpoint import Checkpoint
 from clefcore.errors import ClefError, RequestError
 from clefcore.options import backend_options, gpu_options, image_options
+from clefcore.preparer import Preparer
 
-from . import errors
+from . import admission, errors
 from .admission import Budgets
 from .batcher import Batcher, DeadlineExceeded, QueueFull
 from .body import read_json
 from .codings import DECODED
-from .device_thread import DeviceThread
+from .device_process import DeviceProcess
 from .engine_status import describe
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import RefusalLog, log
@@ -53,7 +55,8 @@ STATE = web.AppKey("state", "ServerState")
 
 
 class ServerState:
-    """Everything the handlers share. ``engine`` and ``batcher`` are None until the model is loaded."""
+    """Everything the handlers share. ``preparer`` and ``batcher`` are None until the model is loaded; the
+    engine itself lives in the device process, and ``device.status`` says what it runs as."""
 
     def __init__(self, config: argparse.Namespace):
         self.config = config
@@ -61,8 +64,8 @@ class ServerState:
         self.metrics = Metrics()
         self.refusals = RefusalLog()
         self.hooks = TestHooks.from_environment()
-        self.device = DeviceThread()
-        self.engine: Any = None
+        self.device = DeviceProcess(self.hooks, config.chunk_tokens)
+        self.preparer: Preparer | None = None
         self.batcher: Batcher | None = None
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest, and a
         # gate in front of it that hands it the smallest bodies first (server/prepare.py).
@@ -213,50 +216,62 @@ async def _serve(args: argparse.Namespace) -> int:
         code = 1
     else:
         await stop
-        lifecycle.set(DRAINING, "shutting down")
-        log("draining", queued=state.batcher.queued, in_flight=lifecycle.in_flight)
-        drained = await lifecycle.wait_drained(state.batcher.idle, args.shutdown_timeout)
-        log("drained" if drained else "drain_timeout", in_flight=lifecycle.in_flight)
+        if lifecycle.phase == FAILED:   # the device process is gone: nothing queued can be answered
+            code = 1
+        else:
+            lifecycle.set(DRAINING, "shutting down")
+            log("draining", queued=state.batcher.queued, in_flight=lifecycle.in_flight)
+            drained = await lifecycle.wait_drained(state.batcher.idle, args.shutdown_timeout)
+            log("drained" if drained else "drain_timeout", in_flight=lifecycle.in_flight)
         await state.batcher.stop()
     state.metrics.ready.set(0)
     await runner.cleanup()
     state.refusals.flush()
-    state.device.stop()
+    await state.device.stop()
     state.cpu.shutdown(wait=False, cancel_futures=True)
     log("exit", code=code)
     return code
 
 
 async def _load(state: ServerState) -> None:
-    import clefcore
-
     cfg = state.config
     started = time.monotonic()
     if state.hooks.load_delay_s:
         await asyncio.sleep(state.hooks.load_delay_s)
     try:
-        engine = await state.device.run(lambda: clefcore.load(
-            cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
+        engine = await state.device.load(dict(
+            path=cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
             validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)))
         state.lifecycle.set(LOADING, "warming up and running the self-check")
-        await state.device.run(engine.self_check)
+        await state.device.self_check()
+        # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
+        preparer = await asyncio.get_running_loop().run_in_executor(state.cpu, lambda: Preparer(
+            Checkpoint(cfg.model), cfg.context_length, cfg.validation, engine.images_refused))
     except Exception as error:  # noqa: BLE001 - any load failure ends the process with a clear line
         state.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
         log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
         return
-    state.engine = engine
-    state.metrics.watch_engine(engine)
-    state.batcher = Batcher(engine, state.device, state.metrics, max_queue=cfg.max_queue,
+    state.device.on_lost = lambda reason: _device_lost(state, reason)
+    state.preparer = preparer
+    state.metrics.watch_engine(state.device.status)
+    state.batcher = Batcher(state.device, state.metrics, max_queue=cfg.max_queue,
                             max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                            hooks=state.hooks,
                             budgets=Budgets(cfg.min_queue_wait, wait_budget(cfg), cfg.context_length),
-                            chunk_tokens=getattr(cfg, "chunk_tokens", 0),
-                            age_rate=getattr(cfg, "age_rate", None))
+                            start_rate=admission.start_rate(cfg.device), chunk_tokens=cfg.chunk_tokens,
+                            age_rate=cfg.age_rate)
     state.batcher.start()
     state.lifecycle.set(READY, "ready")
     state.metrics.ready.set(1)
     log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3),
         images=engine.images_refused or "answered")
+
+
+def _device_lost(state: ServerState, reason: str) -> None:
+    """The device process died: nothing more can be answered, so the server exits non-zero (and is restarted)."""
+    state.lifecycle.set(FAILED, reason)
+    state.metrics.ready.set(0)
+    log("device_lost", level="error", error=reason)
+    state.lifecycle.stop_requested.set()
 
 
 def wait_budget(cfg: argparse.Namespace) -> float:
@@ -431,7 +446,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
                 raise errors.model_mismatch(body_model, path_model)
         try:
             prepared = await state.prepare.run(request["log"].get("bytes_in", 0),
-                                               lambda: state.engine.prepare(body, on_overflow=cfg.on_overflow),
+                                               lambda: state.preparer.prepare(body, on_overflow=cfg.on_overflow),
                                                state.cpu)
         except RequestError as error:
             raise errors.invalid_request(error) from None
@@ -457,7 +472,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         response = outcome.response
         # The engine echoes the request's `model`; strict clients (instructor-php) refuse an empty one.
         if not str(response.get("model", "")).strip():
-            response["model"] = state.engine.model_name
+            response["model"] = state.device.status.model_name
         return response
     finally:
         lifecycle.in_flight -= 1
@@ -467,15 +482,16 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
 
 async def _models(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
-    if state.engine is None:
+    engine = state.device.status
+    if state.preparer is None:
         raise errors.unavailable(state.lifecycle.reason, retry_after_s=5)
     cfg = state.config
     # TypeSafe's shape (systemone-protocol.md §14.8); the extra keys inside the entry are ignored by it.
     return _json({"models": [{
-        "name": state.engine.model_name,
+        "name": engine.model_name,
         "description": "Cloudflare Clef-flash joint-schema decision model (System One), served by clefcore",
         "release_date": "2026-10-01",
-        "device": state.engine.device,
+        "device": engine.device,
         "max_context_length": cfg.context_length,
         "validation": cfg.validation,
         "confidence": cfg.confidence,
@@ -487,9 +503,10 @@ async def _health(request: web.Request) -> web.Response:
     lifecycle = state.lifecycle
     body = {"status": "ok" if lifecycle.phase == READY else lifecycle.phase, "reason": lifecycle.reason,
             "uptime_s": round(time.time() - lifecycle.started_at, 1)}
-    if state.engine is not None:
-        body.update(model=state.engine.model_name, device=state.engine.device)
-        body.update(describe(state.engine))
+    if state.preparer is not None:
+        engine = state.device.status
+        body.update(model=engine.model_name, device=engine.device)
+        body.update(describe(engine))
     if lifecycle.phase != READY:
         return _json(body, 503, {"Retry-After": "5" if lifecycle.phase == LOADING else "1"})
     return _json(body)

@@ -1,9 +1,8 @@
-"""The asyncio side of batching: futures, deadlines, disconnects, and the one thread that talks to the
-device.
+"""The asyncio side of batching: futures, deadlines, disconnects, and the calls to the device process.
 
 Requests are queued in the Cython scheduler (``clefcore.scheduler``); a single dispatcher task takes the
-next packed batch whenever the device is free and runs ``engine.infer`` on the device thread, so the
-event loop never waits on the model. Batching is continuous: whatever queued up while one forward ran is
+next packed batch whenever the device is free and has the device process (server/device_process.py) run it,
+so the event loop never waits on the model. Batching is continuous: whatever queued up while one forward ran is
 packed into the next one, so under load batches grow by themselves and an idle server adds no delay.
 
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
@@ -33,9 +32,9 @@ from clefcore.scheduler import Entry, Scheduler
 
 from . import admission
 from .admission import Budgets, RateMeter, RecentShare, Refusal
-from .device_thread import DeviceThread
+from .device_process import DeviceProcess, Step
+from .logs import log
 from .metrics import Metrics
-from .testhooks import TestHooks
 
 
 class QueueFull(Exception):
@@ -62,31 +61,27 @@ class Outcome:
 
 @dataclass
 class _Chunked:
-    """The long prompt being run chunk by chunk: its entry, its ChunkedRun (made on the device thread at the
-    first step), when its first step started, and the device time its steps took."""
+    """The long prompt being run chunk by chunk (its state lives in the device process from the first step):
+    its entry, the tokens its run has left, when its first step started, and the device time its steps took."""
     entry: Entry
-    run: Any = None
+    tokens_left: int
+    begun: bool = False    # its first step was sent
     started: float = 0.0
     device_s: float = 0.0
     ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
-    @property
-    def tokens_left(self) -> int:
-        return self.entry.tokens if self.run is None else self.run.tokens_left
-
 
 class Batcher:
-    def __init__(self, engine: Any, device: DeviceThread, metrics: Metrics, *, max_queue: int,
-                 max_batch_tokens: int, max_batch_requests: int, hooks: TestHooks, budgets: Budgets,
-                 chunk_tokens: int = 0, age_rate: float | None = None, start_rate: float | None = None):
+    def __init__(self, device: DeviceProcess, metrics: Metrics, *, max_queue: int, max_batch_tokens: int,
+                 max_batch_requests: int, budgets: Budgets, start_rate: float, chunk_tokens: int = 0,
+                 age_rate: float | None = None):
         """``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
+        ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate; inf: first in, first out)."""
-        self._engine = engine
         self._metrics = metrics
-        self._rate = RateMeter(start_rate or admission.START_RATE.get(
-            str(getattr(engine, "device", "cpu")).split(":")[0], admission.START_RATE["cpu"]))
+        self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
         self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
         self._max_tokens = max_batch_tokens
@@ -109,7 +104,6 @@ class Batcher:
         self._long_keys: dict[Entry, float] = {}
         self._active: _Chunked | None = None
         self._task: asyncio.Task | None = None
-        self._hooks = hooks
 
     @property
     def capacity(self) -> int:
@@ -245,6 +239,7 @@ class Batcher:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="clef-dispatch")
+        self._task.add_done_callback(_dispatch_ended)
 
     async def stop(self) -> None:
         """The drain timeout has passed: answer everything still queued or on the device with a timeout
@@ -373,7 +368,9 @@ class Batcher:
         self._publish()
         self._metrics.running.set(len(prepared))
         try:
-            results, prefill_s = await self._device.run(self._run_on_device, prepared)
+            results, prefill_s = await self._device.infer(prepared)
+        except DeviceError as lost:   # the device process is gone (the server is exiting)
+            results, prefill_s = [(None, lost)] * len(prepared), 0.0
         finally:
             self._running = []
             self._running_tokens = self._step_tokens = 0
@@ -381,7 +378,7 @@ class Batcher:
         self._stepped(batch.tokens, prefill_s)
         self._publish()
         self._metrics.batches.inc()
-        self._metrics.after_batch(self._engine)
+        self._metrics.after_batch(self._device.status)
         self._metrics.batch_requests.observe(len(prepared))
         self._metrics.batch_tokens.observe(batch.tokens)
         self._metrics.prefill.observe(prefill_s)
@@ -408,94 +405,51 @@ class Batcher:
                 self._publish()
                 return
             entry = batch.entries[0]
-            self._active = _Chunked(entry, started=now, ready_at=entry.enqueued_at)
+            self._active = _Chunked(entry, entry.tokens, started=now, ready_at=entry.enqueued_at)
             self._metrics.queue_wait.observe(now - entry.enqueued_at)
         active = self._active
         _, future = active.entry.payload
-        if future.done():  # the client left, or its deadline passed, between two steps
+        if future.done() or active.entry.deadline <= now:  # the client left or the deadline passed
+            if not future.done():
+                self._metrics.expired.inc()
+                future.set_exception(DeadlineExceeded())
             self._active = None
             self._publish()
-            return
-        if active.entry.deadline <= now:
-            self._metrics.expired.inc()
-            future.set_exception(DeadlineExceeded())
-            self._active = None
-            self._publish()
+            if active.begun:
+                await self._device.drop()   # its state on the device goes now, not at the next long prompt
             return
         self._metrics.running.set(1)
         self._step_tokens = min(self._chunk, active.tokens_left)
         self._step_started = now
         active.ready_at = now + self._step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            active.run, done, response, tokens, error, seconds = await self._device.run(
-                self._step_on_device, active.entry.payload[0], active.run)
+            step = await self._device.step(None if active.begun else active.entry.payload[0])
+        except DeviceError as lost:   # the device process is gone (the server is exiting)
+            step = Step(True, None, 0, 0, lost, 0.0)
         finally:
             self._metrics.running.set(0)
             self._step_tokens = 0
             active.ready_at = time.monotonic()
-        active.device_s += seconds
+        active.begun = True
+        active.tokens_left = step.tokens_left
+        active.device_s += step.seconds
         self._metrics.chunk_steps.inc()
-        self._stepped(tokens, seconds)
-        if done or error is not None:
+        self._stepped(step.tokens, step.seconds)
+        if step.done:
             self._active = None
-            self._metrics.after_batch(self._engine)
+            self._metrics.after_batch(self._device.status)
             self._metrics.prefill.observe(active.device_s)
             if not future.done():
-                if error is not None:
-                    future.set_exception(error)
+                if step.error is not None:
+                    future.set_exception(step.error)
                 else:
-                    future.set_result(Outcome(response, active.started - active.entry.enqueued_at,
+                    future.set_result(Outcome(step.response, active.started - active.entry.enqueued_at,
                                               active.device_s, 1, active.entry.tokens))
         self._publish()
 
-    def _step_on_device(self, prepared: Any, run: Any) -> tuple:
-        """Device thread: one chunk (making the run at the first). Returns (run, done, response or None,
-        tokens processed, error or None, seconds)."""
-        started = time.perf_counter()
-        try:
-            if run is None:
-                run = self._engine.chunked(prepared, self._chunk)
-            before = run.tokens_left
-            self._device_hooks([prepared], min(self._chunk, before))
-            done = run.step()
-            response = run.response() if done else None
-            # a guard trip restarts the run on the exact path: tokens_left grows back, count nothing
-            return run, done, response, max(0, before - run.tokens_left), None, time.perf_counter() - started
-        except Exception as error:  # noqa: BLE001 - this request alone fails
-            return run, True, None, 0, _as_device_error(error), time.perf_counter() - started
 
-    def _run_on_device(self, prepared: list) -> tuple[list[tuple[dict | None, Exception | None]], float]:
-        """Device thread. Returns one (response, error) pair per request and the forward's duration."""
-        started = time.perf_counter()
-        try:
-            results = [(response, None) for response in self._infer(prepared)]
-        except Exception as batch_error:  # noqa: BLE001 - any device failure is isolated below
-            if len(prepared) == 1:
-                results = [(None, _as_device_error(batch_error))]
-            else:
-                results = []
-                for one in prepared:
-                    try:
-                        results.append((self._infer([one])[0], None))
-                    except Exception as error:  # noqa: BLE001
-                        results.append((None, _as_device_error(error)))
-        return results, time.perf_counter() - started
-
-    def _infer(self, prepared: list) -> list[dict]:
-        self._device_hooks(prepared, sum(p.num_tokens for p in prepared))
-        return self._engine.infer(prepared)
-
-    def _device_hooks(self, prepared: list, tokens: int) -> None:
-        """Test hooks (server/testhooks.py) on the device thread; no-ops in production."""
-        hooks = self._hooks
-        if hooks.batch_delay_s or hooks.token_delay_s:
-            time.sleep(hooks.batch_delay_s + hooks.token_delay_s * tokens)
-        if hooks.fail_marker is not None:
-            for p in prepared:
-                state = p.request.get("state")
-                if isinstance(state, str) and hooks.fail_marker in state:
-                    raise DeviceError("injected device fault (test hook)")
-
-
-def _as_device_error(error: Exception) -> DeviceError:
-    return error if isinstance(error, DeviceError) else DeviceError(f"{type(error).__name__}: {error}")
+def _dispatch_ended(task: asyncio.Task) -> None:
+    """A dispatcher that ends other than by stop() leaves every queued request unanswered: say why, loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        error = task.exception()
+        log("dispatch_failed", level="error", error=f"{type(error).__name__}: {error}")

@@ -16,11 +16,12 @@ supervisor marks it dead.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from clefcore.engine import EngineStatus
 
 from .engine_status import describe
 
@@ -32,11 +33,9 @@ _REQUESTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-
 def multiprocess_dir() -> str | None:
     """The shared directory when this process is one of several workers, else None."""
     return os.environ.get(MULTIPROC_ENV) or None
-
 
 def clear_multiprocess_dir() -> None:
     """Remove every process's value files: only before any worker of this run has written one."""
@@ -45,7 +44,6 @@ def clear_multiprocess_dir() -> None:
         for name in os.listdir(path):
             if name.endswith(".db"):
                 os.unlink(os.path.join(path, name))
-
 
 class Metrics:
     def __init__(self) -> None:
@@ -116,37 +114,31 @@ class Metrics:
         self.engine_info = Gauge("clef_engine_info", "The loaded engine: device and precision mode",
                                  ["device", "precision"], registry=r, multiprocess_mode="livemax")
         self.workers.set(1)
-        self._read_device_memory: Callable[[], int] | None = None
         self._fallbacks_seen = 0
 
-    def watch_engine(self, engine: Any) -> None:
-        """Call once the engine is loaded: its identity, and where its device memory is read from."""
+    def watch_engine(self, engine: EngineStatus) -> None:
+        """Call once the engine is loaded and self-checked: its identity, and its first counts."""
         status = describe(engine)
-        self.engine_info.labels(str(getattr(engine, "device", "")), status.get("precision", "")).set(1)
+        self.engine_info.labels(engine.device, engine.precision).set(1)
         if "cublas" in status:  # GPU engines only: on the CPU there is no cuBLAS to miss
             # 0 when cuBLAS could not be loaded and every GEMM runs clefcore's own kernels; livemin: one such
             # worker is enough to say so.
             cublas = Gauge("clef_cublas_available", "1 when cuBLAS is loaded, 0 when every GEMM runs "
                            "clefcore's own kernels", registry=self.registry, multiprocess_mode="livemin")
             cublas.set(1 if status["cublas"] else 0)
-        self._read_device_memory = engine.memory_in_use
         self.after_batch(engine)  # the self-check's fallbacks, if any, count too
 
-    def after_batch(self, engine: Any) -> None:
-        """Device thread, after every packed forward: what changed inside the engine. Each worker writes
-        its own values, so a scrape answered by another worker still sees them."""
-        seen = int(getattr(engine, "fallbacks", 0) or 0)  # the engine's own count since it was loaded
+    def after_batch(self, engine: EngineStatus) -> None:
+        """After every packed forward or chunk step: what changed inside the engine (as the device process
+        reported it with the step). Each worker writes its own values, so a scrape answered by another worker
+        still sees them."""
+        seen = engine.fallbacks  # the engine's own count since it was loaded
         if seen > self._fallbacks_seen:
             self.fallbacks.inc(seen - self._fallbacks_seen)
         self._fallbacks_seen = seen
-        self.refresh_device_memory()
-
-    def refresh_device_memory(self) -> None:
-        if self._read_device_memory is not None:
-            self.device_memory.set(float(self._read_device_memory()))
+        self.device_memory.set(float(engine.memory_in_use))
 
     def render(self) -> bytes:
-        self.refresh_device_memory()  # this worker's value is read now, the others' at their last batch
         path = multiprocess_dir()
         if path is None:
             return generate_latest(self.registry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from clefcore import __version__, images as _images
-from clefcore.engine import NO_IMAGES
+from clefcore.preparer import NO_IMAGES
 from clefcore.example_request import support_ticket
 
 # Descriptions (choice options, score levels, noul criteria values) may be any JSON value: they are

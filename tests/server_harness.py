@@ -106,11 +106,10 @@ class Server:
         self.kill()
 
     def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        """The server's resident memory and its device process's (where the model lives), together."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return sum(_rss(p) for p in [pid, *map(int, children)])
 
     def events(self, name: str) -> list[dict]:
         return [e for e in map(_json_or_none, list(self.lines)) if e and e.get("event") == name]
@@ -242,3 +241,11 @@ def same_answers(a: dict, b: dict, tol: float = 2e-4) -> bool:
             if abs(p - y["probabilities"][k]) > tol:
                 return False
     return True
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")

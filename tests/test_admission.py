@@ -98,10 +98,10 @@ class Prepared(SimpleNamespace):
 def batcher(**kw) -> Batcher:
     """1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up to 10 s at 10,000
     tokens."""
-    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8, hooks=None,
+    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
                    budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
     options.update(kw)
-    b = Batcher(SimpleNamespace(device="cpu"), None, Metrics(), **options)
+    b = Batcher(None, Metrics(), **options)
     b._rate.samples = 1  # as if measured: the start value stands
     return b
 

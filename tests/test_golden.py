@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 import clefcore
 from clefcore.jsonvalue import parse_body
+from clefcore.preparer import Preparer
 
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = GOLDEN / "model"
@@ -92,8 +93,8 @@ STATE_FIXTURES = [e for e in EXPECTED if (GOLDEN / "states" / Path(e.get("states
 @pytest.mark.parametrize("fx", STATE_FIXTURES, ids=[e["name"] for e in STATE_FIXTURES])
 def test_every_layer_matches(fx, engine):
     ref = load_file(GOLDEN / "states" / Path(fx["states_file"]).name)
-    engine.max_length = fx["max_length"]
-    prepared = engine.prepare(parse_body(REQUESTS[fx["index"]]))
+    host = Preparer(engine.checkpoint, fx["max_length"], "reference", engine.images_refused)
+    prepared = host.prepare(parse_body(REQUESTS[fx["index"]]))
     np.testing.assert_array_equal(prepared.record.input_ids, ref["input_ids"])
     _, hs, layers = engine.forward([prepared.record], keep_layers=True)
     # the fixture's last layer entry is the residual stream before the final norm, like ours
@@ -106,7 +107,6 @@ def test_every_layer_matches(fx, engine):
 
 def test_packed_batch_equals_one_by_one(engine):
     """decide_many runs one packed forward; every answer must equal its single-request answer."""
-    engine.max_length = 16384
     bodies = [parse_body(REQUESTS[fx["index"]]) for fx in EXPECTED if "error" not in fx and fx["max_length"] == 16384]
     singles = [engine.prepare(b) for b in bodies]
     packed, _, _ = engine.forward([p.record for p in singles])

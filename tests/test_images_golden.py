@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 import clefcore
 from clefcore.errors import RequestError
 from clefcore.jsonvalue import parse_body
+from clefcore.preparer import Preparer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file  # noqa: E402
@@ -30,8 +31,9 @@ def engine():
 
 
 def prepared(engine, index):
-    engine.max_length = EXPECTED[index]["max_length"]
-    return engine.prepare(parse_body(REQUEST_BYTES[index]))
+    """The fixture's request prepared at the fixture's prompt limit."""
+    host = Preparer(engine.checkpoint, EXPECTED[index]["max_length"], "reference", engine.images_refused)
+    return host.prepare(parse_body(REQUEST_BYTES[index]))
 
 
 @pytest.mark.parametrize("fx", EXPECTED, ids=[fx["name"] for fx in EXPECTED])

@@ -1,4 +1,4 @@
-"""`clefcore serve --device cuda:0`: the server's whole path on a GPU (HTTP -> batcher -> device thread ->
+"""`clefcore serve --device cuda:0`: the server's whole path on a GPU (HTTP -> batcher -> device process ->
 CUDA kernels) answers like the fp32 CPU engine, batches concurrent requests, and keeps serving after a bad
 request. Skips without a GPU."""
 

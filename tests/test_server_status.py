@@ -1,19 +1,19 @@
-"""What /health and /metrics say about the engine (server/engine_status.py, server/metrics.py), with stand-in
-engines: a GPU engine that could not load cuBLAS, one that could, and the CPU engine's attributes."""
+"""What /health and /metrics say about the engine (server/engine_status.py, server/metrics.py), from the status
+the device process reports: a GPU engine that could not load cuBLAS, one that could, and the CPU engine."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 
+from clefcore.engine import EngineStatus
 from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
 
 def gpu_engine(cublas_missing, fallbacks=0):
-    return SimpleNamespace(device="cuda:0", precision="fast", fallbacks=fallbacks,
-                           ops=SimpleNamespace(cublas_missing=cublas_missing), memory_in_use=lambda: 1234)
+    return EngineStatus("m", "cuda:0", "fast", None, cublas_missing, fallbacks, 1234)
 
 
 def sample(text: str, name: str) -> float:
@@ -31,7 +31,7 @@ def test_describe():
     assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False,
                                                 "cublas_missing": missing, "precision_fallbacks": 2}
     assert describe(gpu_engine(None)) == {"precision": "fast", "cublas": True, "precision_fallbacks": 0}
-    cpu = SimpleNamespace(device="cpu", precision="fp32", fallbacks=0, ops=SimpleNamespace())
+    cpu = EngineStatus("m", "cpu", "fp32", None, None, 0, 0)
     assert describe(cpu) == {"precision": "fp32", "precision_fallbacks": 0}
 
 
@@ -47,8 +47,7 @@ def test_metrics_show_cublas_and_the_engine(missing, available):
 
 def test_cpu_metrics_have_no_cublas_line():
     metrics = Metrics()
-    metrics.watch_engine(SimpleNamespace(device="cpu", precision="fp32", ops=SimpleNamespace(),
-                                         memory_in_use=lambda: 0))
+    metrics.watch_engine(EngineStatus("m", "cpu", "fp32", None, None, 0, 0))
     assert "clef_cublas_available" not in metrics.render().decode()
 
 
@@ -56,7 +55,7 @@ def test_fallbacks_counter_follows_the_engine():
     metrics, engine = Metrics(), gpu_engine(None, fallbacks=1)
     metrics.watch_engine(engine)  # e.g. the self-check fell back once
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 1
-    engine.fallbacks = 3
+    engine = dataclasses.replace(engine, fallbacks=3)
     metrics.after_batch(engine)
     metrics.after_batch(engine)  # read twice, counted once
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3

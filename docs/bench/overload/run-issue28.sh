@@ -12,8 +12,9 @@
 #     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
 # Run (device tool, repository root as cwd; carry [".whl"]):
 #   bash docs/bench/overload/run-issue28.sh
-# It writes to $OUT: issue28-{base,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-{base,new}-
-# server.log (lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json.
+# It writes to $OUT: issue28-{base,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-servers.log
+# (per tree: lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json: 8 files, as many
+# as a device call returns.
 #
 # Needs: python3 with numpy, cupy and aiohttp (the device image has them); nothing fetched. Each tree is installed
 # from its wheel into a folder of its own and put on PYTHONPATH. The client is this tree's loadtest for both servers (the
@@ -96,6 +97,6 @@ for tree in $TREES; do
   stamp "$tree: exit $code"
   { grep -E '"event": "(listening|ready|draining|drained|drain_timeout|exit|load_failed|unhandled)"' "$log" || true
     grep '"event": "refused"' "$log" | tail -20 || true
-    echo "exit code $code"; } >"$OUT/issue28-$tree-server.log"
+    echo "exit code $code"; } | sed "s/^/$tree: /" >>"$OUT/issue28-servers.log"
 done
 stamp "done"

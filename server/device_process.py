@@ -1,0 +1,271 @@
+"""The model in a process of its own: load, self-check, packed forwards and chunk steps.
+
+Why a process and not a thread: the event loop (HTTP parsing, admission, every 429) and the device loop (a
+forward launches hundreds of kernels from Python) would share one GIL. Under a storm of clients that resend at
+once after a 429, the loop held it ~14x as long as the device thread did, and the device sat idle between
+launches (docs/benchmarks.md, "Overload, second round"). Here the device process has a GIL of its own; the
+server's process keeps the HTTP side, the tokenizer (clefcore/preparer.py) and the scheduling (batcher.py).
+
+The two talk over one pipe. The server sends ``(op, args)``; the device process runs the calls one at a time,
+in order, and answers each with ``(ok, value or error, EngineStatus)``, so the server's view of the engine
+(precision fallbacks, device memory) is as fresh as its last call. A chunked prompt's state stays in the
+device process: ``step`` with a prepared request starts one (dropping any earlier one), ``step`` with None
+runs its next chunk.
+
+The device process ignores SIGINT and SIGTERM: the server drains on them and then sends ``stop``. It ends by
+itself when the pipe closes (the server is gone). If it dies (killed for memory, a crash), every
+waiting call fails with DeviceError and ``on_lost`` tells the server, which then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from clefcore.engine import Engine, EngineStatus
+from clefcore.errors import DeviceError
+from clefcore.preparer import Prepared
+
+from .testhooks import TestHooks
+
+# A device process that does not end within this long of its pipe closing (it is in a forward that a drain
+# timeout left running) is killed.
+STOP_GRACE_S = 5.0
+
+BatchResults = list[tuple[dict | None, Exception | None]]
+
+
+class Step(NamedTuple):
+    """One chunk step of a chunked prompt."""
+    done: bool
+    response: dict | None         # when done without error
+    tokens: int                   # prompt tokens this step processed
+    tokens_left: int              # grows back when a guard trip restarts the run on the exact path
+    error: Exception | None       # this request alone failed
+    seconds: float                # device time of the step
+
+
+class DeviceProcess:
+    def __init__(self, hooks: TestHooks, chunk_tokens: int = 0, name: str = "clef-device"):
+        ctx = multiprocessing.get_context("spawn")   # never fork a process with threads and an event loop
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_serve, args=(child, hooks, chunk_tokens), name=name, daemon=True)
+        self._process.start()
+        child.close()
+        self._waiting: deque[asyncio.Future] = deque()
+        self._reader: threading.Thread | None = None
+        self._lost: str | None = None
+        self._closing = False
+        self.status: EngineStatus | None = None   # the engine's, as of the last answered call
+        self.on_lost: Callable[[str], None] | None = None
+
+    # --- the calls --------------------------------------------------------------------------------------
+    async def load(self, options: dict) -> EngineStatus:
+        """``clefcore.load(**options)`` in the device process."""
+        await self._call("load", options)
+        return self.status
+
+    async def self_check(self) -> None:
+        await self._call("self_check")
+
+    async def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
+        """One packed forward: a (response, error) pair per request (a failing batch is retried request by
+        request, so only the failing ones carry an error), and the forward's device seconds."""
+        return await self._call("infer", prepared)
+
+    async def step(self, prepared: Prepared | None) -> Step:
+        """The next chunk of the running chunked prompt (``prepared`` starts a new one)."""
+        return await self._call("step", prepared)
+
+    async def drop(self) -> None:
+        """Free the chunked prompt's state (its client left)."""
+        await self._call("drop")
+
+    async def stop(self) -> None:
+        """Ask the process to end after the call it is running, and wait (killed after STOP_GRACE_S)."""
+        self._closing = True
+        try:
+            self._conn.send_bytes(pickle.dumps(("stop", ())))
+        except OSError:    # it is gone already
+            pass
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._process.join, STOP_GRACE_S)
+        if self._process.is_alive():
+            self._process.kill()
+            await loop.run_in_executor(None, self._process.join)
+        if self._reader is not None:   # it ends at the closed pipe's EOF
+            await loop.run_in_executor(None, self._reader.join, STOP_GRACE_S)
+        self._conn.close()
+
+    # --- the pipe -------------------------------------------------------------------------------------
+    def _call(self, op: str, *args: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._lost is not None:
+            future.set_exception(DeviceError(self._lost))
+            return future
+        message = pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)   # raises before anything is sent
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, args=(loop,), name="clef-device-replies", daemon=True)
+            self._reader.start()
+        self._conn.send_bytes(message)
+        self._waiting.append(future)
+        return future
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Reader thread: each reply to the loop as it arrives. A thread, not loop.add_reader: that would make
+        the pipe non-blocking, and a send of a large batch (images) would then fail half-written."""
+        while True:
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError):
+                self._process.join(1.0)
+                reason = f"the device process exited (code {self._process.exitcode})"
+                try:
+                    loop.call_soon_threadsafe(self._fail, reason)
+                except RuntimeError:   # the loop is closed: the server has exited
+                    pass
+                return
+            try:
+                loop.call_soon_threadsafe(self._answered, *reply)
+            except RuntimeError:
+                return
+
+    def _answered(self, ok: bool, value: Any, status: EngineStatus | None) -> None:
+        self.status = status
+        future = self._waiting.popleft()
+        if future.done():          # its caller was cancelled meanwhile
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def _fail(self, reason: str) -> None:
+        if self._closing:      # stop() closed the pipe: an ending, not a loss
+            return
+        self._lost = reason
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(DeviceError(reason))
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+
+# --- the device process ----------------------------------------------------------------------------------
+
+class _Device:
+    """What runs in the device process: the engine, the chunked prompt in progress, the test hooks."""
+
+    def __init__(self, hooks: TestHooks, chunk_tokens: int):
+        self.hooks = hooks
+        self.chunk = chunk_tokens
+        self.engine: Engine | None = None
+        self.run = None     # the chunked prompt's clefcore.engine.ChunkedRun
+
+    def load(self, options: dict) -> None:
+        import clefcore
+        self.engine = clefcore.load(**options)
+
+    def self_check(self) -> None:
+        self.engine.self_check()
+
+    def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
+        started = time.perf_counter()
+        try:
+            results = [(response, None) for response in self._infer(prepared)]
+        except Exception as batch_error:  # noqa: BLE001 - a device failure is isolated below
+            if len(prepared) == 1:
+                results = [(None, _as_device_error(batch_error))]
+            else:
+                results = []
+                for one in prepared:
+                    try:
+                        results.append((self._infer([one])[0], None))
+                    except Exception as error:  # noqa: BLE001 - this request alone fails
+                        results.append((None, _as_device_error(error)))
+        return results, time.perf_counter() - started
+
+    def step(self, prepared: Prepared | None) -> Step:
+        started = time.perf_counter()
+        try:
+            if prepared is not None:
+                self.run = None                      # free the last run's state first
+                self.run = self.engine.chunked(prepared, self.chunk)
+            run = self.run
+            before = run.tokens_left
+            self._hooks([run.prepared], min(self.chunk, before))
+            done = run.step()
+            response = run.response() if done else None
+            if done:
+                self.run = None
+            # a guard trip restarts the run on the exact path: tokens_left grows back, count nothing
+            return Step(done, response, max(0, before - run.tokens_left), run.tokens_left, None,
+                        time.perf_counter() - started)
+        except Exception as error:  # noqa: BLE001 - this request alone fails
+            self.run = None
+            return Step(True, None, 0, 0, _as_device_error(error), time.perf_counter() - started)
+
+    def drop(self) -> None:
+        self.run = None
+
+    def _infer(self, prepared: list[Prepared]) -> list[dict]:
+        self._hooks(prepared, sum(p.num_tokens for p in prepared))
+        return self.engine.infer(prepared)
+
+    def _hooks(self, prepared: list[Prepared], tokens: int) -> None:
+        """Test hooks (server/testhooks.py); no-ops in production."""
+        hooks = self.hooks
+        if hooks.batch_delay_s or hooks.token_delay_s:
+            time.sleep(hooks.batch_delay_s + hooks.token_delay_s * tokens)
+        if hooks.fail_marker is not None:
+            for p in prepared:
+                state = p.request.get("state")
+                if isinstance(state, str) and hooks.fail_marker in state:
+                    raise DeviceError("injected device fault (test hook)")
+
+
+_OPS: dict[str, Callable] = {"load": _Device.load, "self_check": _Device.self_check, "infer": _Device.infer,
+                             "step": _Device.step, "drop": _Device.drop}
+
+
+def _serve(conn, hooks: TestHooks, chunk_tokens: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the server drains on these, then closes the pipe
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    device = _Device(hooks, chunk_tokens)
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):    # the server is gone
+            return
+        if op == "stop":
+            return
+        try:
+            reply = (True, _OPS[op](device, *args))
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            reply = (False, _portable(error))
+        status = device.engine.status() if device.engine is not None else None
+        try:
+            conn.send((*reply, status))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives the pipe, else a DeviceError that names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return DeviceError(f"{type(error).__name__}: {error}")
+
+
+def _as_device_error(error: Exception) -> DeviceError:
+    return error if isinstance(error, DeviceError) else DeviceError(f"{type(error).__name__}: {error}")

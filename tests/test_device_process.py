@@ -1,0 +1,163 @@
+"""The model's own process (server/device_process.py) on the CPU with the tiny golden checkpoint: calls answered
+in order with the engine's status, chunk steps that add up to the whole forward's answer, errors that cross the
+pipe whole, and a device process that dies failing its waiting calls instead of leaving them hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import clefcore
+from clefcore.errors import ContextLengthError, DeviceError, GuardError, RequestError
+from clefcore.example_request import support_ticket
+from clefcore.server.device_process import DeviceProcess
+from clefcore.server.testhooks import TestHooks
+
+MODEL = Path(__file__).parent / "golden" / "model"
+NO_HOOKS = TestHooks(fail_marker=None, batch_delay_s=0.0, load_delay_s=0.0)
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def probabilities(response: dict) -> np.ndarray:
+    return np.array([p for a in response["answers"].values()
+                     for p in (list(a["probabilities"].values()) if "probabilities" in a else [a["noul"]])])
+
+
+@pytest.mark.parametrize("error", [ContextLengthError("too long", required=70, maximum=64),
+                                   RequestError("bad", field="questions.a", limit="8 questions"),
+                                   GuardError("layer 3: NaN", what="layer 3")])
+def test_clef_errors_keep_their_fields_through_pickle(error):
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and back.message == error.message and str(back) == str(error)
+    assert back.__dict__ == error.__dict__
+
+
+def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
+    engine = clefcore.load(MODEL)
+    short = engine.prepare(support_ticket(state="Short one."))
+    long = engine.prepare(support_ticket(state="A longer state. " * 40))
+    assert long.num_tokens > 3 * 16 + 1                  # several chunks of 16, and a last one that is not full
+    whole = engine.infer([short, long])
+
+    async def main():
+        device = DeviceProcess(NO_HOOKS, chunk_tokens=16)
+        try:
+            status = await device.load({"path": str(MODEL), "device": "cpu"})
+            assert (status.model_name, status.device, status.precision) == (engine.model_name, "cpu", "fp32")
+            assert status.images_refused == engine.images_refused and status.fallbacks == 0
+            await device.self_check()
+            results, seconds = await device.infer([short, long])
+            assert seconds > 0 and [e for _, e in results] == [None, None]
+            steps = [await device.step(long)]
+            while not steps[-1].done:
+                steps.append(await device.step(None))
+            assert [s.error for s in steps] == [None] * len(steps)
+            assert sum(s.tokens for s in steps) == long.num_tokens and steps[-1].tokens_left == 0
+            assert len(steps) == -(-long.num_tokens // 16)
+            # a new prompt replaces a run that was left (its client gone), and drop frees one
+            await device.step(long)
+            await device.drop()
+            return results, steps[-1].response
+        finally:
+            await device.stop()
+
+    results, chunked = run(main())
+    for (response, _), expected in zip(results, whole):
+        np.testing.assert_allclose(probabilities(response), probabilities(expected), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(probabilities(chunked), probabilities(whole[1]), rtol=0, atol=1e-4)
+
+
+def test_a_failing_request_fails_alone_and_a_load_error_arrives_whole():
+    hooks = TestHooks(fail_marker="BOOM", batch_delay_s=0.0, load_delay_s=0.0)
+
+    async def main():
+        device = DeviceProcess(hooks)
+        try:
+            with pytest.raises(clefcore.CheckpointError) as missing:
+                await device.load({"path": "/nonexistent/model", "device": "cpu"})
+            await device.load({"path": str(MODEL), "device": "cpu"})
+            engine = clefcore.load(MODEL)
+            good, bad = (engine.prepare(support_ticket(state=s)) for s in ("Fine.", "It went BOOM."))
+            results, _ = await device.infer([good, bad, good])
+            return missing.value, results
+        finally:
+            await device.stop()
+
+    missing, results = run(main())
+    assert "/nonexistent/model" in missing.message
+    assert results[0][1] is None and results[2][1] is None and results[0][0] == results[2][0]
+    assert results[1][0] is None and isinstance(results[1][1], DeviceError)
+    assert "injected device fault" in results[1][1].message
+
+
+def test_a_device_process_that_dies_fails_its_waiting_calls():
+    hooks = TestHooks(fail_marker=None, batch_delay_s=30.0, load_delay_s=0.0)   # every forward sleeps 30 s
+    lost: list[str] = []
+
+    async def main():
+        device = DeviceProcess(hooks)
+        device.on_lost = lost.append
+        try:
+            await device.load({"path": str(MODEL), "device": "cpu"})
+            prepared = clefcore.load(MODEL).prepare(support_ticket())
+            waiting = asyncio.ensure_future(device.infer([prepared]))
+            await asyncio.sleep(0.5)
+            os.kill(device._process.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(DeviceError) as first:
+                await waiting
+            took = time.monotonic() - started
+            with pytest.raises(DeviceError) as later:
+                await device.infer([prepared])
+            return first.value, later.value, took
+        finally:
+            await device.stop()
+
+    first, later, took = run(main())
+    assert took < 5 and "device process exited" in first.message and str(-signal.SIGKILL) in first.message
+    assert later.message == first.message and lost == [first.message]
+
+
+def test_the_device_process_ignores_sigint_and_ends_with_the_pipe():
+    async def main():
+        device = DeviceProcess(NO_HOOKS)
+        await device.load({"path": str(MODEL), "device": "cpu"})
+        pid = device._process.pid
+        os.kill(pid, signal.SIGINT)          # Ctrl-C reaches the whole process group; the server drains first
+        os.kill(pid, signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        alive = device._process.is_alive()
+        started = time.monotonic()
+        await device.stop()
+        return alive, time.monotonic() - started, device._process.exitcode
+
+    alive, took, code = run(main())
+    assert alive and took < 3 and code == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the server's child")
+def test_a_server_whose_device_process_dies_exits_non_zero():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from server_harness import Server
+
+    server = Server().wait_ready()
+    try:
+        children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        # multiprocessing's resource tracker is a child too; the device process is the one spawned to serve
+        (device,) = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(device, signal.SIGKILL)
+        assert server.wait_exit(30) == 1
+        assert server.events("device_lost") and server.events("exit")[0]["code"] == 1
+    finally:
+        server.kill()

@@ -3,6 +3,8 @@
 import types
 
 from clefcore.backends.cuda.ops import CudaOps
+from clefcore.backends.cuda.state import GemmChoices
+from clefcore.precision import Plan
 
 
 class _Clock:
@@ -20,8 +22,7 @@ class _Clock:
 
 
 def _ops(mode="auto"):
-    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock(), cublas_missing=None,
-                                 _gemm_seen=None)
+    return types.SimpleNamespace(gemm=GemmChoices(mode), plan=Plan("split"), cp=_Clock(), cublas_missing=None)
 
 
 def _path(ops, calls, name, cost, hiccup_on=None):
@@ -36,7 +37,7 @@ def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_path():
     paths = {"cublas": _path(ops, calls, "cublas", 1.0, hiccup_on=2), "wmma": _path(ops, calls, "wmma", 2.0)}
     assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "cublas"
     assert calls == {"cublas": 6, "wmma": 6}                  # one warm-up run + 5 timed runs each
-    assert ops.gemm_choice == {(64, 64, 512, "t", "split"): "cublas"}
+    assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): "cublas"}
 
 
 def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
@@ -66,9 +67,9 @@ def test_gemm_paths_records_each_choice_inside_its_block_only():
     CudaOps._choose(ops, 300, 64, 64, paths, "before")
     with CudaOps.gemm_paths(ops) as seen:
         CudaOps._choose(ops, 300, 64, 64, paths, "t")
-        ops.gemm_mode = "wmma"
+        ops.gemm.pin = "wmma"
         CudaOps._choose(ops, 20, 128, 64, paths, "t")
-    ops.gemm_mode = "auto"
+    ops.gemm.pin = "auto"
     CudaOps._choose(ops, 300, 64, 64, paths, "after")
     assert seen == {(64, 64, 512, "t", "split"): "cublas", (128, 64, 32, "t", "split"): "wmma"}
-    assert ops._gemm_seen is None
+    assert ops.gemm.seen is None

@@ -1,5 +1,6 @@
 """What /health and /metrics say about the engine (server/engine_status.py, server/metrics.py), with stand-in
-engines: a GPU engine that could not load cuBLAS, one that could, and the CPU engine's attributes."""
+engines: a GPU engine that could not load cuBLAS, one that could, and the CPU engine's attributes over the real
+numpy backend."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ from types import SimpleNamespace
 
 import pytest
 
+from clefcore.backends import cpu as cpu_backend
+from clefcore.backends.cuda.ops import CudaOps
 from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
 
 def gpu_engine(cublas_missing, fallbacks=0):
-    return SimpleNamespace(device="cuda:0", precision="fast", fallbacks=fallbacks,
-                           ops=SimpleNamespace(cublas_missing=cublas_missing), memory_in_use=lambda: 1234)
+    """A GPU engine whose backend's status is CudaOps.status on the given cuBLAS state (no GPU needed)."""
+    ops = SimpleNamespace(cublas_missing=cublas_missing)
+    ops.status = lambda: CudaOps.status(ops)
+    return SimpleNamespace(device="cuda:0", mode="fast", fallbacks=fallbacks, ops=ops, memory_in_use=lambda: 1234)
+
+
+def cpu_engine():
+    return SimpleNamespace(device="cpu", mode="fp32", fallbacks=0, ops=cpu_backend, memory_in_use=lambda: 0)
 
 
 def sample(text: str, name: str) -> float:
@@ -31,8 +40,7 @@ def test_describe():
     assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False,
                                                 "cublas_missing": missing, "precision_fallbacks": 2}
     assert describe(gpu_engine(None)) == {"precision": "fast", "cublas": True, "precision_fallbacks": 0}
-    cpu = SimpleNamespace(device="cpu", precision="fp32", fallbacks=0, ops=SimpleNamespace())
-    assert describe(cpu) == {"precision": "fp32", "precision_fallbacks": 0}
+    assert describe(cpu_engine()) == {"precision": "fp32", "precision_fallbacks": 0}
 
 
 @pytest.mark.parametrize("missing, available", [("no libcublas", 0.0), (None, 1.0)])
@@ -47,8 +55,7 @@ def test_metrics_show_cublas_and_the_engine(missing, available):
 
 def test_cpu_metrics_have_no_cublas_line():
     metrics = Metrics()
-    metrics.watch_engine(SimpleNamespace(device="cpu", precision="fp32", ops=SimpleNamespace(),
-                                         memory_in_use=lambda: 0))
+    metrics.watch_engine(cpu_engine())
     assert "clef_cublas_available" not in metrics.render().decode()
 
 

@@ -1,4 +1,4 @@
-"""The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the op interface like
+"""The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the backend interface like
 ``clefcore.model`` (clef-images.md §8): patch embedding, bilinearly resampled learned positions, 2-D RoPE,
 bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 merger to the text width.
 """

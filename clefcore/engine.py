@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import answers, model, vision
+from .backends.interface import Backend
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
@@ -42,18 +43,14 @@ class EngineStatus:
     """What a loaded engine runs as and what it has done so far (the server's /health, /metrics and logs)."""
     model_name: str
     device: str
-    precision: str                 # fast / exact on a GPU (clefcore/precision.py); fp32 on the numpy path
+    mode: str                      # fast / exact on a GPU (clefcore/precision.py); fp32 on the numpy path
     images_refused: str | None     # None: image requests are answered; else the message they get
-    cublas_missing: str | None     # GPU only: why cuBLAS could not load (None: it loaded)
+    backend: dict                  # what the backend says of itself (Backend.status: on a GPU, cuBLAS or not)
     fallbacks: int                 # batches answered again on the range-safe exact path
     memory_in_use: int             # device bytes (0 on the CPU)
 
-    @property
-    def gpu(self) -> bool:
-        return self.device != "cpu"
 
-
-def backend_for(device: str, **options):
+def backend_for(device: str, **options) -> Backend:
     """``"cpu"`` -> the numpy module; ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
     if device == "cpu":
         if options:
@@ -86,7 +83,7 @@ class Engine:
         self.confidence = confidence
         self.ops = backend_for(device, **backend_options)
         # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
-        self.precision = getattr(self.ops, "mode", "fp32")
+        self.mode = self.ops.mode
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
         self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
         if images:
@@ -118,21 +115,20 @@ class Engine:
         try:
             return self._forward(records, keep_layers)
         except GuardError as first:
-            fallback = getattr(self.ops, "fallback", None)
-            if fallback is None:
+            if not self.ops.falls_back:
                 raise
             self._count_fallback(first, len(records), sum(len(r.input_ids) for r in records))
-            with fallback():
+            with self.ops.fallback():
                 try:
                     return self._forward(records, keep_layers)
                 except GuardError as again:
-                    raise DeviceError(f"{again.message} (range-safe exact path, run after the {self.precision} "
+                    raise DeviceError(f"{again.message} (range-safe exact path, run after the {self.mode} "
                                       f"precision's guard tripped: {first.message})") from again
 
     def _count_fallback(self, first: GuardError, requests: int, tokens: int) -> None:
         self.fallbacks += 1
         log.warning("precision %s: %s; the batch (%d requests, %d tokens) runs again on the range-safe exact path",
-                    self.precision, first.message, requests, tokens)
+                    self.mode, first.message, requests, tokens)
 
     def chunked(self, prepared: Prepared, chunk: int) -> "ChunkedRun":
         """A request answered in chunks of ``chunk`` prompt tokens (see ChunkedRun): the server interleaves the
@@ -192,12 +188,11 @@ class Engine:
         return out
 
     def memory_in_use(self) -> int:
-        used = getattr(self.ops, "memory_in_use", None)
-        return int(used()) if used is not None else 0
+        return int(self.ops.memory_in_use())
 
     def status(self) -> EngineStatus:
-        return EngineStatus(self.model_name, self.device, self.precision, self.images_refused,
-                            getattr(self.ops, "cublas_missing", None), self.fallbacks, self.memory_in_use())
+        return EngineStatus(self.model_name, self.device, self.mode, self.images_refused, self.ops.status(),
+                            self.fallbacks, self.memory_in_use())
 
 
 def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecord]):
@@ -264,7 +259,7 @@ class ChunkedRun:
                 self._prefill.step()
                 ops.check_watched()
         except GuardError as first:
-            if self.safe or getattr(ops, "fallback", None) is None:
+            if self.safe or not ops.falls_back:
                 raise
             self.engine._count_fallback(first, 1, self._prefill.T)
             self.safe = True

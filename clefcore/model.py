@@ -1,7 +1,7 @@
 """Clef-flash, the whole model: Qwen3.5 hybrid backbone + joint schema head.
 
-Written once against the op interface that every backend implements (``clefcore.backends.cpu`` is the
-fp32 reference; ``clefcore.backends.cuda`` the GPU one). ``ops.xp`` is the backend's array module, so the
+Written once against the backend interface (``clefcore.backends.interface.Backend``: ``clefcore.backends.cpu``
+is the fp32 reference, ``clefcore.backends.cuda`` the GPU one). ``ops.xp`` is the backend's array module, so the
 reshapes and slices below run unchanged on numpy and CuPy arrays. The math follows the specs:
 backbone = qwen35-backbone.md §3, head = clef-head.md §5.3 (step numbers quoted in comments).
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backends.interface import Backend
 from .checkpoint import Checkpoint, stack_refs
 from .config import HeadConfig, TextConfig
 
@@ -133,8 +134,8 @@ def block_plan(cu_seqlens, T: int, block: int) -> list[_Block]:
     return plan
 
 
-def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False, block: int | None = None,
-             check: bool = True, image_rows=None, image_embeds=None):
+def backbone(ops: Backend, p: Params, ids, cu_seqlens, positions, keep_layers: bool = False,
+             block: int | None = None, check: bool = True, image_rows=None, image_embeds=None):
     """ids [T] (packed sequences), cu_seqlens [B+1], positions [T] -> (final-norm states [T, H], per-layer
     residual streams or None).
 
@@ -152,15 +153,15 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     ``check``: read the guard flags (``ops.check_watched``) before returning; a caller that queues more work
     first (the engine queues the head) passes False and calls ``ops.check_watched()`` itself.
 
-    A backend with ``ops.graphs`` (CUDA) replays one graph for the layers of a short single-sequence prompt.
-    The prompt is padded at its end to the graph's bucket so that nearby lengths share a graph: every op is
-    causal, so the padding changes no row before it, and it is cut off again here.
+    A backend with ``ops.graphs`` (CUDA; None on the CPU) replays one graph for the layers of a short
+    single-sequence prompt. The prompt is padded at its end to the graph's bucket so that nearby lengths share a
+    graph: every op is causal, so the padding changes no row before it, and it is cut off again here.
     """
     T = int(len(ids))
     if block is None:
-        block = getattr(ops, "token_block", 0)
+        block = ops.token_block
     block = int(block) if block and int(block) > 0 else max(T, 1)
-    graphs = getattr(ops, "graphs", None)
+    graphs = ops.graphs
     if image_rows is not None:
         graphs = None                                   # the graph path replays text-only embeddings and 1-D rope
     Tp = None if keep_layers or graphs is None else graphs.padded_length(T, len(cu_seqlens) - 1)
@@ -181,7 +182,7 @@ def backbone(ops, p: Params, ids, cu_seqlens, positions, keep_layers: bool = Fal
     if Tp is None:
         x = layers(x, cos, sin)
     else:
-        key = ("backbone", Tp, block, getattr(ops, "variant", None))
+        key = ("backbone", Tp, block, ops.plan)
         weights = [p.norm] + [w for L in p.layers for w in L.values()]
         x = graphs.run(key, layers, (x, cos, sin), weights)[:T].copy()   # the graph reuses its buffer next time
     if check:
@@ -400,7 +401,7 @@ def _delta_rule_block(ops, q, k, v, g, beta, b: _Block, carry: _Carry):
 
 # ----------------------------------------------------------------------------------------------------- head
 
-def heads(ops, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
+def heads(ops: Backend, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
     """Joint schema head for every sequence of a packed stream in one pass. hs [T, H] final-norm states,
     ids [T] (host ints), cu_seqlens [B+1], questions_of[b]: sequence b's EncodedQuestions (spans relative to its
     start). Returns, per sequence, one logit vector (host fp32) per question.
@@ -425,7 +426,7 @@ def heads(ops, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
     # the last rows (3) and the span means (4, 5) read the normalised rows of their spans only
     norm = lambda a: ops.layernorm(a, P["hidden_norm.weight"], P["hidden_norm.bias"])  # noqa: E731
     T = hs.shape[0]
-    block = int(getattr(ops, "token_block", 0) or 0) or max(T, 1)
+    block = ops.token_block or max(T, 1)
     wm = P["memory_projection.weight"]
     if T <= block:
         mem = ops.linear(norm(hs), wm)                                                        # 2

@@ -1,4 +1,8 @@
-"""The GPU precision modes users name, and the kernel paths they resolve to.
+"""Precision, in three words: the ``precision`` a user sets (``--precision``, ``load(precision=...)``) names a
+*mode* (``fast``, ``exact``; the numpy backend's ``fp32``) or pins a kernel *path* (``fp16``, ``split``,
+``split8``); a backend runs a *plan*, its path and whether the range-safe scaling is on. Every precision check of
+the kernels and the model code reads a ``Plan``'s properties, never a path's string. A new mode or path starts
+here.
 
 * ``fast`` (the default on every GPU): each fp32 activation is rounded once to fp16 for the tensor cores, fp32
   accumulation, fp32 residual stream. A batch whose per-layer guard trips (NaN, Inf, all zero: what fp16's range
@@ -11,10 +15,13 @@ The expert names ``fp16``, ``split`` and ``split8`` stay valid and pin that kern
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MODES = ("fast", "exact")
 KERNEL_PATHS = ("fp16", "split", "split8")
 CHOICES = MODES + KERNEL_PATHS
 DEFAULT = "fast"
+FP32 = "fp32"     # the numpy backend's one mode and path: fp32 throughout
 # What ``clefcore verify`` holds each mode to against the fp32 numpy path: (per-layer relative error of the
 # residual stream, probability difference). The probability bar is each mode's contract (fast: 1e-2, several
 # times closer than the reference's own bf16 GPU path). fast's residual stream drifts by ~3e-4 per layer (one fp16
@@ -36,4 +43,35 @@ def resolve(name: str, fp8: bool) -> str:
 
 def mode_of(path: str) -> str:
     """The mode a kernel path belongs to."""
+    if path == FP32:
+        return FP32
     return "fast" if path == "fp16" else "exact"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the kernels of the next forward run: the kernel ``path`` and ``range_safe`` (the fallback run: split
+    operands beyond fp16's range are scaled by a power of two, cuda/range.cuh). Hashable: CUDA graphs are kept per
+    plan, since it selects the kernels they capture."""
+
+    path: str
+    range_safe: bool = False
+
+    @property
+    def fp16(self) -> bool:
+        """Each fp32 activation is rounded once to fp16 for the tensor cores (the fast mode)."""
+        return self.path == "fp16"
+
+    @property
+    def splits(self) -> bool:
+        """Activations enter the GEMMs as hi + lo halves (split, split8)."""
+        return self.path in ("split", "split8")
+
+    @property
+    def fp8(self) -> bool:
+        """The lo halves run in fp8 against fp8 twins of the weights, where a weight has one (split8)."""
+        return self.path == "split8"
+
+
+# the engine's second try after a guard tripped (CudaOps.fallback): split, range-safe, no fp8 twins
+RANGE_SAFE = Plan("split", range_safe=True)

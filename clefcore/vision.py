@@ -1,4 +1,4 @@
-"""The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the op interface like
+"""The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the backend interface like
 ``clefcore.model`` (clef-images.md §8): patch embedding, bilinearly resampled learned positions, 2-D RoPE,
 bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 merger to the text width.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .backends.interface import Backend
 from .checkpoint import Checkpoint, to_float32
 from .config import read_json
 from .errors import CheckpointError
@@ -192,25 +193,25 @@ def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- tower
 
-def tower(ops, p: VisionParams, pixel_values, grids, keep: dict | None = None):
+def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None = None):
     """pixel_values [N, 1536] (the images' patch rows, concatenated: ``ops.patch_rows``, or a fixture's), grids
     [(t, gh, gw)] per image -> image embeddings [N / 4, out_hidden] in placeholder order. ``keep`` (a dict)
     receives the intermediate stages, for checks.
 
-    A backend with ``ops.tower_graphs`` (CUDA) replays one graph per set of image sizes while their merged tokens
-    stay within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is ~500 short launches, which
-    the host issues more slowly than the GPU runs them. The host tables are made here, outside the graph, and go
+    A backend with ``ops.tower_graphs`` (CUDA; None on the CPU) replays one graph per set of image sizes while
+    their merged tokens stay within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is
+    ~500 short launches, which the host issues more slowly than the GPU runs them. The host tables are made here, outside the graph, and go
     in as its inputs; the output is copied, since the graph's buffer is rewritten by its next replay."""
     grids = tuple(tuple(int(v) for v in g) for g in grids)              # a key of the graph and table caches
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself
     inputs = (ops.asarray(pixel_values),) + tuple(ops.asarray(a) for a in _host_tables(p.config, grids))
-    graphs = getattr(ops, "tower_graphs", None)
+    graphs = ops.tower_graphs
     merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
     # fast path only: the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul, which refuses a capture
-    if keep is not None or graphs is None or ops.precision != "fp16" or not graphs.fits(merged):
+    if keep is not None or graphs is None or not ops.plan.fp16 or not graphs.fits(merged):
         return _tower(ops, p, cu, keep, *inputs)
-    key = ("vision tower", grids, getattr(ops, "variant", None))
+    key = ("vision tower", grids, ops.plan)
     return graphs.run(key, lambda *a: _tower(ops, p, cu, None, *a), inputs, list(p.w.values())).copy()
 
 
@@ -246,7 +247,7 @@ def _tower(ops, p: VisionParams, cu, keep, pixel_values, rows, weights, cos, sin
     n = x.shape[0]
     # the MLP runs over row blocks of the backend's token_block (0: all rows, the CPU), so its [rows, intermediate]
     # activations stay bounded when the images of a batch have tens of thousands of patches
-    step = int(getattr(ops, "token_block", 0) or 0) or max(n, 1)
+    step = ops.token_block or max(n, 1)
     for j in range(c.depth):
         b = f"blocks.{j}."
         h = ops.layernorm(x, w[b + "norm1.weight"], w[b + "norm1.bias"], LN_EPS)

@@ -1,6 +1,6 @@
-"""What the loaded engine runs as, for /health and /metrics: the precision mode, whether cuBLAS could be
-loaded (without it every GEMM runs clefcore's own kernels; the CPU has no cuBLAS to speak of), and how many
-batches fell back from the fast precision to the exact one."""
+"""What the loaded engine runs as, for /health and /metrics: its precision mode, how many batches fell back from
+the fast precision to the exact one, and what the backend says of itself (``Backend.status``: on a GPU whether
+cuBLAS could be loaded; without it every GEMM runs clefcore's own kernels)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,4 @@ from clefcore.engine import EngineStatus
 
 
 def describe(status: EngineStatus) -> dict:
-    info: dict = {"precision": status.precision}
-    if status.gpu:
-        info["cublas"] = status.cublas_missing is None
-        if status.cublas_missing is not None:
-            info["cublas_missing"] = status.cublas_missing
-    info["precision_fallbacks"] = status.fallbacks
-    return info
+    return {"precision": status.mode, **status.backend, "precision_fallbacks": status.fallbacks}

@@ -119,7 +119,7 @@ class Metrics:
     def watch_engine(self, engine: EngineStatus) -> None:
         """Call once the engine is loaded and self-checked: its identity, and its first counts."""
         status = describe(engine)
-        self.engine_info.labels(engine.device, engine.precision).set(1)
+        self.engine_info.labels(engine.device, engine.mode).set(1)
         if "cublas" in status:  # GPU engines only: on the CPU there is no cuBLAS to miss
             # 0 when cuBLAS could not be loaded and every GEMM runs clefcore's own kernels; livemin: one such
             # worker is enough to say so.

@@ -1,8 +1,14 @@
-"""The GEMM autotune's choice logic (CudaOps._choose) on a fake event clock: no GPU needed."""
+"""The GEMM autotune's choice logic (CudaOps._choose) on a fake event clock, and the route each candidate takes
+(CudaOps._gemm, gemm_with) with the kernels recorded: no GPU needed."""
 
 import types
 
+import numpy as np
+import pytest
+
 from clefcore.backends.cuda.ops import CudaOps
+from clefcore.backends.cuda.state import GemmChoices
+from clefcore.precision import Plan
 
 
 class _Clock:
@@ -20,8 +26,7 @@ class _Clock:
 
 
 def _ops(mode="auto"):
-    return types.SimpleNamespace(gemm_mode=mode, gemm_choice={}, precision="split", cp=_Clock(), cublas_missing=None,
-                                 _gemm_seen=None)
+    return types.SimpleNamespace(gemm=GemmChoices(mode), plan=Plan("split"), cp=_Clock(), cublas_missing=None)
 
 
 def _path(ops, calls, name, cost, hiccup_on=None):
@@ -36,7 +41,7 @@ def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_path():
     paths = {"cublas": _path(ops, calls, "cublas", 1.0, hiccup_on=2), "wmma": _path(ops, calls, "wmma", 2.0)}
     assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "cublas"
     assert calls == {"cublas": 6, "wmma": 6}                  # one warm-up run + 5 timed runs each
-    assert ops.gemm_choice == {(64, 64, 512, "t", "split"): "cublas"}
+    assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): "cublas"}
 
 
 def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
@@ -66,9 +71,82 @@ def test_gemm_paths_records_each_choice_inside_its_block_only():
     CudaOps._choose(ops, 300, 64, 64, paths, "before")
     with CudaOps.gemm_paths(ops) as seen:
         CudaOps._choose(ops, 300, 64, 64, paths, "t")
-        ops.gemm_mode = "wmma"
+        ops.gemm.pin = "wmma"
         CudaOps._choose(ops, 20, 128, 64, paths, "t")
-    ops.gemm_mode = "auto"
+    ops.gemm.pin = "auto"
     CudaOps._choose(ops, 300, 64, 64, paths, "after")
     assert seen == {(64, 64, 512, "t", "split"): "cublas", (128, 64, 32, "t", "split"): "wmma"}
-    assert ops._gemm_seen is None
+    assert ops.gemm.seen is None
+
+
+class _Routes:
+    """CudaOps's GEMM plumbing with every kernel call recorded instead of launched (no GPU): what _gemm and
+    gemm_with run for a plan and an operand dtype."""
+
+    gemm_with = CudaOps.gemm_with
+
+    def __init__(self, path, twinned=False, pick="cublas"):
+        self.plan, self.twinned, self.pick, self.calls = Plan(path), twinned, pick, []
+        self.cp = types.SimpleNamespace(float32=np.float32, float16=np.float16)
+
+    def _choose(self, M, N, K, paths, tag):
+        assert set(paths) == ({"wmma", "cublas", "rows"} if tag == "float32" and M <= 64 else {"wmma", "cublas"})
+        return self.pick
+
+    def _has_twin(self, M, *ws):
+        return self.plan.fp8 and self.twinned
+
+    def _half(self, x):
+        self.calls.append("half")
+        return x
+
+    def _cublas(self, a, w, out, accumulate=False):
+        self.calls.append("cublas")
+
+    def _split(self, x):
+        self.calls.append("split")
+        return x
+
+    def _split_gemm(self, s, w, out):
+        self.calls.append("split_gemm")
+
+    def _split8(self, x):
+        self.calls.append("split8")
+        return x
+
+    def _split8_gemm(self, s, w, out):
+        self.calls.append("split8_gemm")
+
+    def _wmma(self, a, w, out, bias=None):
+        self.calls.append(("wmma", bias is not None))
+
+    def _gemm_rows(self, a, w, out, bias=None):
+        self.calls.append(("rows", bias is not None))
+
+
+@pytest.mark.parametrize("path, twinned, dtype, want", [
+    ("fp16", False, np.float32, ["half", "cublas"]),
+    ("split", False, np.float32, ["split", "split_gemm"]),
+    ("split8", True, np.float32, ["split8", "split8_gemm"]),
+    ("split8", False, np.float32, ["split", "split_gemm"]),       # a weight without its fp8 twin runs split
+    ("split", False, np.float16, ["half", "cublas"]),             # an fp16 operand goes to cuBLAS as it is
+])
+def test_the_cublas_candidate_follows_the_plan(path, twinned, dtype, want):
+    ops = _Routes(path, twinned)
+    x, w, out, bias = np.ones((100, 32), dtype), np.ones((16, 32)), np.zeros((100, 16), np.float32), np.ones(16)
+    assert CudaOps._gemm(ops, x, w, out, bias) is out
+    assert ops.calls == want
+    np.testing.assert_array_equal(out, 1.0)                       # the bias added once, after the product
+
+
+@pytest.mark.parametrize("pick", ["wmma", "rows"])
+def test_own_kernels_take_the_bias_themselves(pick):
+    ops = _Routes("split", pick=pick)
+    out = np.zeros((8, 16), np.float32)
+    CudaOps._gemm(ops, np.ones((8, 32), np.float32), np.ones((16, 32)), out, np.ones(16))
+    assert ops.calls == [(pick, True)] and not out.any()
+
+
+def test_an_unknown_route_is_refused():
+    with pytest.raises(ValueError, match="gemm route 'fp32'"):
+        _Routes("split").gemm_with("fp32", np.ones((1, 1)), np.ones((1, 1)), np.zeros((1, 1)))

@@ -112,17 +112,17 @@ def ops():
 def test_kernel_table_checks_every_timed_op(ops):
     """Every row's op checked first; the cuBLAS rows only where cuBLAS loads (run the suite under
     PYTHONPATH=tests/no_cublas for the other half)."""
-    out = {"precision": ops.precision}
+    out = {"precision": ops.plan.path}
     rows = bench.kernels(cupy, ops, out, **SMALL)
     names = set()
     for M, N, K in SMALL["gemm_shapes"]:
         names |= {f"wmma fp16 {M}x{N}x{K}", f"wmma split {M}x{N}x{K}"}
         if HAVE_CUBLAS:
             names |= {f"cuBLAS fp16 {M}x{N}x{K}", f"cuBLAS split {M}x{N}x{K}"}
-        if HAVE_FP8 and HAVE_CUBLAS and ops._fp8.supports(M, N, K):
+        if HAVE_FP8 and HAVE_CUBLAS and ops.twins.gemm.supports(M, N, K):
             names.add(f"cuBLAS(Lt) split8 {M}x{N}x{K}")
     M, N, K = SMALL["head_gemm"]
-    names |= {f"gemm_rows {M}x{N}x{K}", f"wmma {ops.precision} {M}x{N}x{K}"}
+    names |= {f"gemm_rows {M}x{N}x{K}", f"wmma {ops.plan.path} {M}x{N}x{K}"}
     if HAVE_CUBLAS:
         names.add(f"cuBLAS split {M}x{N}x{K}")
     for T in SMALL["seq_lens"]:
@@ -144,8 +144,8 @@ def test_gemm_paths_records_each_shapes_path_within_the_block(ops):
         ops.linear(x1, w)
         ops.linear(x2, w)
         ops.linear(x1[:280], w)                          # the same bucket as 300 rows: one key
-    keys = [shape_key(300, 192, 256, "float32", ops.precision), shape_key(5, 192, 256, "float32", ops.precision)]
-    assert list(seen) == keys and seen == {k: ops.gemm_choice[k] for k in keys}
+    keys = [shape_key(300, 192, 256, "float32", ops.plan.path), shape_key(5, 192, 256, "float32", ops.plan.path)]
+    assert list(seen) == keys and seen == {k: ops.gemm.chosen[k] for k in keys}
     assert set(seen.values()) <= ({"wmma", "cublas", "rows"} if HAVE_CUBLAS else {"wmma", "rows"})
     assert "_choose" not in vars(ops)
     ops.linear(cupy.random.standard_normal((1000, 256), dtype=cupy.float32), w)
@@ -192,7 +192,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
 def test_a_wrong_kernel_stops_the_bench(ops, monkeypatch):
     monkeypatch.setattr(ops, "_gemm_rows", lambda x, w, o, bias=None: o.fill(0))
     with pytest.raises(DeviceError, match="gemm_rows 3x130x1024: max .* = 1.000e\\+00"):
-        bench.kernels(cupy, ops, {"precision": ops.precision}, **SMALL)
+        bench.kernels(cupy, ops, {"precision": ops.plan.path}, **SMALL)
 
 
 # ------------------------------------------------------------------------------------------------ the image case

@@ -54,7 +54,7 @@ def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
         device = DeviceProcess(NO_HOOKS, chunk_tokens=16)
         try:
             status = await device.load({"path": str(MODEL), "device": "cpu"})
-            assert (status.model_name, status.device, status.precision) == (engine.model_name, "cpu", "fp32")
+            assert (status.model_name, status.device, status.mode) == (engine.model_name, "cpu", "fp32")
             assert status.images_refused == engine.images_refused and status.fallbacks == 0
             await device.self_check()
             results, seconds = await device.infer([short, long])

@@ -50,6 +50,8 @@ class Fp16Inputs:
     """The numpy backend with the fast path's rounding: every GEMM input (and the MLP's hidden product) rounded to
     fp16, so a value beyond 65504 becomes Inf. ``fallback()`` turns the rounding off: the exact path."""
 
+    falls_back = True
+
     def __init__(self):
         self.rounding = True
         self.fallbacks = 0
@@ -129,7 +131,7 @@ def test_the_numpy_engine_has_no_fallback():
     _scale_mlp(engine, float("nan"))
     with pytest.raises(GuardError):
         engine.decide(BODIES[0])
-    assert engine.precision == "fp32" and engine.fallbacks == 0
+    assert engine.mode == "fp32" and engine.fallbacks == 0
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -156,14 +158,14 @@ def test_gpu_overflow_falls_back_to_the_exact_answer(cpu_exact, device):
     answers, probabilities = {}, {}
     for mode in ("fast", "exact"):
         engine = clefcore.load(MODEL, device=device, precision=mode, validation="reference")
-        path = engine.ops.precision
+        plan = engine.ops.plan
         _scale_mlp(engine, SCALE)
         prepared = [engine.prepare(b) for b in BODIES]
         with pytest.raises(GuardError):                  # the precondition: the configured path overflows
             engine._forward([p.record for p in prepared], False)
         answers[mode] = engine.infer(prepared)
         assert engine.fallbacks == 1
-        assert engine.ops.precision == path and not engine.ops.range_safe      # restored after the fallback
+        assert engine.ops.plan == plan and not plan.range_safe                 # restored after the fallback
         probabilities[mode] = _question_probabilities(engine, prepared)
         assert engine.fallbacks == 2                      # the next batch starts on the configured path again
     assert answers["fast"] == answers["exact"]

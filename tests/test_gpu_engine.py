@@ -56,9 +56,9 @@ def loaded(request):
     ops = CudaOps(0, **cuda_options(request.param))
     ck = Checkpoint(GOLD / "model")
     params = model.load_params(ck, ops)
-    if ops.precision == "split8":      # the fp8 pass must really run (not every matrix falling back to split)
-        print(f"split8: {len(ops._twins)} matrices twinned, {ops.twins_skipped} run split")
-        assert len(ops._twins) > ops.twins_skipped
+    if ops.plan.fp8:      # the fp8 pass must really run (not every matrix falling back to split)
+        print(f"split8: {len(ops.twins.by_ptr)} matrices twinned, {ops.twins.skipped} run split")
+        assert len(ops.twins.by_ptr) > ops.twins.skipped
     return ops, params
 
 
@@ -88,8 +88,8 @@ def test_golden_probabilities(loaded):
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
             worst = max(worst, err)
             assert err <= BOUND[ops.mode], f"{rec['name']} / {q['id']}: probability error {err:.2e} ({ops.mode})"
-    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.mode} = {ops.precision}, "
-          f"gemm {ops.gemm_mode}): {worst:.3e}")
+    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.mode} = {ops.plan.path}, "
+          f"gemm {ops.gemm.pin}): {worst:.3e}")
 
 
 def test_golden_hidden_states(loaded):

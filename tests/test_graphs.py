@@ -52,7 +52,7 @@ def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
     cu, pos = np.array([0, T]), np.arange(T)
     want, _ = model.backbone(cpu, p, ids, cu, pos)
     pad = _PadOnly(bucket=64, max_tokens=1024)
-    ops = types.SimpleNamespace(**{k: getattr(cpu, k) for k in dir(cpu) if not k.startswith("__")}, graphs=pad)
+    ops = types.SimpleNamespace(**{**{k: getattr(cpu, k) for k in dir(cpu) if not k.startswith("__")}, "graphs": pad})
     got, _ = model.backbone(ops, p, ids, cu, pos)
     assert pad.calls and pad.calls[0][1] == -(-T // 64) * 64
     assert got.shape == want.shape

@@ -18,6 +18,7 @@ import pytest
 
 from clefcore import bench
 from clefcore.backends import cpu
+from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
@@ -576,10 +577,10 @@ def test_split_range_scaling(ops, request, path, M, K):
     plain = o.linear(o.asarray(x), W)
     assert not np.all(np.isfinite(o.to_host(o.linear(o.asarray(big), W)))), "plain split should overflow here"
     with o.fallback():
-        assert o.range_safe and o.precision == "split"
+        assert o.plan == Plan("split", range_safe=True)
         np.testing.assert_array_equal(o.to_host(o.linear(o.asarray(x), W)), o.to_host(plain))
         check(f"linear range-safe {path} M{M} K{K}", o.linear(o.asarray(big), W), cpu.linear(big, w), SPLIT_TOL, o)
-    assert not o.range_safe
+    assert not o.plan.range_safe
     H, I = 96, 200
     xm = r(M, H, scale=400.0)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
@@ -685,7 +686,7 @@ def test_linear_split8(ops_split8, M, N, K):
     o = ops_split8
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     W = o.weight(w)
-    twinned = W.data.ptr in o._twins
+    twinned = W.data.ptr in o.twins.by_ptr
     assert twinned == (N % 4 == 0 and K % 16 == 0)                  # (65, 40) runs split
     tol = SPLIT8_TOL if twinned else SPLIT_TOL
     check(f"linear split8 {M}x{N}x{K}", o.linear(o.asarray(x), W), cpu.linear(x, w), tol, o)
@@ -710,7 +711,7 @@ def test_split8_weight_twin_scale(ops_split8):
     o = ops_split8
     w = h16(r(64, 32, scale=3.0))
     W = o.weight(w)
-    _, w8, inv = o._twins[W.data.ptr]
+    _, w8, inv = o.twins.by_ptr[W.data.ptr]
     back = o.to_host(w8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * float(o.to_host(inv)[0])
     s = 1.0 / float(o.to_host(inv)[0])
     assert s == 2.0 ** round(np.log2(s)) and 224 < np.max(np.abs(w)) * s <= 448
@@ -723,6 +724,6 @@ def test_split8_weight_row_view(ops_split8):
     o = ops_split8
     x, w = r(65, 64), h16(r(192, 64, scale=0.125))
     W = o.weight(w)
-    assert o._twin_of(W) is not None and o._twin_of(W[:64]) is None
+    assert o.twins.of(W) is not None and o.twins.of(W[:64]) is None
     for a, b in ((0, 64), (64, 128), (128, 192)):
         check(f"linear split8 view rows {a}:{b}", o.linear(o.asarray(x), W[a:b]), cpu.linear(x, w[a:b]), SPLIT_TOL, o)

@@ -69,4 +69,4 @@ def test_load_refuses_a_precision_on_the_cpu(name):
 
 
 def test_the_numpy_engine_names_its_precision():
-    assert clefcore.load(MODEL, device="cpu").precision == "fp32"
+    assert clefcore.load(MODEL, device="cpu").mode == "fp32"

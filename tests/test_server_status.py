@@ -1,19 +1,28 @@
 """What /health and /metrics say about the engine (server/engine_status.py, server/metrics.py), from the status
-the device process reports: a GPU engine that could not load cuBLAS, one that could, and the CPU engine."""
+the device process reports: a GPU engine that could not load cuBLAS, one that could (its backend status from
+CudaOps.status, no GPU needed), and the CPU engine over the real numpy backend."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
+from clefcore.backends import cpu as cpu_backend
+from clefcore.backends.cuda.ops import CudaOps
 from clefcore.engine import EngineStatus
 from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
 
 def gpu_engine(cublas_missing, fallbacks=0):
-    return EngineStatus("m", "cuda:0", "fast", None, cublas_missing, fallbacks, 1234)
+    return EngineStatus("m", "cuda:0", "fast", None, CudaOps.status(SimpleNamespace(cublas_missing=cublas_missing)),
+                        fallbacks, 1234)
+
+
+def cpu_engine():
+    return EngineStatus("m", "cpu", "fp32", None, cpu_backend.status(), 0, 0)
 
 
 def sample(text: str, name: str) -> float:
@@ -31,8 +40,7 @@ def test_describe():
     assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False,
                                                 "cublas_missing": missing, "precision_fallbacks": 2}
     assert describe(gpu_engine(None)) == {"precision": "fast", "cublas": True, "precision_fallbacks": 0}
-    cpu = EngineStatus("m", "cpu", "fp32", None, None, 0, 0)
-    assert describe(cpu) == {"precision": "fp32", "precision_fallbacks": 0}
+    assert describe(cpu_engine()) == {"precision": "fp32", "precision_fallbacks": 0}
 
 
 @pytest.mark.parametrize("missing, available", [("no libcublas", 0.0), (None, 1.0)])
@@ -47,7 +55,7 @@ def test_metrics_show_cublas_and_the_engine(missing, available):
 
 def test_cpu_metrics_have_no_cublas_line():
     metrics = Metrics()
-    metrics.watch_engine(EngineStatus("m", "cpu", "fp32", None, None, 0, 0))
+    metrics.watch_engine(cpu_engine())
     assert "clef_cublas_available" not in metrics.render().decode()
 
 

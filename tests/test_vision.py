@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from safetensors.numpy import load_file
 from clefcore import vision
 from clefcore.backends import cpu
 from clefcore.checkpoint import Checkpoint
+from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import EXPECTED, MODEL, fixture_file, image_file  # noqa: E402
@@ -114,10 +116,10 @@ class _GraphStandIn:
         return buf
 
 
-def _graph_ops(precision, limit):
-    ops = type("GraphOps", (), {n: staticmethod(f) for n, f in vars(cpu).items() if callable(f)})()
-    ops.precision, ops.tower_graphs = precision, _GraphStandIn(limit)
-    return ops
+def _graph_ops(path, limit):
+    """The numpy backend on the plan ``path``, with graphs for the tower."""
+    members = {n: v for n, v in vars(cpu).items() if not n.startswith("__")}
+    return types.SimpleNamespace(**{**members, "plan": Plan(path), "tower_graphs": _GraphStandIn(limit)})
 
 
 def test_tower_graph_path_answers_as_eager_and_hands_out_its_own_copy():
@@ -129,15 +131,15 @@ def test_tower_graph_path_answers_as_eager_and_hands_out_its_own_copy():
     eager = [vision.tower(cpu, PARAMS, x, grids) for x in px]
     ops = _graph_ops("fp16", limit=1024)
     got = [vision.tower(ops, PARAMS, x, grids) for x in px]
-    assert ops.tower_graphs.keys == [("vision tower", tuple(grids), None)] * 2
+    assert ops.tower_graphs.keys == [("vision tower", tuple(grids), Plan("fp16"))] * 2
     for g, e in zip(got, eager):
         np.testing.assert_array_equal(g, e)
     assert not np.allclose(got[0], got[1])
 
 
-@pytest.mark.parametrize("precision,limit", [("split", 1024), ("fp16", 10)])
-def test_tower_stays_eager_in_exact_modes_and_past_the_limit(precision, limit):
+@pytest.mark.parametrize("path,limit", [("split", 1024), ("fp16", 10)])
+def test_tower_stays_eager_in_exact_modes_and_past_the_limit(path, limit):
     a = load_file(str(image_file("shapes_64x48")))
-    ops = _graph_ops(precision, limit)
+    ops = _graph_ops(path, limit)
     out = vision.tower(ops, PARAMS, a["pixel_values"], [tuple(a["image_grid_thw"][0])])
     assert ops.tower_graphs.keys == [] and out.shape[0] == len(a["pixel_values"]) // 4

@@ -218,7 +218,7 @@ def block_ops(request):
 
 
 def _block_tol(o):
-    return 6e-3 if o.precision == "fp16" else 2e-5
+    return 6e-3 if o.plan.fp16 else 2e-5
 
 
 @gpu
@@ -236,7 +236,7 @@ def test_vision_attention(block_ops, cu, heads, D):
     got = o.vision_attention(o.asarray(x), o.weight(qkv_w), o.asarray(qkv_b), o.weight(proj_w), o.asarray(proj_b),
                              heads, o.asarray(cos), o.asarray(sin), cu)
     want = cpu.vision_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu)
-    check(f"vision_attention {o.precision} D{D} H{heads} cu{list(cu)}", o.to_host(got), want, _block_tol(o))
+    check(f"vision_attention {o.plan.path} D{D} H{heads} cu{list(cu)}", o.to_host(got), want, _block_tol(o))
 
 
 @gpu
@@ -249,5 +249,5 @@ def test_vision_mlp(block_ops, M, H, I):
     w1, b1 = h16(r(I, H, scale=H ** -0.5)), r(I, scale=0.1)
     w2, b2 = h16(r(H, I, scale=I ** -0.5)), r(H, scale=0.1)
     got = o.vision_mlp(o.asarray(x), o.weight(w1), o.asarray(b1), o.weight(w2), o.asarray(b2))
-    check(f"vision_mlp {o.precision} M{M} H{H} I{I}", o.to_host(got), cpu.vision_mlp(x, w1, b1, w2, b2),
+    check(f"vision_mlp {o.plan.path} M{M} H{H} I{I}", o.to_host(got), cpu.vision_mlp(x, w1, b1, w2, b2),
           _block_tol(o))

@@ -1,20 +1,28 @@
 """The fp32 numpy backend: the engine's ground truth and every CUDA kernel's reference.
 
-Each function here is one op of the interface that ``clefcore.model`` is written against; the CUDA backend
-(``clefcore.backends.cuda``) implements the same names with the same shapes. Activations are ``[tokens, ...]``
-row-major; several sequences may be packed into one token stream, described by ``cu_seqlens`` (int array of
-sequence starts plus the total, like ``[0, 300, 512]``).
+This module is a ``Backend`` (clefcore/backends/interface.py): its functions and attributes are the interface's
+members, with the same names and parameters as ``CudaOps``'s; the helpers beyond it are the kernels' references.
+Activations are ``[tokens, ...]`` row-major; several sequences may be packed into one token stream, described by
+``cu_seqlens`` (int array of sequence starts plus the total, like ``[0, 300, 512]``).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import numpy as np
 
 from ..checkpoint import TensorRef, to_float32
 from ..errors import GuardError
+from ..precision import FP32, Plan
 
 xp = np
 name = "cpu"
+mode = FP32
+plan = Plan(FP32)
+graphs = None            # nothing to replay: numpy has no launch overhead to save
+tower_graphs = None
+falls_back = False       # fp32 throughout: there is no faster path to fall back from
 
 ATTN_QUERY_BLOCK = 256   # query rows per block: bounds the score matrix, never L x L
 GDN_CHUNK = 64
@@ -29,6 +37,21 @@ def begin_forward():
 
 def end_forward():
     pass
+
+
+def fallback():
+    """The interface's range-safe path: numpy's fp32 is that path already (falls_back is False)."""
+    return nullcontext()
+
+
+def memory_in_use() -> int:
+    """No device memory: the server's device-memory gauge reads 0."""
+    return 0
+
+
+def status() -> dict:
+    """Nothing beyond the mode for /health: no GEMM library to miss."""
+    return {}
 
 
 def check_finite(x, what: str = "output") -> None:

@@ -76,7 +76,7 @@ class AttentionOps:
         if not q.shape == k.shape == v.shape:
             raise errors.DeviceError(f"bidirectional attention needs one shape for q, k and v: q {tuple(q.shape)}, "
                                      f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if self.precision != "fp16":
+        if not self.plan.fp16:
             return self._bidirectional_fp32(q, k, v, cu_seqlens, scale)
         return self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
 
@@ -134,9 +134,9 @@ class AttentionOps:
     def _attn_shape(self, D):
         """(shared-memory bytes, warps per block) of attn_fwd_d{D} and attn_bidir_d{D} as compiled for this device
         (attention.cu chooses both per architecture): asked once from the module's attn_launch_d{D}."""
-        got = self._attn_launch.get(D)
+        got = self.caches.attn_launch.get(D)
         if got is None:
             n = self.cp.zeros(2, dtype=self.cp.int32)
             self.kernel("attention.cu", f"attn_launch_d{D}")((1,), (1,), (n,))
-            got = self._attn_launch[D] = tuple(int(v) for v in n.get())
+            got = self.caches.attn_launch[D] = tuple(int(v) for v in n.get())
         return got

@@ -1,6 +1,8 @@
-"""The GEMMs of the CUDA backend: the precision paths (fp16; split hi + lo; split8 with fp8 twins; the range-safe
-fallback's scaling), clefcore's own kernels (cuda/gemm.cu, cuda/gemm_rows.cu) against cuBLAS(Lt), chosen per shape
-by a timed trial, and the SwiGLU MLP. A mixin of ``CudaOps``."""
+"""The GEMMs of the CUDA backend: the kernel paths of the precision plan (``CudaOps.plan``: fp16; split
+hi + lo; split8 with fp8 twins, ``CudaOps.twins``; the range-safe fallback's scaling), clefcore's own kernels
+(cuda/gemm.cu, cuda/gemm_rows.cu) against cuBLAS(Lt), chosen per shape by a timed trial (``CudaOps.gemm``), and
+the SwiGLU MLP. A mixin of ``CudaOps``. A new GEMM kernel is a route of ``gemm_with`` and a candidate of
+``_gemm``'s autotune."""
 
 from __future__ import annotations
 
@@ -19,10 +21,16 @@ log = logging.getLogger("clefcore.cuda")
 _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
 
 
-def shape_key(M, N, K, tag, precision) -> tuple:
-    """The autotune's key of a GEMM (``CudaOps.gemm_choice``): (N, K, M rounded up to a power of two of at least
-    16, operand tag, precision)."""
-    return N, K, 1 << max(4, int(math.ceil(math.log2(max(M, 1))))), tag, precision
+# gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
+# hi + lo halves, split8 (lo in fp8 against the weight's fp8 twin, cuBLASLt), gemm.cu's WMMA kernels (fp16 or
+# split as the plan says), gemm_rows.cu's few-row kernel
+ROUTES = ("cublas", "split", "split8", "wmma", "rows")
+
+
+def shape_key(M, N, K, tag, path) -> tuple:
+    """The autotune's key of a GEMM (``CudaOps.gemm.chosen``): (N, K, M rounded up to a power of two of at
+    least 16, operand tag, kernel path)."""
+    return N, K, 1 << max(4, int(math.ceil(math.log2(max(M, 1))))), tag, path
 
 
 class MatmulOps:
@@ -45,7 +53,7 @@ class MatmulOps:
 
     def _range_amax(self, x):
         """The range-safe fallback's max |x| (fp32 bits, on the device) for range.cuh's scaling; NULL otherwise."""
-        if not self.range_safe:
+        if not self.plan.range_safe:
             return NULL
         amax = self.cp.zeros(1, dtype=self.cp.uint32)
         self.kernel("gemm.cu", "abs_amax")(self._amax_grid(x.size), (ELEM_THREADS,), (x, np.int64(x.size), amax))
@@ -98,42 +106,49 @@ class MatmulOps:
         """out[M, N] fp32 = (hi + lo) @ w^T for s8 = _split8(x): lo against w's fp8 twin on the fp8 tensor cores
         (cuBLASLt, overwriting out), then hi against w in fp16 (cuBLAS, accumulating)."""
         hi, lo8, inv = s8
-        _, w8, w_inv = self._twin_of(w)
-        self._fp8(lo8, inv, w8, w_inv, out, self.cp.cuda.get_current_stream().ptr)
+        _, w8, w_inv = self.twins.of(w)
+        self.twins.gemm(lo8, inv, w8, w_inv, out, self.cp.cuda.get_current_stream().ptr)
         return self._cublas(hi, w, out, accumulate=True)
 
-    def _twin_of(self, w):
-        """w's (weight, fp8 twin, inverse scale), or None. The pointer alone is not enough: a view of a weight's
-        first rows (the head slices its attention in-projections) starts at the same address."""
-        t = self._twins.get(w.data.ptr)
-        return t if t is not None and t[0].shape == w.shape and w.flags.c_contiguous else None
-
     def _has_twin(self, M, *ws):
-        """split8 applies: every weight has its fp8 twin and cuBLASLt runs the shape."""
-        return (self.precision == "split8" and all(self._twin_of(w) is not None for w in ws)
-                and all(self._fp8.supports(M, w.shape[0], w.shape[1]) for w in ws))
+        """split8 applies: the plan is split8, every weight has its fp8 twin and cuBLASLt runs the shape."""
+        return self.plan.fp8 and self.twins.cover(M, *ws)
+
+    def gemm_with(self, route, x, w, out, bias=None):
+        """out = x @ w^T (+ bias) by one named route (``ROUTES``), whatever the autotune would pick: x fp32
+        [M, K] contiguous (fp16 for cublas and wmma too), w fp16 [N, K]; split8 needs w's fp8 twin (``twin``).
+        "wmma" runs fp16 or split operands as the plan says."""
+        if route == "wmma":
+            return self._wmma(x, w, out, bias)
+        if route == "rows":
+            return self._gemm_rows(x, w, out, bias)
+        if route == "cublas":
+            self._cublas(self._half(x), w, out)
+        elif route == "split":
+            self._split_gemm(self._split(x), w, out)
+        elif route == "split8":
+            self._split8_gemm(self._split8(x), w, out)
+        else:
+            raise ValueError(f"gemm route {route!r}: expected one of {', '.join(ROUTES)}")
+        if bias is not None:
+            out.__iadd__(bias)
+        return out
 
     def _gemm(self, x, w, out, bias=None):
-        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune."""
+        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune. On cuBLAS
+        an fp16 x goes as it is, an fp32 one as the plan says (rounded once, split, or split8 where w has a
+        twin)."""
         M, K = x.shape
         N = w.shape[0]
-        split = self.precision != "fp16" and x.dtype == self.cp.float32
+        split = self.plan.splits and x.dtype == self.cp.float32
 
         def cublas():
-            if x.dtype == self.cp.float16:
-                self._cublas(x, w, out)
-            elif split and self._has_twin(M, w):
-                self._split8_gemm(self._split8(x), w, out)
-            elif split:
-                self._split_gemm(self._split(x), w, out)
-            else:
-                self._cublas(self._half(x), w, out)
-            if bias is not None:
-                out.__iadd__(bias)
+            route = ("split8" if self._has_twin(M, w) else "split") if split else "cublas"
+            self.gemm_with(route, x, w, out, bias)
 
-        paths = {"wmma": lambda: self._wmma(x, w, out, bias), "cublas": cublas}
+        paths = {"wmma": lambda: self.gemm_with("wmma", x, w, out, bias), "cublas": cublas}
         if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
-            paths["rows"] = lambda: self._gemm_rows(x, w, out, bias)
+            paths["rows"] = lambda: self.gemm_with("rows", x, w, out, bias)
         paths[self._choose(M, N, K, paths, str(x.dtype))]()
         return out
 
@@ -155,7 +170,7 @@ class MatmulOps:
         grid = (-(-N // 128), -(-M // 128))
         if a.dtype == self.cp.float16:
             self.kernel("gemm.cu", "gemm_f16a")(grid, (256,), args)
-        elif self.precision == "fp16":
+        elif self.plan.fp16:
             self.kernel("gemm.cu", "gemm_f32a")(grid, (256,), args)
         else:
             self.kernel("gemm.cu", "gemm_f32a_split")(grid, (256,), args + (self._range_amax(a),))
@@ -165,8 +180,9 @@ class MatmulOps:
         """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
         first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
         path. Inside ``gemm_paths()`` the choice is also recorded."""
-        key = shape_key(M, N, K, tag, self.precision)
-        got = self.gemm_mode if self.gemm_mode != "auto" else self.gemm_choice.get(key)
+        choices = self.gemm
+        key = shape_key(M, N, K, tag, self.plan.path)
+        got = choices.pin if choices.pin != "auto" else choices.chosen.get(key)
         if got is None:
             if self.cublas_missing is not None:
                 paths = {name: run for name, run in paths.items() if name != "cublas"}
@@ -183,15 +199,12 @@ class MatmulOps:
                     e1.synchronize()
                     times[name] = min(times[name], cp.cuda.get_elapsed_time(e0, e1))
             got = min(times, key=times.get)
-            self.gemm_choice[key] = got
+            choices.chosen[key] = got
             log.info("gemm autotune M~%d N=%d K=%d %s: %s -> %s", key[2], N, K, tag,
                      ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()), got)
-        if self._gemm_seen is not None:
-            self._gemm_seen[key] = got
+        if choices.seen is not None:
+            choices.seen[key] = got
         return got
-
-    # {shape_key: path} while a gemm_paths() block runs, else None
-    _gemm_seen: dict | None = None
 
     @contextmanager
     def gemm_paths(self):
@@ -199,11 +212,11 @@ class MatmulOps:
         "cublas" or "rows"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on cuBLAS.
         Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay. Not
         nested."""
-        self._gemm_seen = seen = {}
+        self.gemm.seen = seen = {}
         try:
             yield seen
         finally:
-            self._gemm_seen = None
+            self.gemm.seen = None
 
     def linear(self, x, w, b=None):
         cp = self.cp
@@ -232,7 +245,7 @@ class MatmulOps:
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
-        split = self.precision != "fp16"
+        split = self.plan.splits
         step = self.token_block if self.token_block > 0 else max(T, 1)
         for t0 in range(0, T, step):
             xb = x[t0:t0 + step]

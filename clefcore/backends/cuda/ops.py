@@ -1,4 +1,4 @@
-"""``CudaOps``: the op interface of ``clefcore.backends.cpu`` on an NVIDIA GPU (CuPy + RawKernels).
+"""``CudaOps``: the ``Backend`` (clefcore/backends/interface.py) on an NVIDIA GPU (CuPy + RawKernels).
 
 Same names, shapes and semantics as the fp32 numpy reference. Activations are fp32 device arrays; matrix
 weights are fp16 (exact conversions of the bf16 checkpoint values, counted when they do not fit); vectors
@@ -20,6 +20,7 @@ import numpy as np
 
 from ... import errors
 from ... import precision as precision_modes
+from ...precision import RANGE_SAFE, Plan
 from . import cublas
 from .attention import AttentionOps
 from .compile import load_module
@@ -29,6 +30,7 @@ from .graphs import GraphCache
 from .head import HeadOps
 from .matmul import MatmulOps
 from .norms import NormOps
+from .state import Caches, Fp8Twins, GemmChoices
 from .vision import VisionOps
 
 log = logging.getLogger("clefcore.cuda")
@@ -85,11 +87,21 @@ class DeviceTable:
 
 
 class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps):
-    """The op interface on one GPU. This class holds the device, the weights and tables, the plumbing every op
+    """The ``Backend`` on one GPU. This class holds the device, the weights and tables, the plumbing every op
     uses, the guards and the forward hooks; the ops themselves come by concern from the mixins (norms.py,
-    matmul.py, attention.py, delta_rule.py, head.py, vision.py), which share its state."""
+    matmul.py, attention.py, delta_rule.py, head.py, vision.py). What they share beyond the device is in a few
+    named objects: ``plan`` (the precision plan), ``gemm`` (the GEMM choices), ``twins`` (split8's fp8 weights)
+    and ``caches`` (state.py)."""
 
     name = "cuda"
+    falls_back = True
+    # the Backend's data members, set in __init__
+    xp: object
+    mode: str
+    plan: Plan
+    token_block: int
+    graphs: GraphCache
+    tower_graphs: GraphCache
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
                  ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None,
@@ -117,8 +129,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
             if gemm == "cublas":
                 raise errors.DeviceError(f"gemm cublas: cuBLAS cannot be loaded ({self.cublas_missing})")
             log.warning("cuBLAS cannot be loaded (%s): every GEMM runs clefcore's own kernels", self.cublas_missing)
-        self.gemm_mode = gemm
-        self._fp8 = None
+        self.gemm = GemmChoices(gemm)
         fp8 = False
         if self.cublas_missing is None and self.cc >= (8, 9):
             from . import cublaslt
@@ -129,14 +140,13 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
                                      + ("" if self.cublas_missing is None else ", without cuBLAS"))
         # The kernel path (clefcore/precision.py): fp16 = one rounding of each activation (fast); split = hi + lo
         # fp16 halves, fp32-grade products with the fp16-exact weights; split8 = the lo pass in fp8 against an fp8
-        # twin of each weight (sm_89+, ~1.5 passes' time).
-        self.precision = precision_modes.resolve(precision, fp8)
-        self.mode = precision_modes.mode_of(self.precision)
-        # range_safe: the fallback run (``fallback``): split operands beyond fp16's range are scaled (range.cuh)
-        self.range_safe = False
-        if self.precision == "split8":
+        # twin of each weight (sm_89+, ~1.5 passes' time). ``fallback`` switches the plan to the range-safe one.
+        self.plan = Plan(precision_modes.resolve(precision, fp8))
+        self.mode = precision_modes.mode_of(self.plan.path)
+        self.twins = Fp8Twins()
+        if self.plan.fp8:
             from . import cublaslt
-            self._fp8 = cublaslt.Fp8Gemm(cupy)
+            self.twins.gemm = cublaslt.Fp8Gemm(cupy)
         self.tables = tables
         self.ptx70 = bool(ptx70)
         # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
@@ -144,17 +154,10 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self.token_block = int(token_block)
         self.gdn_block_chunks = int(gdn_block_chunks)
         self.pool = pool
-        self.gemm_choice: dict[tuple, str] = {}
         self.fp16_overflow = 0       # weight values saturated to +-65504
         self.fp16_underflow = 0      # nonzero weight values that became 0 in fp16
         self._counts = cupy.zeros(2, dtype=cupy.uint64)
-        self._twins = {}             # split8: fp16 weight pointer -> (weight, fp8 twin, inverse scale)
-        self.twins_skipped = 0       # matrices left without a twin (shape or memory): they run split
-        self._short_warned = False
-        self._fn = {}
-        self._smem_set = {}
-        self._attn_launch = {}
-        self._uploads = {}
+        self.caches = Caches()
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._staged = []            # pinned host buffers of asynchronous uploads still in flight
         self._watched = []
@@ -167,16 +170,16 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):
         key = (module, name)
-        fn = self._fn.get(key)
+        fn = self.caches.functions.get(key)
         if fn is None:
             fn = load_module(module, self.ptx70).get_function(name)
-            self._fn[key] = fn
-        if smem > 49152 and self._smem_set.get(key, 0) < smem:
+            self.caches.functions[key] = fn
+        if smem > 49152 and self.caches.smem.get(key, 0) < smem:
             if smem > self.max_smem_optin:
                 raise errors.DeviceError(f"{name} needs {smem} bytes of shared memory; the device allows "
                                          f"{self.max_smem_optin}")
             fn.max_dynamic_shared_size_bytes = smem
-            self._smem_set[key] = smem
+            self.caches.smem[key] = smem
         return fn
 
     def _grid1(self, n):
@@ -230,13 +233,14 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         that prompt runs eagerly."""
         a = np.ascontiguousarray(a)
         key = (a.dtype.str, a.shape, a.tobytes())
-        d = self._uploads.get(key)
+        uploads = self.caches.uploads
+        d = uploads.get(key)
         if d is None:
             if self._pinned is not None:
                 raise errors.DeviceError("index table upload during a CUDA graph capture")
-            if len(self._uploads) >= 256:
-                self._uploads.clear()
-            d = self._uploads[key] = self._to_device(a)
+            if len(uploads) >= 256:
+                uploads.clear()
+            d = uploads[key] = self._to_device(a)
         if self._pinned is not None:
             self._pinned.append(d)
         return d
@@ -292,28 +296,29 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         lands at most at 448) and return the weight. Skipped (the matrix then runs split) where cuBLASLt's fp8
         alignment rules do not hold (16-byte rows: K a multiple of 16, N of 4 for the fp32 output) or the twin
         would leave under 2 GiB free."""
-        if self._fp8 is None:
+        twins = self.twins
+        if twins.gemm is None:
             return w16
         cp = self.cp
         N, K = w16.shape
         if N % 4 or K % 16:
-            self.twins_skipped += 1
+            twins.skipped += 1
             return w16
         free = cp.cuda.runtime.memGetInfo()[0]
         if free < w16.size + (2 << 30):
-            if not self._short_warned:
+            if not twins.warned:
                 log.warning("split8: %.2f GiB free on the device; the fp8 copy of a [%d, %d] weight (and of any "
                             "later one that does not fit) is left out, those matrices run split", free / 2 ** 30,
                             N, K)
-                self._short_warned = True
-            self.twins_skipped += 1
+                twins.warned = True
+            twins.skipped += 1
             return w16
         amax = float(cp.abs(w16).max())
         s = 2.0 ** math.floor(math.log2(448.0 / amax)) if amax > 0 else 1.0
         w8 = cp.empty((N, K), dtype=cp.uint8)
         self.kernel("fp8.cu", "half_to_e4m3")(self._grid1(w16.size), (ELEM_THREADS,),
                                               (w16, w8, np.int64(w16.size), np.float32(s)))
-        self._twins[w16.data.ptr] = (w16, w8, cp.asarray(np.array([1.0 / s], np.float32)))
+        twins.by_ptr[w16.data.ptr] = (w16, w8, cp.asarray(np.array([1.0 / s], np.float32)))
         return w16
 
     def _to_half_counted(self, src, kernel: str):
@@ -418,22 +423,42 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
         return used + (int(self.pool.in_use) if self.pool is not None else 0)
 
+    def status(self) -> dict:
+        """For /health and /metrics: whether cuBLAS is loaded, and why not where it is not (every GEMM then runs
+        clefcore's own kernels)."""
+        info: dict = {"cublas": self.cublas_missing is None}
+        if self.cublas_missing is not None:
+            info["cublas_missing"] = str(self.cublas_missing)
+        return info
+
     @contextmanager
     def fallback(self):
         """Run the enclosed forward on the range-safe exact path: split (no fp8 twins), with every split operand
         beyond fp16's range scaled by a power of two (range.cuh). In range, the result is split's bit for bit. The
         engine runs a batch here again when its guards tripped in the configured path."""
-        saved = self.precision, self.range_safe
-        self.precision, self.range_safe = "split", True
+        saved, self.plan = self.plan, RANGE_SAFE
         try:
             yield
         finally:
-            self.precision, self.range_safe = saved
+            self.plan = saved
+
+    # bench.py's names from before the state objects (it moves into a package; then it reads plan, gemm and
+    # twins, and these go)
+    @property
+    def precision(self) -> str:
+        return self.plan.path
+
+    @precision.setter
+    def precision(self, path: str) -> None:
+        self.plan = Plan(path, self.plan.range_safe)
 
     @property
-    def variant(self) -> tuple:
-        """What selects the kernels of a forward (CUDA graphs are kept per variant)."""
-        return self.precision, self.range_safe
+    def gemm_choice(self) -> dict:
+        return self.gemm.chosen
+
+    @property
+    def _twins(self) -> dict:
+        return self.twins.by_ptr
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a

@@ -67,7 +67,7 @@ class VisionOps:
         D = W // heads
         self._check_bidirectional(D, D)
         qkv = self._project(x, qkv_w, cp.empty((n, 3 * W), dtype=cp.float32))
-        fast = self.precision == "fp16"
+        fast = self.plan.fp16
         q, k, v = cp.empty((3, n, heads, D), dtype=cp.float16 if fast else cp.float32)
         self.kernel("vision.cu", "qkv_rope_half" if fast else "qkv_rope_f32")(
             self._rows_grid(n), (ELEM_THREADS,),
@@ -87,7 +87,7 @@ class VisionOps:
         cp = self.cp
         x = self._c(x)
         h = self._project(x, w1, cp.empty((x.shape[0], w1.shape[0]), dtype=cp.float32))
-        fast = self.precision == "fp16" and w2.dtype == cp.float16
+        fast = self.plan.fp16 and w2.dtype == cp.float16
         g = cp.empty(h.shape, dtype=cp.float16 if fast else cp.float32)
         self._bias_gelu(h, b1, g)
         del h

@@ -1,0 +1,168 @@
+"""``Backend``: what the model, the vision tower and the engine need from a backend, written down once.
+
+Two implementations: ``clefcore.backends.cpu`` (the fp32 numpy module: ground truth and every kernel's reference)
+and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model``, ``clefcore.vision`` and
+``clefcore.engine`` call only what is listed here, under these names and parameter names, and never probe a
+backend for anything else (tests/test_backend_interface.py holds both backends to it). A new op starts here: its
+numpy reference in cpu.py, then its kernel in cuda/ and its method in a ``CudaOps`` mixin.
+
+Activations are ``[tokens, ...]`` row-major arrays of the backend's array module (``xp``); several sequences may
+be packed into one token stream, described by ``cu_seqlens`` (sequence starts plus the total, like
+``[0, 300, 512]``). Weights are whatever ``weight`` and ``table`` made of a checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from ..precision import Plan
+
+Array = Any     # numpy.ndarray on the CPU, cupy.ndarray on a GPU
+
+
+class Graphs(Protocol):
+    """Replayed CUDA graphs (clefcore.backends.cuda.graphs.GraphCache), as the model calls them."""
+
+    def padded_length(self, T: int, n_seqs: int) -> int | None:
+        """Tokens to pad a single-sequence prompt to, or None when this forward runs eagerly."""
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` (unpadded: the vision tower) may replay a graph."""
+
+    def run(self, key, fn: Callable, inputs: tuple, reads) -> Array:
+        """``fn(*inputs)``, eagerly or from the graph of ``key``; ``reads``: every other array fn reads."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str                  # "cpu", "cuda"
+    xp: Any                    # the array module: numpy or cupy
+    mode: str                  # fast / exact (a GPU), fp32 (numpy): what the engine runs as, fixed at load
+    plan: Plan                 # the kernel path of the next forward; fallback() switches it
+    token_block: int           # model.backbone's default token block (0 = the whole stream at once)
+    graphs: Graphs | None      # short single-sequence prompts' graphs, or None (never replayed)
+    tower_graphs: Graphs | None   # the vision tower's graphs, or None
+    falls_back: bool           # has a range-safe path to answer a batch again after a guard tripped
+
+    # ---------------------------------------------------------------------------------- forward and guards
+    def fallback(self) -> AbstractContextManager[None]:
+        """The enclosed forward runs on the range-safe exact path (only where ``falls_back``)."""
+
+    def begin_forward(self) -> None:
+        """Engine hook before a forward (drops guard records a failed forward left unread)."""
+
+    def end_forward(self) -> None:
+        ...
+
+    def watch(self, x: Array, what: str) -> None:
+        """Guard x (NaN, Inf, all zero); read by check_watched, or at once where nothing is deferred."""
+
+    def check_watched(self) -> None:
+        """Raise GuardError for the first watched array that failed its guard."""
+
+    def memory_in_use(self) -> int:
+        """Device bytes held (the server's device-memory gauge); 0 on the CPU."""
+
+    def status(self) -> dict:
+        """What /health and /metrics say of the backend beyond the engine's mode (the CPU: nothing)."""
+
+    def fp16_summary(self) -> str | None:
+        """One line for the end of a load when a weight did not fit the backend's storage, else None."""
+
+    # ------------------------------------------------------------------------------------- data movement
+    def asarray(self, x) -> Array:
+        ...
+
+    def to_host(self, x) -> Any:
+        ...
+
+    def weight(self, w) -> Array:
+        """A checkpoint tensor (TensorRef or fp32 host array) in the backend's storage."""
+
+    def table(self, ref) -> Any:
+        """A vocabulary table (embeddings, LM head): the backend decides where it lives."""
+
+    def gather_rows(self, table, ids) -> Array:
+        ...
+
+    def embed(self, table, ids) -> Array:
+        ...
+
+    # -------------------------------------------------------------------------------------------- backbone
+    def rmsnorm(self, x, w, eps) -> Array:
+        ...
+
+    def add_rmsnorm(self, x, delta, w, eps) -> tuple[Array, Array]:
+        """(x + delta, rmsnorm(x + delta))."""
+
+    def linear(self, x, w, b=None) -> Array:
+        """x @ w^T (+ b)."""
+
+    def mlp(self, x, w_gate, w_up, w_down) -> Array:
+        """SwiGLU."""
+
+    def rope_tables(self, positions, rotary_dim, theta) -> tuple[Array, Array]:
+        ...
+
+    def rotary(self, x, cos, sin) -> Array:
+        ...
+
+    def kv_cache(self, T, heads, D) -> Array:
+        ...
+
+    def kv_write(self, cache, t0, x) -> None:
+        ...
+
+    def attention(self, q, k, v, cu_seqlens, scale, q_offset=0) -> Array:
+        """Causal GQA attention of query rows [q_offset, q_offset + n) of the packed stream."""
+
+    def sigmoid_gate(self, o, gate) -> Array:
+        ...
+
+    def conv1d_silu(self, x, w, cu_seqlens, prev=None) -> Array:
+        ...
+
+    def l2norm(self, x, eps, scale=1.0) -> Array:
+        ...
+
+    def gdn_gates(self, a, b, a_log, dt_bias) -> tuple[Array, Array]:
+        ...
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None) -> Array:
+        ...
+
+    def gated_rmsnorm(self, x, z, w, eps) -> Array:
+        ...
+
+    # ------------------------------------------------------------------------------------------------ head
+    def layernorm(self, x, w, b, eps=1e-5) -> Array:
+        ...
+
+    def gelu(self, x) -> Array:
+        ...
+
+    def sigmoid(self, x) -> Array:
+        ...
+
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None) -> Array:
+        ...
+
+    def span_means(self, x, starts, ends) -> Array:
+        ...
+
+    def normalize(self, x, eps) -> Array:
+        ...
+
+    def segment_softmax_sum(self, scores, values, owner, n_groups) -> Array:
+        ...
+
+    # --------------------------------------------------------------------------------------- vision tower
+    def patch_rows(self, images) -> Array:
+        ...
+
+    def vision_attention(self, x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens) -> Array:
+        ...
+
+    def vision_mlp(self, x, w1, b1, w2, b2) -> Array:
+        ...

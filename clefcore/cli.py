@@ -13,7 +13,7 @@ from . import answers
 from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
 from .errors import ClefError, RequestError
 from .jsonvalue import parse_body
-from .options import backend_options, gpu_options, image_options
+from .options import backend_options, gpu_options, image_options, serve_options
 from .progress import terminal_bar
 
 EXIT_REJECTED = 2
@@ -83,7 +83,11 @@ def cmd_synth(args) -> int:
 def _delegate(module: str):
     """Subcommands whose code lives beside what they exercise (the GPU backend, the server)."""
     def run(args) -> int:
-        return importlib.import_module(module).run(args)
+        try:
+            command = importlib.import_module(module)
+        except ImportError as e:  # an optional part is not installed (aiohttp for serve)
+            return _missing(args.command, e)
+        return command.run(args)
     return run
 
 
@@ -113,10 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it only a one-tensor stub is written and image requests are refused")
     p.set_defaults(func=cmd_synth)
 
+    # serve's flags are here; the server, and aiohttp with it, is imported only to run it
+    p = sub.add_parser("serve", help="serve System One over HTTP")
+    serve_options(p)
+    p.set_defaults(func=_delegate("clefcore.server.main"))
+
     for name, module, help_text in (
             ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
-            ("serve", "clefcore.server.app", "serve System One over HTTP"),
             ("loadtest", "clefcore.server.loadtest", "offered load against a server, latency by request class")):
         p = sub.add_parser(name, help=help_text)
         try:

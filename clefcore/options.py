@@ -1,12 +1,23 @@
-"""Command-line options shared by every command that loads an engine: ``clefcore decide``/``demo``, ``verify``
-and ``serve`` add them to their parsers, and ``backend_options`` turns the parsed values into ``load``'s keyword
-arguments."""
+"""Command-line options and the configuration they build.
+
+Engine options shared by every command that loads an engine (``clefcore decide``/``demo``, ``verify`` and
+``serve`` add them to their parsers; ``backend_options`` turns the parsed values into ``load``'s keyword
+arguments), and ``clefcore serve``'s own flags with ``ServiceConfig``, the configuration of the server's
+``Service`` (clefcore.server.service) that an embedding program builds from keyword arguments instead. Both the
+CLI and the server import this module; it imports neither (the server is above it, see setup.cfg)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass, fields
 
 from . import precision
+from .answers import CONFIDENCE_MODES
+
+VALIDATIONS = ("cloudflare", "reference")
+ON_OVERFLOW = ("truncate", "reject")
+MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 
 
 def image_options(p: argparse.ArgumentParser) -> None:
@@ -38,3 +49,150 @@ def backend_options(args) -> dict:
     pairs = (("precision", args.precision), ("gemm", args.gemm), ("token_block", args.token_block),
              ("graph_tokens", args.graph_tokens))
     return {k: v for k, v in pairs if v is not None}
+
+
+# --- clefcore serve --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the server's Service loads and schedules the model. Each field is the ``clefcore serve`` flag of the
+    same name (``--context-length``: ``context_length``), and its default is the flag's. A value out of range
+    raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
+
+    model: str                              # checkpoint directory
+    device: str = "cpu"                     # cpu or cuda:N (one device; several are `serve`'s workers)
+    context_length: int = 24576
+    validation: str = "cloudflare"
+    confidence: str = "cloudflare"
+    on_overflow: str = "truncate"
+    no_images: bool = False
+    precision: str | None = None            # the GPU options (gpu_options); None: the backend's default
+    gemm: str | None = None
+    token_block: int | None = None
+    graph_tokens: int | None = None
+    max_batch_tokens: int = 16384
+    max_batch_requests: int = 32
+    max_queue: int = 256
+    request_timeout: float = 30.0
+    max_queue_wait: float | None = None     # None: half of request_timeout (wait_budget)
+    min_queue_wait: float = 1.0
+    chunk_tokens: int = 4096
+    age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
+
+    def __post_init__(self) -> None:
+        for name in ("context_length", "max_batch_tokens", "max_batch_requests", "max_queue", "request_timeout",
+                     "min_queue_wait"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
+            raise ValueError(f"max_queue_wait must be > 0 or None, got {self.max_queue_wait}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.age_rate is not None and not self.age_rate > 0:
+            raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
+        for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES),
+                              ("on_overflow", ON_OVERFLOW)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServiceConfig":
+        """The config in ``clefcore serve``'s parsed flags (the rest of them are the HTTP server's)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @property
+    def wait_budget(self) -> float:
+        """Seconds of expected wait a request of context_length tokens may be admitted into: half the timeout
+        leaves the other half for the estimate's error."""
+        return self.max_queue_wait if self.max_queue_wait is not None else self.request_timeout / 2
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _age_rate(text: str) -> float | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens/s, inf or auto, got {text}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 tokens/s, inf or auto, got {text}")
+    return value
+
+
+def serve_options(parser: argparse.ArgumentParser) -> None:
+    """``clefcore serve``'s flags: ServiceConfig's (with its defaults) and the HTTP server's."""
+    d = ServiceConfig(model="")
+    parser.add_argument("--model", required=True,
+                        help="model directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--device", default=d.device,
+                        help="cpu, cuda:N, or a comma-separated list of devices, one worker process each "
+                             "(default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU "
+                             "(default: %(default)s, off)")
+    image_options(parser)
+    gpu_options(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="listen address; 0.0.0.0 in a container (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8080,
+                        help="listen port; 0 picks a free one and logs it (default: %(default)s)")
+    parser.add_argument("--validation", default=d.validation, choices=VALIDATIONS,
+                        help="request rules: Cloudflare's limits, or the reference code's lenient ones "
+                             "(default: %(default)s)")
+    parser.add_argument("--confidence", default=d.confidence, choices=CONFIDENCE_MODES,
+                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's "
+                             "(default: %(default)s)")
+    parser.add_argument("--context-length", type=_positive(int), default=d.context_length,
+                        help="maximum prompt tokens (default: %(default)s)")
+    parser.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
+                        help="over-long state: cut its tail like the reference, or answer 400 "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
+                        help="largest request body accepted in bytes, 413 above (default: %(default)s)")
+    parser.add_argument("--max-batch-tokens", type=_positive(int), default=d.max_batch_tokens,
+                        help="token budget of one packed forward (default: %(default)s)")
+    parser.add_argument("--max-batch-requests", type=_positive(int), default=d.max_batch_requests,
+                        help="requests in one packed forward (default: %(default)s)")
+    parser.add_argument("--max-queue", type=_positive(int), default=d.max_queue,
+                        help="queued requests before answering 429 (default: %(default)s)")
+    parser.add_argument("--request-timeout", type=_positive(float), default=d.request_timeout,
+                        help="seconds a request may wait for its answer, 503 after (default: %(default)s)")
+    parser.add_argument("--max-queue-wait", type=_positive(float), default=d.max_queue_wait,
+                        help="the wait a request of --context-length tokens tolerates, shorter ones in "
+                             "proportion: a request is admitted while the work that runs before it plus its "
+                             "own (tokens / measured device rate) fits, else 429 (default: half of "
+                             "--request-timeout)")
+    parser.add_argument("--min-queue-wait", type=_positive(float), default=d.min_queue_wait,
+                        help="the wait any request tolerates, however short it is; never less than one "
+                             "device step, one chunk and its own run (default: %(default)s)")
+    parser.add_argument("--chunk-tokens", type=_non_negative(int), default=d.chunk_tokens,
+                        help="run prompts longer than this in chunks of this many tokens, between batches of "
+                             "short ones; 0: off (default: %(default)s)")
+    parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
+                        help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
+                             "(first in, first out) or auto (default: auto, the measured device rate)")
+    parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
+                        help="seconds to finish accepted requests after SIGTERM (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
+                        help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY; "
+                             "unset: no key is required)")

@@ -8,9 +8,8 @@ that strict clients check (§11).
 
 from __future__ import annotations
 
-import argparse
-
 from clefcore import __version__, images as _images
+from clefcore.options import ServiceConfig
 from clefcore.preparer import NO_IMAGES
 from clefcore.example_request import support_ticket
 
@@ -213,74 +212,77 @@ def _decision_responses(ok: dict, error: dict, cloudflare: bool) -> dict:
     return responses
 
 
-def build_spec(config: argparse.Namespace) -> dict:
-    cloudflare = config.validation == "cloudflare"
-    no_images = bool(getattr(config, "no_images", False))
-    security = [{"bearer": []}, {"apiKey": []}] if config.api_key else []
+def _operations(security: list) -> dict[str, dict]:
+    """Each route's OpenAPI operation, by its operationId (the route table, server/routes.py, names them)."""
     decision_body = {"required": True,
                      "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}
     cloudflare_body = {"required": True,
                        "content": _json_content({"$ref": "#/components/schemas/CloudflareRequest"})}
     plain_503 = {"description": "not ready", "content": _json_content({"type": "object"})}
-    return {
+    operations = [
+        {"summary": "Answer a System One request (bare body)", "operationId": "systemone",
+         "security": security, "requestBody": decision_body,
+         "responses": _decision_responses({"$ref": "#/components/schemas/SystemOneResponse"},
+                                          {"$ref": "#/components/schemas/Error"}, False)},
+        {"summary": "The same with Cloudflare Workers AI's envelope and error codes",
+         "description": "The model path may also come as one percent-encoded segment, "
+                        "`run/@cf%2Fcloudflare%2Fclef-flash`, as Cloudflare's SDKs send it.",
+         "operationId": "cloudflareRun", "security": security,
+         "parameters": [
+             {"name": "account", "in": "path", "required": True,
+              "schema": {"type": "string", "minLength": 1}},
+             {"name": "model", "in": "path", "required": True,
+              "schema": {"type": "string", "enum": ["clef", "clef-flash"]}}],
+         "requestBody": cloudflare_body,
+         "responses": _decision_responses({"$ref": "#/components/schemas/CloudflareEnvelope"},
+                                          {"$ref": "#/components/schemas/CloudflareEnvelope"}, True)},
+        {"summary": "Served model (TypeSafe shape)", "operationId": "models", "security": security,
+         "responses": {"200": {"description": "models", "content": _json_content({
+             "type": "object", "required": ["models"],
+             "properties": {"models": {"type": "array", "items": {
+                 "type": "object", "required": ["name", "description", "release_date"]}}}})},
+             "401": {"description": "missing or wrong API key",
+                     "content": _json_content({"$ref": "#/components/schemas/Error"})},
+             "503": {"description": "loading",
+                     "content": _json_content({"$ref": "#/components/schemas/Error"})}}},
+        {"summary": "Readiness: 200 once loaded, warmed and self-checked", "operationId": "health", "security": [],
+         "responses": {"200": {"description": "ready", "content": _json_content({"type": "object"})},
+                       "503": plain_503}},
+        {"summary": "Liveness: the event loop answers", "operationId": "live", "security": [],
+         "responses": {"200": {"description": "alive", "content": _json_content({"type": "object"})}}},
+        {"summary": "Prometheus metrics", "operationId": "metrics", "security": [],
+         "responses": {"200": {"description": "Prometheus text format",
+                               "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+        {"summary": "This document", "operationId": "openapi", "security": [],
+         "responses": {"200": {"description": "OpenAPI 3.1", "content": _json_content({"type": "object"})}}},
+        {"summary": "Playground page", "operationId": "playground", "security": [],
+         "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}},
+    ]
+    return {operation["operationId"]: operation for operation in operations}
+
+
+def build_spec(config: ServiceConfig, api_key: str | None, paths: dict[str, dict[str, str]],
+               prefix: str = "") -> dict:
+    """The document for a server with ``config`` whose routes are ``paths`` (path -> method -> operationId: the
+    route table, server/routes.py), mounted under ``prefix`` ("" at the root; else it is the spec's server
+    URL)."""
+    cloudflare = config.validation == "cloudflare"
+    operations = _operations([{"bearer": []}, {"apiKey": []}] if api_key else [])
+    spec = {
         "openapi": "3.1.0",
         "info": {"title": "clefcore", "version": __version__,
                  "description": "System One decisions (Cloudflare Clef-flash) served by clefcore."},
-        "paths": {
-            "/v1/systemone": {"post": {
-                "summary": "Answer a System One request (bare body)", "operationId": "systemone",
-                "security": security, "requestBody": decision_body,
-                "responses": _decision_responses({"$ref": "#/components/schemas/SystemOneResponse"},
-                                                 {"$ref": "#/components/schemas/Error"}, False)}},
-            "/client/v4/accounts/{account}/ai/run/@cf/cloudflare/{model}": {"post": {
-                "summary": "The same with Cloudflare Workers AI's envelope and error codes",
-                "description": "The model path may also come as one percent-encoded segment, "
-                               "`run/@cf%2Fcloudflare%2Fclef-flash`, as Cloudflare's SDKs send it.",
-                "operationId": "cloudflareRun", "security": security,
-                "parameters": [
-                    {"name": "account", "in": "path", "required": True,
-                     "schema": {"type": "string", "minLength": 1}},
-                    {"name": "model", "in": "path", "required": True,
-                     "schema": {"type": "string", "enum": ["clef", "clef-flash"]}}],
-                "requestBody": cloudflare_body,
-                "responses": _decision_responses({"$ref": "#/components/schemas/CloudflareEnvelope"},
-                                                 {"$ref": "#/components/schemas/CloudflareEnvelope"}, True)}},
-            "/v1/models": {"get": {
-                "summary": "Served model (TypeSafe shape)", "operationId": "models", "security": security,
-                "responses": {"200": {"description": "models", "content": _json_content({
-                    "type": "object", "required": ["models"],
-                    "properties": {"models": {"type": "array", "items": {
-                        "type": "object", "required": ["name", "description", "release_date"]}}}})},
-                    "401": {"description": "missing or wrong API key",
-                            "content": _json_content({"$ref": "#/components/schemas/Error"})},
-                    "503": {"description": "loading",
-                            "content": _json_content({"$ref": "#/components/schemas/Error"})}}}},
-            "/health": {"get": {"summary": "Readiness: 200 once loaded, warmed and self-checked",
-                                "operationId": "health", "security": [],
-                                "responses": {"200": {"description": "ready",
-                                                      "content": _json_content({"type": "object"})},
-                                              "503": plain_503}}},
-            "/live": {"get": {"summary": "Liveness: the event loop answers", "operationId": "live",
-                              "security": [],
-                              "responses": {"200": {"description": "alive",
-                                                    "content": _json_content({"type": "object"})}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "operationId": "metrics", "security": [],
-                                 "responses": {"200": {"description": "Prometheus text format",
-                                                       "content": {"text/plain": {
-                                                           "schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "This document", "operationId": "openapi", "security": [],
-                                      "responses": {"200": {"description": "OpenAPI 3.1",
-                                                            "content": _json_content({"type": "object"})}}}},
-            "/": {"get": {"summary": "Playground page", "operationId": "playground", "security": [],
-                          "responses": {"200": {"description": "HTML",
-                                                "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-        },
+        "paths": {path: {method: operations[operation] for method, operation in methods.items()}
+                  for path, methods in paths.items()},
         "components": {
-            "schemas": {"SystemOneRequest": _request_schema(cloudflare, no_images),
+            "schemas": {"SystemOneRequest": _request_schema(cloudflare, config.no_images),
                         "Question": _question_schema(cloudflare),
-                        "CloudflareRequest": _cloudflare_request_schema(cloudflare, no_images),
+                        "CloudflareRequest": _cloudflare_request_schema(cloudflare, config.no_images),
                         "SystemOneResponse": _RESPONSE, "Error": _ERROR, "CloudflareEnvelope": _CF_ENVELOPE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}},
         },
     }
+    if prefix:
+        spec["servers"] = [{"url": prefix}]
+    return spec

@@ -31,7 +31,7 @@ from .metrics import MULTIPROC_ENV, clear_multiprocess_dir
 
 
 def supervise(args: argparse.Namespace, devices: list[str], serve: Callable[[argparse.Namespace], int]) -> int:
-    """Run ``serve(args)`` in one spawned process per device. ``serve`` is passed in (app.run), not imported:
+    """Run ``serve(args)`` in one spawned process per device. ``serve`` is passed in (main.run), not imported:
     the single-device server starts its workers from here, so this module stays below it (no import cycle).
     It must be a module-level function: spawn pickles it by name."""
     if args.port == 0:

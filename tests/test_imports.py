@@ -44,12 +44,12 @@ def test_installed_package_keeps_every_import_contract(tmp_path):
 
 
 def test_a_new_cycle_breaks_the_contracts(tmp_path):
-    """The check can fail: a copy of the installed package with workers importing app back (the cycle this
+    """The check can fail: a copy of the installed package with workers importing main back (the cycle this
     layout removed) is refused."""
     copy = tmp_path / "site" / "clefcore"
     shutil.copytree(_installed_package(tmp_path), copy, ignore=shutil.ignore_patterns("__pycache__"))
     with open(copy / "server" / "workers.py", "a") as f:
-        f.write("\nfrom . import app  # noqa: E402,F401\n")
+        f.write("\nfrom . import main  # noqa: E402,F401\n")
     result = _lint(tmp_path, env=dict(os.environ, PYTHONPATH=str(copy.parent)))
     assert result.returncode != 0
     assert "no import cycles between sibling modules, at any depth BROKEN" in " ".join(result.stdout.split())

@@ -1,0 +1,186 @@
+"""The server's parts as a library for asyncio programs (issue 29, item 7), on the CPU with the tiny golden model:
+
+- ``await service.decide(body)`` from concurrent callers: their requests are packed into shared forwards (the
+  metrics' record of batch sizes says so) and each gets the answer the engine gives it alone;
+- clefcore's routes mounted under a prefix in an aiohttp application of the test's own, beside a route of its
+  own, answering a decision, /health, the Cloudflare route, the API key and an unknown path in clefcore's shapes;
+- /openapi.json's paths are the route table, and the table is what the application serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from clefcore import cli  # noqa: E402
+from clefcore.errors import RequestError  # noqa: E402
+from clefcore.server import routes  # noqa: E402
+from clefcore.server.openapi import build_spec  # noqa: E402
+from clefcore.server.service import Service, ServiceConfig, Unavailable  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket  # noqa: E402
+
+KEY = "library-test-key"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import clefcore
+    return clefcore.load(str(MODEL), device="cpu", max_length=24576)
+
+
+def _states(n: int) -> list[dict]:
+    return [ticket(f"Ticket {i}: checkout fails with error E{i * 7} since {i} hours ago; " + "more detail. " * i)
+            for i in range(n)]
+
+
+def test_concurrent_decides_are_packed_into_shared_forwards(monkeypatch, engine):
+    # Each forward sleeps 0.3 s (the device process's test hook): the calls that arrive meanwhile queue up and
+    # must leave in one packed forward, not one forward each.
+    monkeypatch.setenv("CLEFCORE_TEST_BATCH_DELAY_S", "0.3")
+    bodies = _states(8)
+
+    async def main():
+        service = Service(ServiceConfig(model=str(MODEL)))
+        try:
+            with pytest.raises(Unavailable) as early:        # not started: refused, nothing queued
+                await service.decide(bodies[0])
+            assert early.value.reason == "loading the model" and early.value.retry_after_s == 5
+            await service.start()
+            answers = await asyncio.gather(*(service.decide(body) for body in bodies))
+            with pytest.raises(RequestError) as bad:
+                await service.decide({"model": "clef", "state": "x", "questions": {}})
+            assert bad.value.field == "questions"
+            registry = service.metrics.registry
+            batches = registry.get_sample_value("clef_batch_size_requests_count")
+            requests = registry.get_sample_value("clef_batch_size_requests_sum")
+            alone = registry.get_sample_value("clef_batch_size_requests_bucket", {"le": "1.0"})
+            assert await service.drain(5.0)
+            with pytest.raises(Unavailable):
+                await service.decide(bodies[0])
+            return answers, batches, requests, alone
+        finally:
+            await service.stop()
+
+    answers, batches, requests, alone = asyncio.run(main())
+    assert requests == len(bodies)                 # every call went through the batcher's forwards
+    assert batches < len(bodies) and alone < batches, (batches, alone)   # at least one forward held several
+    for body, answer in zip(bodies, answers):
+        check_client_rules(body, answer)
+        assert same_answers(answer, engine.decide(body)), (answer, engine.decide(body))
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, auto_decompress=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port picked for 0
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"hello": "world"})
+
+    async def main():
+        service = Service(ServiceConfig(model=str(MODEL)))
+        app = web.Application()
+        app.router.add_get("/hello", hello)
+        routes.mount(app, "/clef/", service, api_key=KEY)
+        runner, base = await _serve(app)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        seen = {}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{base}/clef/health") as r:      # before start: loading
+                    seen["loading"] = r.status, r.headers.get("Retry-After"), (await r.json())["status"]
+                await service.start()
+                async with http.get(f"{base}/clef/health") as r:
+                    seen["health"] = r.status, await r.json()
+                async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET, headers=auth) as r:
+                    seen["decision"] = r.status, await r.json(), r.headers.get("x-request-id")
+                async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET) as r:
+                    seen["no_key"] = r.status, await r.json()
+                async with http.post(f"{base}/clef/client/v4/accounts/a/ai/run/@cf%2Fcloudflare%2Fclef-flash",
+                                     json={"state": SUPPORT_TICKET["state"], "questions": SUPPORT_TICKET["questions"]},
+                                     headers=auth) as r:
+                    seen["cloudflare"] = r.status, await r.json(), r.headers.get("cf-ai-req-id")
+                async with http.get(f"{base}/clef/v2/nothing") as r:
+                    seen["unknown"] = r.status, await r.json()
+                async with http.get(f"{base}/clef/openapi.json") as r:
+                    seen["openapi"] = r.status, await r.json()
+                async with http.get(f"{base}/clef/metrics") as r:
+                    seen["metrics"] = r.status, await r.text()
+                async with http.get(f"{base}/hello") as r:
+                    seen["hello"] = r.status, await r.json(), r.headers.get("x-request-id")
+            await service.drain(5.0)
+        finally:
+            await runner.cleanup()
+            await service.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["loading"] == (503, "5", "loading")
+    status, health = seen["health"]
+    assert status == 200 and health["status"] == "ok" and health["device"] == "cpu", health
+    status, decision, request_id = seen["decision"]
+    assert status == 200 and request_id, decision
+    check_client_rules(SUPPORT_TICKET, decision)
+    assert same_answers(decision, engine.decide(SUPPORT_TICKET))
+    status, refused = seen["no_key"]
+    assert status == 401 and refused["error"]["type"] == "authentication_error"   # protected under the prefix too
+    status, envelope, cf_id = seen["cloudflare"]
+    assert status == 200 and envelope["success"] and envelope["result"]["model"] == "clef-flash" and cf_id
+    assert same_answers(envelope["result"], dict(decision, model="clef-flash"))
+    status, unknown = seen["unknown"]
+    assert status == 404 and unknown["error"]["type"] == "not_found_error"     # clefcore's shape below its prefix
+    status, spec = seen["openapi"]
+    assert status == 200 and spec["servers"] == [{"url": "/clef"}] and "/v1/systemone" in spec["paths"]
+    status, metrics = seen["metrics"]
+    assert status == 200 and 'route="/clef/v1/systemone",status="200"' in metrics
+    assert seen["hello"] == (200, {"hello": "world"}, None)   # the application's own route, untouched
+
+
+def test_mount_needs_a_prefix():
+    with pytest.raises(ValueError, match="prefix"):
+        routes.mount(web.Application(), "/", service=None)
+
+
+def test_openapi_paths_are_the_route_table():
+    spec = build_spec(ServiceConfig(model=str(MODEL)), None, routes.openapi_paths())
+    documented = {(path, method.upper(), operation["operationId"])
+                  for path, methods in spec["paths"].items() for method, operation in methods.items()}
+    table = {(route.spec_path or route.path, route.method, route.operation) for route in routes.ROUTES}
+    assert documented == table and len(table) == len(routes.ROUTES)
+
+    # and the table is what an application built from it serves (HEAD comes with each GET)
+    async def served():
+        app = routes.build_app(service=None)
+        return {(route.method, route.resource.canonical) for route in app.router.routes() if route.method != "HEAD"}
+
+    expected = {(route.method, route.path.replace("{model:.+}", "{model}")) for route in routes.ROUTES}
+    assert asyncio.run(served()) == expected and len(expected) == len(routes.ROUTES)
+
+
+def test_service_config_is_the_serve_flags():
+    """The config an embedding program builds from keywords is the one `clefcore serve` builds from its flags,
+    defaults included; a value out of range names the field and the limit."""
+    args = cli.build_parser().parse_args(["serve", "--model", "m"])
+    assert ServiceConfig.from_args(args) == ServiceConfig(model="m")
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--max-queue", "7", "--age-rate", "inf",
+                                          "--chunk-tokens", "0", "--max-queue-wait", "3"])
+    config = ServiceConfig.from_args(args)
+    assert (config.max_queue, config.age_rate, config.chunk_tokens, config.wait_budget) == (7, float("inf"), 0, 3.0)
+    assert ServiceConfig(model="m", request_timeout=10).wait_budget == 5.0
+    for field, value, limit in (("max_queue", 0, "> 0"), ("chunk_tokens", -1, ">= 0"), ("age_rate", 0.0, "> 0"),
+                                ("validation", "strict", "one of cloudflare, reference")):
+        with pytest.raises(ValueError, match=f"{field} must be {limit}"):
+            ServiceConfig(model="m", **{field: value})

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,6 +169,14 @@ def test_openapi_paths_are_the_route_table():
 
     expected = {(route.method, route.path.replace("{model:.+}", "{model}")) for route in routes.ROUTES}
     assert asyncio.run(served()) == expected and len(expected) == len(routes.ROUTES)
+
+
+def test_the_service_needs_no_aiohttp():
+    """An asyncio program that only calls Service.decide does not load the HTTP side."""
+    done = subprocess.run([sys.executable, "-c", "import sys; import clefcore.server.service; "
+                           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'))"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_service_config_is_the_serve_flags():

@@ -117,16 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it only a one-tensor stub is written and image requests are refused")
     p.set_defaults(func=cmd_synth)
 
-    # serve's flags are here; the server, and aiohttp with it, is imported only to run it
-    p = sub.add_parser("serve", help="serve System One over HTTP")
-    serve_options(p)
-    p.set_defaults(func=_delegate("clefcore.server.main"))
-
     for name, module, help_text in (
             ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
+            ("serve", "clefcore.server.main", "serve System One over HTTP"),
             ("loadtest", "clefcore.server.loadtest", "offered load against a server, latency by request class")):
         p = sub.add_parser(name, help=help_text)
+        if name == "serve":  # its flags are clefcore/options.py's: the server (and aiohttp) loads only to run
+            serve_options(p)
+            p.set_defaults(func=_delegate(module))
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ImportError as e:  # an optional part is not installed (e.g. CuPy for verify/bench)

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
             ("serve", "clefcore.server.app", "serve System One over HTTP"),
-            ("loadtest", "clefcore.server.loadtest", "offered load against a server, latency by request class")):
+            ("loadtest", "clefcore.loadtest", "offered load against a server, latency by request class")):
         p = sub.add_parser(name, help=help_text)
         try:
             importlib.import_module(module).add_arguments(p)

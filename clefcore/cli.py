@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
             ("serve", "clefcore.server.main", "serve System One over HTTP"),
-            ("loadtest", "clefcore.server.loadtest", "offered load against a server, latency by request class")):
+            ("loadtest", "clefcore.loadtest", "offered load against a server, latency by request class")):
         p = sub.add_parser(name, help=help_text)
         if name == "serve":  # its flags are clefcore/options.py's: the server (and aiohttp) loads only to run
             serve_options(p)

@@ -30,6 +30,7 @@ from .checkpoint import (
     write_safetensors,
 )
 from .config import HeadConfig, TextConfig
+from .random_weights import draw, kind_of
 from .tokenize import SPLIT_REGEX
 
 PRESETS = {
@@ -130,52 +131,21 @@ def build_tokenizer(learned: int, special_base: int) -> dict:
 
 
 def _maker(rng_seed: int, name: str, shape: tuple, kind: str, tag: str):
-    """A deterministic generator per tensor (seeded by name) so shards can be written in any order.
-    Large matrices are generated in row blocks into the output buffer to bound peak memory."""
-    def values(rng, shape):
-        if kind == "zc_norm":                    # zero-centred norms store w, used as (1 + w)
-            return rng.uniform(-0.3, 0.3, shape)
-        if kind == "norm":
-            return rng.uniform(0.7, 1.3, shape)
-        if kind == "bias":
-            return rng.uniform(-0.1, 0.1, shape)
-        if kind == "a_log":
-            return rng.uniform(-1.0, 1.5, shape)
-        if kind == "scalar":
-            return np.full(shape, rng.uniform(1.0, 5.0))   # sometimes above ln(100): the clamp matters
-        if kind == "conv":
-            return rng.normal(0.0, 0.3, shape)
-        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[-1]      # the patch embedding's is 1536
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(fan_in))
-
+    """A deterministic generator per tensor (seeded by name) so shards can be written in any order; values by
+    random_weights' rules. Large matrices are generated in row blocks into the output buffer to bound peak
+    memory."""
     def make():
         rng = np.random.default_rng(np.random.SeedSequence([rng_seed, *name.encode()]))
         convert = bf16_bits if tag == "BF16" else (lambda x: np.asarray(x, np.float32))
         if len(shape) < 2:
-            return convert(np.asarray(values(rng, shape), np.float32))
+            return convert(np.asarray(draw(rng, kind, shape), np.float32))
         out = np.empty(shape, np.uint16 if tag == "BF16" else np.float32)
         step = max(1, (1 << 24) // int(np.prod(shape[1:])))
         for r in range(0, shape[0], step):
             block = (min(step, shape[0] - r),) + tuple(shape[1:])
-            out[r:r + block[0]] = convert(np.asarray(values(rng, block), np.float32))
+            out[r:r + block[0]] = convert(np.asarray(draw(rng, kind, block), np.float32))
         return out
     return make
-
-
-def _kind(name: str, zero_centred: bool) -> str:
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "A_log":
-        return "a_log"
-    if name.endswith("conv1d.weight"):
-        return "conv"
-    if name in ("prior_logit_scale", "joint_logit_scale", "residual_gate"):
-        return "scalar"
-    if leaf in ("bias", "dt_bias", "in_proj_bias"):
-        return "bias"
-    if "norm" in name and leaf == "weight":
-        # every backbone RMSNorm is zero-centred except the gated one inside the GDN mixer
-        return "zc_norm" if zero_centred and not name.endswith("linear_attn.norm.weight") else "norm"
-    return "matrix"
 
 
 def _text_shards(preset: str, seed: int, vision: bool = False) -> list[tuple[str, dict]]:
@@ -188,12 +158,12 @@ def _text_shards(preset: str, seed: int, vision: bool = False) -> list[tuple[str
     for short, shape in expected_text_shapes(text).items():
         full = short if short == "lm_head.weight" else TEXT_PREFIX + short
         tag = "F32" if short.endswith(("A_log", "linear_attn.norm.weight")) else "BF16"
-        specs[full] = (tag, shape, _maker(seed, full, shape, _kind(short, True), tag))
+        specs[full] = (tag, shape, _maker(seed, full, shape, kind_of(short, True), tag))
     # the release also ships an MTP block and a vision tower; a text-only loader must skip them
     extras = [("mtp.fc.weight", (text.hidden_size, 2 * text.hidden_size), "matrix")]
     if vision:
         from .vision import PREFIX, VisionConfig, expected_vision_shapes
-        extras += [(PREFIX + n, shape, _kind(n, False))
+        extras += [(PREFIX + n, shape, kind_of(n, False))
                    for n, shape in expected_vision_shapes(VisionConfig.from_dict(cfg["vision_config"])).items()]
     else:
         extras.append(("model.visual.merger.norm.weight", (32,), "matrix"))
@@ -248,7 +218,7 @@ def write(preset: str, seed: int, out: str | Path, progress=None, jobs: int | No
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
-    hspecs = {n: ("BF16", s, _maker(seed, "head." + n, s, _kind(n, False), "BF16"))
+    hspecs = {n: ("BF16", s, _maker(seed, "head." + n, s, kind_of(n, False), "BF16"))
               for n, s in expected_head_shapes(head).items()}
     write_safetensors(out / "joint_head.safetensors", hspecs)
     if progress:

@@ -20,6 +20,8 @@ alone exceeds what the device does.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 # Start values, replaced by the measured rate within a few forwards: the H200 packs ~24k prompt tokens/s on
@@ -124,22 +126,39 @@ def size_class(tokens: int | None) -> str:
 
 
 class BodySizer:
-    """Prompt tokens from a body's size, at the bytes per token of recent requests (smoothed): the estimate the
-    admission check uses before a body is read and tokenized, so that shedding load costs no parsing."""
+    """Prompt tokens from a body's size, at the bytes per token of recent requests of a similar size: the estimate
+    the admission check uses before a body is read and tokenized, so that shedding load costs no parsing.
+
+    The estimate's error is the spread of those samples, widened by ``MARGIN``. Bodies shaped alike (one
+    client's template) give a narrow span, so a body that would be refused at every size in it is refused
+    unread. Few or scattered samples (images, mixed clients) keep the span at half to twice the guess, and a
+    body whose span the check cannot judge is tokenized and checked exactly. Only bodies within a factor of
+    ``NEAR`` in size count: a template's fixed part weighs more in a short body than in a long one."""
+
+    WINDOW = 256         # recent samples kept
+    NEAR = 2.0           # samples from bodies this many times smaller or larger count
+    MIN_SAMPLES = 8      # fewer near samples: the widest span
+    MARGIN = 0.1         # beyond the extremes seen
+    WIDEST = (0.5, 2.0)  # the span never reaches past these multiples of the guess
 
     def __init__(self):
-        self.bytes_per_token: float | None = None
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)  # (body bytes, bytes per token)
 
     def observe(self, nbytes: int | None, tokens: int) -> None:
-        if not nbytes or tokens <= 0:
-            return
-        sample = nbytes / tokens
-        self.bytes_per_token = sample if self.bytes_per_token is None else (
-            self.bytes_per_token + 0.1 * (sample - self.bytes_per_token))
+        if nbytes and tokens > 0:
+            self._samples.append((nbytes, nbytes / tokens))
 
     def estimates(self, nbytes: int | None) -> tuple[int, ...]:
-        """Token counts spanning the estimate's error (half to twice it); empty until a request was measured."""
-        if not nbytes or self.bytes_per_token is None:
+        """Token counts spanning the estimate's error (lowest, guess, highest); empty until a request was
+        measured."""
+        if not nbytes or not self._samples:
             return ()
-        guess = nbytes / self.bytes_per_token
-        return tuple(max(1, round(guess * f)) for f in (0.5, 1.0, 2.0))
+        near = [ratio for size, ratio in self._samples if nbytes / self.NEAR <= size <= nbytes * self.NEAR]
+        mid = statistics.median(near or [ratio for _, ratio in self._samples])
+        lo, hi = self.WIDEST
+        if len(near) >= self.MIN_SAMPLES:
+            # more bytes per token than the median means fewer tokens than guessed, and the other way round
+            lo = max(lo, mid / (max(near) * (1 + self.MARGIN)))
+            hi = min(hi, mid / (min(near) * (1 - self.MARGIN)))
+        guess = nbytes / mid
+        return tuple(max(1, round(guess * f)) for f in (lo, 1.0, hi))

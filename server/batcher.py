@@ -196,8 +196,9 @@ class Batcher:
 
     def early_refusal(self, body_bytes: int | None) -> Refusal | None:
         """The check before a body is read: refused when a request of the body's estimated size would be
-        refused at half to twice that size (the estimate is rough; a request it cannot judge is tokenized and
-        checked exactly), or when the queue is full and holds nothing a request could displace. Counted."""
+        refused at every size in the estimate's error span (``BodySizer``; a request it cannot judge is
+        tokenized and checked exactly), or when the queue is full and holds nothing a request could displace.
+        Counted."""
         now = time.monotonic()
         estimates = self.sizer.estimates(body_bytes)
         if not estimates:

@@ -239,11 +239,51 @@ def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
     sizer = BodySizer()
     assert sizer.estimates(4_000) == ()              # nothing measured yet: no estimate, no early refusal
     sizer.observe(4_000, 1_000)
-    assert sizer.estimates(8_000) == (1_000, 2_000, 4_000)
+    assert sizer.estimates(8_000) == (1_000, 2_000, 4_000)   # one sample: half to twice the guess
     sizer.observe(None, 10)                          # a compressed body's size is not a sample
-    sizer.observe(6_000, 1_000)                      # 6 bytes per token moves the mean a tenth of the way
-    assert sizer.bytes_per_token == pytest.approx(4.2)
+    sizer.observe(6_000, 1_000)
+    assert sizer.estimates(8_000) == (800, 1_600, 3_200)     # the median of 4 and 6 bytes per token
     assert sizer.estimates(0) == ()
+
+
+def test_body_sizer_narrows_its_span_to_the_spread_of_bodies_of_a_similar_size():
+    sizer = BodySizer()
+    for ratio in (3.9, 4.0, 4.1, 4.0, 3.95, 4.05, 4.0, 4.0):
+        sizer.observe(4_000, round(4_000 / ratio))
+    lo, mid, hi = sizer.estimates(4_000)
+    spread = [4_000 / round(4_000 / r) for r in (3.9, 4.0, 4.1)]   # the samples' own bytes per token
+    assert mid == 1_000
+    assert lo == round(1_000 * 4.0 / (max(spread) * 1.1)) and hi == round(1_000 * 4.0 / (min(spread) * 0.9))
+    assert 880 <= lo < 900 and 1_130 < hi <= 1_145
+    # bodies 100x larger say nothing about the span of a small one: it falls back to half to twice
+    far = BodySizer()
+    for _ in range(20):
+        far.observe(400_000, 100_000)
+    assert far.estimates(4_000) == (500, 1_000, 2_000)
+    # scattered samples (mixed clients, images) never widen it past half to twice
+    wide = BodySizer()
+    for ratio in (1.0, 16.0) * 8:
+        wide.observe(4_000, round(4_000 / ratio))
+    guess = 4_000 / 8.5
+    assert wide.estimates(4_000) == tuple(round(guess * f) for f in (0.5, 1.0, 2.0))
+
+
+def test_a_narrow_span_refuses_unread_what_half_the_size_would_let_through():
+    loop = asyncio.new_event_loop()
+    now = time.monotonic()
+    young, alike = batcher(), batcher()              # 1,000 tokens/s
+    young.sizer.observe(1_600, 400)                  # one sample: the span is 0.5x to 2x
+    for _ in range(8):
+        alike.sizer.observe(1_600, 400)              # 4 bytes per token, every time: 0.91x to 1.11x
+    for b in (young, alike):
+        for _ in range(10):                          # 4 s of short work that came 50 ms ago
+            b._scheduler.push(entry(loop, 400, now - 0.05))
+    # 400 tokens wait behind all of it (4.4 s against 2.4 s); 200 would sort ahead of it (0.2 s)
+    assert young.early_refusal(1_600) is None
+    refusal = alike.early_refusal(1_600)
+    assert refusal is not None and refusal.reason == "queued_work"
+    assert refused(alike, "queued_work") == 1 and refused(young, "queued_work") == 0
+    loop.close()
 
 
 def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts_it():

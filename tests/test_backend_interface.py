@@ -66,20 +66,28 @@ def test_a_missing_member_is_caught():
     assert isinstance(Partial(), Backend)
 
 
-# bench.py moves into a package (issue 29 item 4) and drops its two probes then
-NOT_YET = {"clefcore/bench.py"}
 PROBE = re.compile(r"\b(?:getattr|hasattr)\(\s*(?:[\w.]*\.)?ops\b")
+PRIVATE = re.compile(r"\bops\._\w")          # a backend's private member, reached from outside the backend
+
+
+def _lines_matching(tree, pattern, skip):
+    found = []
+    for path in sorted((ROOT / tree).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not skip(rel):
+            found += [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    return found
 
 
 @pytest.mark.parametrize("tree", ["clefcore", "server"])
 def test_no_backend_is_probed_outside_the_interface(tree):
-    found = []
-    for path in sorted((ROOT / tree).rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel == "clefcore/backends/interface.py" or rel in NOT_YET:
-            continue
-        found += [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if PROBE.search(line)]
-    assert found == []
+    assert _lines_matching(tree, PROBE, lambda rel: rel == "clefcore/backends/interface.py") == []
+
+
+@pytest.mark.parametrize("tree", ["clefcore", "server"])
+def test_nothing_outside_the_backends_reaches_their_private_members(tree):
+    """bench included: it measures through public methods (gemm_with, plan, twins, gemm)."""
+    assert _lines_matching(tree, PRIVATE, lambda rel: rel.startswith("clefcore/backends/")) == []
 
 
 def test_the_probe_pattern_matches_the_old_probes():
@@ -87,3 +95,21 @@ def test_the_probe_pattern_matches_the_old_probes():
                  'getattr(engine.ops, "fallback", None)', "getattr( ops, 'graphs')"):
         assert PROBE.search(line), line
     assert not PROBE.search('getattr(args, "reuse_port", False)')
+
+
+def test_the_private_pattern_matches_the_old_calls():
+    for line in ("lambda: ops._split_gemm(ops._split(x), w, o)", "ops._twins.pop(w.data.ptr, None)",
+                 "self.ops._wmma(x, w, o)"):
+        assert PRIVATE.search(line), line
+    for line in ("ops.gemm_with(route, x, w, o)", "ops.twins.drop(w)", "gpu_ops._x"):
+        assert not PRIVATE.search(line), line
+
+
+def test_bench_uses_only_what_cuda_ops_has():
+    """bench runs only on a GPU, so its calls are checked here too: every ``ops.<name>`` in clefcore/bench/ is a
+    member of CudaOps (of the class, or set by its __init__)."""
+    used = set()
+    for path in (ROOT / "clefcore" / "bench").glob("*.py"):
+        used |= set(re.findall(r"\bops\.([a-z_0-9]+)", path.read_text()))
+    members = _class_members(CudaOps) | set(re.findall(r"\bself\.(\w+)\s*=", inspect.getsource(CudaOps.__init__)))
+    assert {"gemm_with", "plan", "twins", "gemm"} <= used and used <= members, sorted(used - members)

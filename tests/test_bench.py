@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 
-from clefcore import bench, bench_records, peers  # noqa: E402
+from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights  # noqa: E402
 from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 
@@ -34,29 +34,29 @@ def gpu(test):
 def test_check_records_within_the_bound_and_stops_beyond_it():
     ref = np.array([[1.0, -2.0], [0.5, 4.0]])
     checks = {}
-    bench._check("close", ref + 1e-6, ref, 1e-6, checks)       # 1e-6 of a max |ref| of 4
+    kernels._check("close", ref + 1e-6, ref, 1e-6, checks)       # 1e-6 of a max |ref| of 4
     assert checks == {"close": pytest.approx(2.5e-7)}
     with pytest.raises(DeviceError, match=r"far: max .* = 2\.500e-01 against numpy, more than 1e-03"):
-        bench._check("far", ref + np.array([[0.0, 0.0], [0.0, 1.0]]), ref, 1e-3, checks)
+        kernels._check("far", ref + np.array([[0.0, 0.0], [0.0, 1.0]]), ref, 1e-3, checks)
     with pytest.raises(DeviceError, match="nan"):
-        bench._check("nan", np.where(ref > 3, np.nan, ref), ref, 1e-3, checks)
+        kernels._check("nan", np.where(ref > 3, np.nan, ref), ref, 1e-3, checks)
     assert list(checks) == ["close"]
-    assert bench.tol_k(2e-5, 1000) == 2e-5 and bench.tol_k(2e-5, 12288) == pytest.approx(6e-5)
+    assert kernels.tol_k(2e-5, 1000) == 2e-5 and kernels.tol_k(2e-5, 12288) == pytest.approx(6e-5)
 
 
 def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
     import clefcore
-    p = bench.provenance()
+    p = provenance.code()
     assert p["version"] == clefcore.__version__ and re.fullmatch("[0-9a-f]{12}", p["sources"]), p
     monkeypatch.chdir(tmp_path)                  # git is asked about the package's own checkout, not the cwd's
-    assert bench.provenance() == p
+    assert provenance.code() == p
     a, b = tmp_path / "a.cu", tmp_path / "b.cu"
     a.write_text("x = 1;")
     b.write_text("y = 2;")
-    before = bench._fingerprint([("a.cu", a), ("b.cu", b)])
-    assert bench._fingerprint([("b.cu", b), ("a.cu", a)]) == before            # order of listing does not matter
+    before = provenance._fingerprint([("a.cu", a), ("b.cu", b)])
+    assert provenance._fingerprint([("b.cu", b), ("a.cu", a)]) == before       # order of listing does not matter
     a.write_text("x = 3;")
-    assert bench._fingerprint([("a.cu", a), ("b.cu", b)]) != before            # one changed byte does
+    assert provenance._fingerprint([("a.cu", a), ("b.cu", b)]) != before       # one changed byte does
 
 
 def test_path_counts_per_case():
@@ -66,9 +66,9 @@ def test_path_counts_per_case():
             shape_key(346, 4096, 12288, "float32", "fp16"): "cublas",
             shape_key(346, 24576, 4096, "swiglu", "fp16"): "wmma",
             shape_key(11, 1024, 4096, "float32", "fp16"): "rows"}
-    assert list(bench.path_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
-    assert bench._paths_text(bench.path_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
-    assert bench.path_counts({}) == {} and "unseen" in bench._paths_text({})
+    assert list(end_to_end.path_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
+    assert end_to_end._paths_text(end_to_end.path_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
+    assert end_to_end.path_counts({}) == {} and "unseen" in end_to_end._paths_text({})
     # keys are per M bucket: 300 and 512 rows share one, 513 does not
     k300, k512, k513, k1 = (shape_key(M, 64, 64, "t", "split") for M in (300, 512, 513, 1))
     assert k300 == k512 == (64, 64, 512, "t", "split") and k513[2] == 1024 and k1[2] == 16
@@ -90,7 +90,7 @@ def _no_cublas_child(args, cwd, timeout):
 def test_gemm_libraries_say_why_cublas_is_missing(tmp_path):
     """The JSON's "cublas" / "cublaslt" in a process that cannot load cuBLAS (no GPU needed): the shim's refusal
     where the libraries exist, CuPy's "not found" where they do not (this CPU machine)."""
-    code = "import json; from clefcore import bench; print(json.dumps(bench.gemm_libraries()))"
+    code = "import json; from clefcore.bench import provenance; print(json.dumps(provenance.gemm_libraries()))"
     r = _no_cublas_child(["-c", code], tmp_path, 120)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
@@ -113,7 +113,7 @@ def test_kernel_table_checks_every_timed_op(ops):
     """Every row's op checked first; the cuBLAS rows only where cuBLAS loads (run the suite under
     PYTHONPATH=tests/no_cublas for the other half)."""
     out = {"precision": ops.plan.path}
-    rows = bench.kernels(cupy, ops, out, **SMALL)
+    rows = kernels.table(cupy, ops, out, **SMALL)
     names = set()
     for M, N, K in SMALL["gemm_shapes"]:
         names |= {f"wmma fp16 {M}x{N}x{K}", f"wmma split {M}x{N}x{K}"}
@@ -159,7 +159,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
     loadable; every case's GEMMs ran on clefcore's wmma (and gemm_rows) kernels."""
     table, report = tmp_path / "kernels.json", tmp_path / "bench.json"
     script = (f"import json, sys, cupy\nfrom clefcore import bench\nfrom clefcore.backends.cuda import CudaOps\n"
-              f"out = {{}}\nbench.kernels(cupy, CudaOps(0, precision='fast'), out, **{SMALL!r})\n"
+              f"out = {{}}\nbench.kernels.table(cupy, CudaOps(0, precision='fast'), out, **{SMALL!r})\n"
               f"json.dump(out, open({str(table)!r}, 'w'))\nsys.exit(bench.main(sys.argv[1:]))\n")
     r = _no_cublas_child(["-c", script, "--model", str(MODEL), "--precision", "fast,exact", "--lengths", "200",
                           "--packed", "2x160", "--reps", "1", "--no-kernels", "--no-transformers",
@@ -192,7 +192,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
 def test_a_wrong_kernel_stops_the_bench(ops, monkeypatch):
     monkeypatch.setattr(ops, "_gemm_rows", lambda x, w, o, bias=None: o.fill(0))
     with pytest.raises(DeviceError, match="gemm_rows 3x130x1024: max .* = 1.000e\\+00"):
-        bench.kernels(cupy, ops, {"precision": ops.plan.path}, **SMALL)
+        kernels.table(cupy, ops, {"precision": ops.plan.path}, **SMALL)
 
 
 # ------------------------------------------------------------------------------------------------ the image case
@@ -224,23 +224,23 @@ def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_w
     from clefcore.synth import picture_png
     _, params, vp = tiny_with_tower
     data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
-    rec, px = bench_records.image_record(data, params.text.vocab_size)
+    rec, px = records.image_record(data, params.text.vocab_size)
     assert px.grid_thw == (1, 14, 20) and rec.image_spans == ((32, 102, 7, 10),)
     assert len(rec.input_ids) == 32 + 70 + 224 and rec.questions[0].question_span[0] >= 102
     assert np.array_equal(rec.positions, mrope_positions(326, rec.image_spans))
-    from_bytes = bench.forward_run(cpu, params, [rec], vp, data)()
-    from_rgb = bench.forward_run(cpu, params, [rec], vp, images.decode(data, 0))()
-    from_pixels = bench.forward_run(cpu, params, [replace(rec, images=(px,))], vp)()
-    text_only = bench.forward_run(cpu, params, [bench_records.record(rec.input_ids)])()
+    from_bytes = end_to_end.forward_run(cpu, params, [rec], vp, data)()
+    from_rgb = end_to_end.forward_run(cpu, params, [rec], vp, images.decode(data, 0))()
+    from_pixels = end_to_end.forward_run(cpu, params, [replace(rec, images=(px,))], vp)()
+    text_only = end_to_end.forward_run(cpu, params, [records.record(rec.input_ids)])()
     for a, c, b, t in zip(from_bytes[0], from_rgb[0], from_pixels[0], text_only[0]):
         assert np.array_equal(a, b) and np.array_equal(c, b) and not np.allclose(a, t)
 
 
 def test_image_size_argument():
-    assert bench._image_size("1024x1024") == (1024, 1024) and bench._image_size("640X480") == (640, 480)
+    assert image.parse_size("1024x1024") == (1024, 1024) and image.parse_size("640X480") == (640, 480)
     for bad in ("1024", "0x5", "axb", "-3x4"):
         with pytest.raises(SystemExit, match="expected WxH"):
-            bench._image_size(bad)
+            image.parse_size(bad)
 
 
 def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
@@ -261,7 +261,7 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
 
 @gpu
 def test_image_case_on_the_gpu(tiny_with_tower):
-    """bench.image_case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
+    """image.case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
     from clefcore import model, vision
     from clefcore.backends.cuda import CudaOps
     ck = tiny_with_tower[0]
@@ -269,14 +269,14 @@ def test_image_case_on_the_gpu(tiny_with_tower):
     params = model.load_params(ck, ops)
     vp, why = vision.attach(ck, ops, params)
     assert vp is not None, why
-    r = bench.image_case(cupy, ops, params, vp, (64, 48), 2)
+    r = image.case(cupy, ops, params, vp, (64, 48), 2)
     assert r["image_tokens"] == 70 and r["tokens"] == 326 and r["patches"] == 280
     assert r["ratio"] == pytest.approx(r["image_ms"] / r["text_ms"])
     assert r["ratio_fastest"] == pytest.approx(min(r["runs_ms"]["image"]) / min(r["runs_ms"]["text"]))
     assert r["within_target"] == (max(r["ratio"], r["ratio_fastest"]) <= 1.5)
     assert r["ratio_with_decode"] == pytest.approx(r["image_png_ms"] / r["text_ms"])
     assert r["image_case"]["tokens"] == r["image_png_case"]["tokens"] == r["text_case"]["tokens"] == 326
-    assert all(len(v) == bench.IMAGE_ROUNDS for v in r["runs_ms"].values())
+    assert all(len(v) == image.ROUNDS for v in r["runs_ms"].values())
     assert r["decode_ms"] > 0 and r["preprocess_ms"] > 0 and r["tower_ms"] > 0
 
 
@@ -286,7 +286,7 @@ def test_random_tower_has_the_release_shapes():
     from clefcore.backends.cuda import CudaOps
     from clefcore.synth import config_json
     cfg = vision.VisionConfig.from_dict(config_json("clef-flash", vision=True)["vision_config"])
-    vp = bench.random_vision_params(cupy, CudaOps(0, precision="fast"), cfg)
+    vp = weights.random_vision_params(cupy, CudaOps(0, precision="fast"), cfg)
     assert vp.w["patch_embed.proj.weight"].shape == (1152, 1536) and vp.w["pos_embed.weight"].dtype == np.float32
     n = sum(int(np.prod(w.shape)) for w in vp.w.values())
     assert n == 456_010_480                   # qwen35-backbone.md §2: model.visual.*, 456,010,480 parameters

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import bench
+from clefcore.bench import kernels as bench_kernels
 from clefcore.backends import cpu
 from clefcore.precision import Plan
 
@@ -171,13 +171,13 @@ def test_linear_model_k(ops, request, path):
     """split GEMMs at the model's widest K (the MLP's down projection, 12,288). Their error is the fp32
     accumulation's (the tensor cores add with truncation) and grows with K: `clefcore bench`'s check measured
     2.8e-5 for wmma split at 2048 x 4096 x 12,288, over the 2e-5 that holds up to K = 4096, so the bound scales
-    as K / 4096 (bench.tol_k): 6e-5 here, still well under what a lost lo term would show (the fp16 rounding of
-    the activations, ~2e-4)."""
+    as K / 4096 (clefcore.bench.kernels.tol_k): 6e-5 here, still well under what a lost lo term would show (the
+    fp16 rounding of the activations, ~2e-4)."""
     o = _path_ops(path, ops, request, None)
     M, N, K = 65, 64, 12288
     x, w = r(M, K), h16(r(N, K, scale=K ** -0.5))
     check(f"linear {path} {M}x{N}x{K}", o.linear(o.asarray(x), o.weight(w)), cpu.linear(x, w),
-          bench.tol_k(SPLIT_TOL, K), o)
+          bench_kernels.tol_k(SPLIT_TOL, K), o)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 63, 64])

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_harness import Server  # noqa: E402
 
-from clefcore.server.loadtest import Record, RequestClass, Run, parse_mix, percentile, summarize  # noqa: E402
+from clefcore.loadtest import Record, RequestClass, Run, parse_mix, percentile, summarize  # noqa: E402
 
 
 def test_parse_mix_normalises_shares_and_names_bad_parts():

@@ -4,6 +4,7 @@ multiprocess mode), not the answering worker's own count."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -112,3 +113,39 @@ def test_the_supervisor_owns_and_removes_its_own_directory(monkeypatch):
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait_exit() == 0
     assert not path.exists()
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_drains_both_workers_and_the_scrape_counts_every_answer(tmp_path):
+    """16 keep-alive clients (16 connections, which the kernel spreads over the two workers) for 3 s, then SIGTERM
+    to the supervisor: each worker drains its own accepted requests, every request sent before the signal is
+    answered 200, the pod exits 0, and the workers' counter files hold exactly the 200s the clients received."""
+    from test_server_load import load  # the load test's client loop, 32 keep-alive clients
+
+    metrics_dir = tmp_path / "metrics"
+    with two_workers({"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as server:
+        pids = worker_pids(server)
+        record: list = []
+
+        async def main() -> float:
+            task = asyncio.ensure_future(load(server.base, 30.0, record))
+            await asyncio.sleep(3.0)
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            while server.proc.poll() is None and time.monotonic() - signalled < 40:
+                await asyncio.sleep(0.05)
+            await task
+            return signalled
+
+        signalled = asyncio.run(main())
+        before = [r for r in record if r[0] < signalled]
+        assert len(before) >= 32, "\n".join(server.lines[-20:])
+        assert all(r[2] == 200 for r in before), [r for r in before if r[2] != 200][:5]
+        assert all(r[2] in (200, 503) or isinstance(r[2], str) for r in record)
+        assert server.proc.returncode == 0, "\n".join(server.lines[-20:])
+        assert len(server.events("drained")) == 2 and not server.events("drain_timeout")
+        assert sorted(e["code"] for e in server.events("exit")) == [0, 0]
+        # counters stay on disk after the workers exit: one file per worker, each answered some, the sum is exact
+        per_worker = [decided_in_file(metrics_dir / f"counter_{pid}.db") for pid in pids]
+        assert all(count > 0 for count in per_worker), per_worker
+        assert sum(per_worker) == sum(1 for r in record if r[2] == 200)

@@ -149,13 +149,13 @@ def release_tower():
 
 
 def test_release_shaped_tower_against_numpy(engine, release_tower):
-    """bench.random_vision_params on this engine's ops, copied to the host exactly (fp16 matrices widen
+    """bench's random_vision_params on this engine's ops, copied to the host exactly (fp16 matrices widen
     exactly), through both towers: every block and the merger within the mode's hidden-state bound (a numpy
     emulation of the kernels' fp16 roundings gave 1.3e-4 exact, 6.4e-4 fast)."""
-    from clefcore import bench
+    from clefcore.bench.weights import random_vision_params
     cfg, px = release_tower
     ops = engine.ops
-    gpu = bench.random_vision_params(cupy, ops, cfg)
+    gpu = random_vision_params(cupy, ops, cfg)
     host = vision.VisionParams(cfg, {k: ops.to_host(w).astype(np.float32) for k, w in gpu.w.items()})
     got, want = {}, {}
     out = ops.to_host(vision.tower(ops, gpu, px.values, [px.grid_thw], got))

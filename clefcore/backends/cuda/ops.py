@@ -442,24 +442,6 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         finally:
             self.plan = saved
 
-    # bench.py's names from before the state objects (it moves into a package; then it reads plan, gemm and
-    # twins, and these go)
-    @property
-    def precision(self) -> str:
-        return self.plan.path
-
-    @precision.setter
-    def precision(self, path: str) -> None:
-        self.plan = Plan(path, self.plan.range_safe)
-
-    @property
-    def gemm_choice(self) -> dict:
-        return self.gemm.chosen
-
-    @property
-    def _twins(self) -> dict:
-        return self.twins.by_ptr
-
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a
         forward never calls cudaMalloc. Drops guard records a failed forward may have left unread."""

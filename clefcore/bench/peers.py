@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .bench_records import image_record
+from .records import image_record
 from .timing import spread, wall_ms
 
 
@@ -99,7 +99,7 @@ def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, devi
         return
     torch, transformers = peer
     try:
-        from .synth import data_url, picture_png
+        from ..synth import data_url, picture_png
         w, h = size
         data = picture_png(w, h)
         rec, px = image_record(data, text_cfg.vocab_size)

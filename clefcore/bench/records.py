@@ -7,9 +7,9 @@ import types
 
 import numpy as np
 
-from . import images
-from .encode import MERGE, EncodedRecord, mrope_positions
-from .preprocess import preprocess
+from .. import images
+from ..encode import MERGE, EncodedRecord, mrope_positions
+from ..preprocess import preprocess
 
 # the image case: text tokens before the image (the prompt's system prefix) and after it (state, schema,
 # suffix), as a short request with one image is laid out
@@ -34,7 +34,7 @@ def record(ids, **image_fields):
 def image_record(data: bytes, vocab: int):
     """The record of a request with one image (file bytes ``data``) as the engine lays it out: IMAGE_TEXT random
     text ids before and after the image's pads, M-RoPE positions, the bench's questions at the end; without its
-    pixels (bench.forward_run makes them in each timed call)."""
+    pixels (end_to_end.forward_run makes them in each timed call)."""
     px = preprocess(images.decode(data, 0))
     (a, b), n = IMAGE_TEXT, px.num_tokens
     T = a + n + b

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from clefcore.example_request import support_ticket
+from .example_request import support_ticket
 
 DEFAULT_MIX = "short:0.80:1200,medium:0.15:7800,long:0.05:24576"
 ROUTES = {"systemone": "/v1/systemone",

@@ -9,8 +9,8 @@ Closed loop (each client sends its next request when the last is answered) or a 
 the refused request itself is sent again at once until it is answered otherwise or the run ends. The report:
 per class, the answered share of attempts, latency percentiles of the answered (200) requests and their
 prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be fast); the
-device's busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``; absent
-from servers that do not count it).
+devices' mean busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``, summed
+over its lanes, over ``clef_devices``; absent from servers that do not count it).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Run:
     sizing: Sizing = field(default_factory=Sizing)
     started: float = 0.0
     ended: float = 0.0
-    busy_s: float | None = None    # device-seconds the server counted between start and end, per worker
+    busy_s: float | None = None    # device-seconds the server counted between start and end, per device
 
 
 def parse_mix(text: str) -> list[RequestClass]:
@@ -196,8 +196,9 @@ async def _count(http, path: str, body: dict, headers: dict, tries: int = 10) ->
 
 
 async def device_busy_s(http) -> float | None:
-    """The server's device-seconds so far per worker (``clef_device_busy_seconds_total`` over
-    ``clef_workers``); None when /metrics does not say."""
+    """The server's device-seconds so far per device (``clef_device_busy_seconds_total``, every lane's series,
+    over ``clef_devices``; servers from before lanes: unlabelled, over ``clef_workers``); None when /metrics
+    does not say."""
     import aiohttp
 
     values = {}
@@ -206,14 +207,16 @@ async def device_busy_s(http) -> float | None:
             if reply.status != 200:
                 return None
             for line in (await reply.text()).splitlines():
-                name, _, value = line.partition(" ")
-                if name in ("clef_device_busy_seconds_total", "clef_workers"):
-                    values[name] = float(value)
+                series, _, value = line.rpartition(" ")
+                name = series.partition("{")[0]
+                if name in ("clef_device_busy_seconds_total", "clef_devices", "clef_workers"):
+                    values[name] = values.get(name, 0.0) + float(value)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
     if "clef_device_busy_seconds_total" not in values:
         return None
-    return values["clef_device_busy_seconds_total"] / max(1.0, values.get("clef_workers", 1.0))
+    devices = values.get("clef_devices", values.get("clef_workers", 1.0))
+    return values["clef_device_busy_seconds_total"] / max(1.0, devices)
 
 
 async def calibrate(http, path: str, headers: dict, rng: random.Random) -> Sizing:

@@ -133,6 +133,8 @@ class Batcher:
         self._chunk = chunk_tokens
         devices = list(devices) if isinstance(devices, Sequence) else [devices]
         self._lanes = [_Lane(device, str(i)) for i, device in enumerate(devices)]
+        for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
+            metrics.device_busy.labels(lane.label)
         self._wake = asyncio.Event()   # work was queued: for every lane's dispatcher that has none
         # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together), and
         # their order keys, by which they are weighed for eviction

@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def two_workers(env: dict | None = None) -> Server:
-    server = Server("--device", "cpu,cpu", "--port", str(free_port()), env=env)
+    server = Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(free_port()), env=env)
     server.wait_ready()
     deadline = time.monotonic() + 60
     # /health answers from whichever worker takes the connection: wait until both are up and ready.

@@ -1,0 +1,99 @@
+"""One server process, two device processes: `clefcore serve --device cpu,cpu` (``--spread queue``, the default
+for several devices) drives both from one queue, so a few keep-alive connections keep both devices busy (the
+kernel's SO_REUSEPORT spreading of connections would pin each to one worker), /metrics says what each device
+ran, and SIGTERM under load drains both with nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import Server  # noqa: E402
+
+BATCH_DELAY_S = 0.2   # every forward sleeps this long in its device process: device time the counters must see
+BUSY = "clef_device_busy_seconds_total"
+
+
+def lanes_busy(server: Server) -> dict[str, float]:
+    """Each lane's busy seconds, from /metrics."""
+    busy = {}
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith(BUSY + '{lane="'):
+            busy[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return busy
+
+
+def test_four_keep_alive_clients_keep_both_devices_busy():
+    """4 keep-alive clients, 2 requests a forward at most: one server process, both device processes ran
+    forwards, at the same time (the pod's busy seconds exceed the wall time), every request answered 200, and
+    the lanes' busy seconds sum to at least the forwards' own device time."""
+    from test_server_load import client_loop
+
+    # admission out of the way: this test wants every request answered
+    with Server("--device", "cpu,cpu", "--max-batch-requests", "2", "--min-queue-wait", "1000",
+                "--max-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": str(BATCH_DELAY_S)}) as s:
+        s.wait_ready()
+        assert s.get("/health").json()["device"] == "cpu,cpu"
+        assert s.metric("clef_workers") == 1 and s.metric("clef_devices") == 2
+        assert not s.events("supervisor")                     # no worker processes: one server
+        busy_before, batches_before = lanes_busy(s), s.metric("clef_batches_total")
+        assert set(busy_before) == {"0", "1"}
+        record: list = []
+
+        async def main() -> float:
+            started = time.monotonic()
+            stop_at = started + 4.0
+            await asyncio.gather(*(client_loop(s.base, c, stop_at, record) for c in range(4)))
+            return time.monotonic() - started
+
+        seconds = asyncio.run(main())
+        busy = {lane: value - busy_before[lane] for lane, value in lanes_busy(s).items()}
+        batches = s.metric("clef_batches_total") - batches_before
+        assert len(record) >= 8 and all(r[2] == 200 for r in record), [r for r in record if r[2] != 200][:5]
+        assert all(value >= 0.25 * sum(busy.values()) for value in busy.values()), busy
+        assert sum(busy.values()) > 1.2 * seconds, (busy, seconds)          # the two ran side by side
+        assert sum(busy.values()) >= BATCH_DELAY_S * batches, (busy, batches)
+        assert s.metric(BUSY) == pytest.approx(sum(lanes_busy(s).values()))   # the sum: the pod's device time
+        assert s.metric("clef_requests_total", 'status="200"') >= len(record)
+        assert s.terminate() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_drains_both_devices_and_loses_nothing():
+    """32 keep-alive clients for 3 s, then SIGTERM: every request sent before the signal is answered 200, one
+    drain, exit 0, and the server logged exactly the 200s the clients received."""
+    from test_server_load import load
+
+    with Server("--device", "cpu,cpu", "--shutdown-timeout", "15", "--max-queue", "256", "--min-queue-wait",
+                "1000", "--max-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.05"}) as s:
+        s.wait_ready()
+        record: list = []
+
+        async def main() -> tuple[float, dict]:
+            task = asyncio.ensure_future(load(s.base, 30.0, record))
+            await asyncio.sleep(3.0)
+            busy = lanes_busy(s)
+            signalled = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            while s.proc.poll() is None and time.monotonic() - signalled < 30:
+                await asyncio.sleep(0.05)
+            await task
+            return signalled, busy
+
+        signalled, busy = asyncio.run(main())
+        assert s.wait_exit() == 0, "\n".join(s.lines[-20:])
+        assert all(value > 0 for value in busy.values()) and len(busy) == 2, busy   # both devices ran
+        before = [r for r in record if r[0] < signalled]
+        assert len(before) >= 32, "\n".join(s.lines[-20:])
+        assert all(r[2] == 200 for r in before), [r for r in before if r[2] != 200][:5]
+        assert all(r[2] in (200, 503) or isinstance(r[2], str) for r in record)
+        assert len(s.events("drained")) == 1 and not s.events("drain_timeout")
+        assert [e["code"] for e in s.events("exit")] == [0]
+        logged = [e for e in s.events("request") if e.get("route") == "/v1/systemone" and e["status"] == 200]
+        assert len(logged) == sum(1 for r in record if r[2] == 200)

@@ -5,7 +5,10 @@ Names follow the vLLM set with a ``clef_`` prefix (serving-and-peers.md §5b).
 One process: the registry is our own, not prometheus_client's global one, so that two servers in one
 process (tests) never collide and nothing a library registers globally leaks into the scrape.
 
-Several workers (``--workers N``, ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
+One process on several devices (``--spread queue``): one registry; the busy counter has a series per device
+(its ``lane``), the other values are the pod's.
+
+Several workers (``--spread workers`` with ``--workers N`` or ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
 it starts them, so every value is written to a per-process file there, and a scrape, whichever worker the
 kernel hands it to, merges all the files (prometheus_client's MultiProcessCollector): counters and histograms
 are summed over workers, dead ones included, since what they counted happened. Each gauge says how its

@@ -6,6 +6,7 @@ ran, and SIGTERM under load drains both with nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -55,6 +56,8 @@ def test_four_keep_alive_clients_keep_both_devices_busy():
         seconds = asyncio.run(main())
         busy = {lane: value - busy_before[lane] for lane, value in lanes_busy(s).items()}
         batches = s.metric("clef_batches_total") - batches_before
+        print(f"\n4 keep-alive clients, {seconds:.1f} s: {len(record)} requests, {batches:.0f} forwards, busy s by "
+              f"lane {({lane: round(value, 2) for lane, value in busy.items()})}")
         assert len(record) >= 8 and all(r[2] == 200 for r in record), [r for r in record if r[2] != 200][:5]
         assert all(value >= 0.25 * sum(busy.values()) for value in busy.values()), busy
         assert sum(busy.values()) > 1.2 * seconds, (busy, seconds)          # the two ran side by side
@@ -97,3 +100,36 @@ def test_sigterm_under_load_drains_both_devices_and_loses_nothing():
         assert [e["code"] for e in s.events("exit")] == [0]
         logged = [e for e in s.events("request") if e.get("route") == "/v1/systemone" and e["status"] == 200]
         assert len(logged) == sum(1 for r in record if r[2] == 200)
+
+
+def test_each_device_process_is_spawned_seeing_only_its_own_gpu(monkeypatch):
+    """What spawn copies into a device process (or a worker) for each device: its GPU alone, as cuda:0; the
+    server's own environment comes back as it was."""
+    from clefcore.server import gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with gpus.alone("cuda:1") as loads_as:
+        assert loads_as == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+    with gpus.alone("cpu") as loads_as:
+        assert loads_as == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+    with pytest.raises(ValueError, match="cuda:2: CUDA_VISIBLE_DEVICES=3,5 shows only 2 GPU"):
+        with gpus.alone("cuda:2"):
+            pass
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with gpus.alone("cuda:2") as loads_as:
+        assert loads_as == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_the_pods_status_names_the_devices_and_sums_fallbacks_and_memory():
+    from clefcore.engine import EngineStatus
+    from clefcore.server.engine_status import combined
+
+    first = EngineStatus("clef-flash", "cuda:0", "fast", None, {"cublas": True}, 2, 5_000)
+    second = EngineStatus("clef-flash", "cuda:0", "fast", None, {"cublas": True}, 1, 7_000)
+    assert combined([first]) is first and combined([first], "cuda:0,cuda:1") is first   # one: as it is
+    pod = combined([first, second], "cuda:0,cuda:1")
+    assert (pod.model_name, pod.device, pod.mode, pod.backend) == ("clef-flash", "cuda:0,cuda:1", "fast",
+                                                                   {"cublas": True})
+    assert (pod.fallbacks, pod.memory_in_use) == (3, 12_000)

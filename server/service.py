@@ -119,7 +119,7 @@ class Service:
         engines' together, named as configured); None until it is loaded."""
         if self.preparer is None:
             return None
-        return combined([device.status for device in self.devices], self.config.device)
+        return combined([device.status for device in self.devices], ",".join(self.config.devices))
 
     # --- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:

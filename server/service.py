@@ -34,9 +34,8 @@ from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig, backend_options
 from clefcore.preparer import Preparer
 
-from . import admission
+from . import admission, gpus
 from .admission import Budgets, Refusal
-from . import gpus
 from .batcher import Batcher, DeadlineExceeded, QueueFull
 from .device_process import DeviceProcess
 from .engine_status import combined

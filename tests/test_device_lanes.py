@@ -133,3 +133,30 @@ def test_the_pods_status_names_the_devices_and_sums_fallbacks_and_memory():
     assert (pod.model_name, pod.device, pod.mode, pod.backend) == ("clef-flash", "cuda:0,cuda:1", "fast",
                                                                    {"cublas": True})
     assert (pod.fallbacks, pod.memory_in_use) == (3, 12_000)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the server's children")
+def test_one_dead_device_process_fails_the_whole_server():
+    """A pod missing a GPU is restarted whole: one of the two device processes killed, the server logs
+    device_lost and exits 1, and the other device process ends with it."""
+    with Server("--device", "cpu,cpu") as s:
+        s.wait_ready()
+        children = Path(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read_text().split()
+        # multiprocessing's resource tracker is a child too; the device processes are the ones spawned to serve
+        devices = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(devices) == 2
+        os.kill(devices[0], signal.SIGKILL)
+        assert s.wait_exit(30) == 1
+        assert s.events("device_lost") and [e["code"] for e in s.events("exit")] == [1]
+        deadline = time.monotonic() + 10
+        while not ended(devices[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(devices[1])
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie that no one has reaped yet (a container's first process may not)."""
+    try:
+        return "(zombie)" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True

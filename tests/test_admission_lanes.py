@@ -94,7 +94,7 @@ def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_l
     assert b.expected_wait(9_000, now) == pytest.approx(14.5)
     # the queue's backlog: the run's rest and the waiting prompt, over both devices
     b._publish()
-    assert b._metrics.estimated_wait._value.get() == pytest.approx(11_000 / 2_000)
+    assert b._metrics.registry.get_sample_value("clef_estimated_wait_seconds") == pytest.approx(11_000 / 2_000)
     loop.close()
 
 

@@ -9,8 +9,9 @@ Closed loop (each client sends its next request when the last is answered) or a 
 the refused request itself is sent again at once until it is answered otherwise or the run ends. The report:
 per class, the answered share of attempts, latency percentiles of the answered (200) requests and their
 prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be fast); the
-device's busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``; absent
-from servers that do not count it).
+devices' mean busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``, summed
+over its lanes, over ``clef_devices``; absent from servers that do not count it), and each device's where one
+server process runs several (``--spread queue``: a series per lane).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class Run:
     sizing: Sizing = field(default_factory=Sizing)
     started: float = 0.0
     ended: float = 0.0
-    busy_s: float | None = None    # device-seconds the server counted between start and end, per worker
+    busy_s: float | None = None    # device-seconds the server counted between start and end, per device
+    lanes_busy_s: dict | None = None   # the same for each device of one server process on several (by lane)
 
 
 def parse_mix(text: str) -> list[RequestClass]:
@@ -114,6 +116,8 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
               "requests_per_s": round(len(ok) / seconds, 3),
               "prompt_tokens_per_s": round(sum(r.input_tokens for r in ok) / seconds, 1),
               "device_busy_fraction": None if run.busy_s is None else round(run.busy_s / seconds, 3),
+              "device_busy_by_lane": None if run.lanes_busy_s is None else {
+                  lane: round(busy / seconds, 3) for lane, busy in run.lanes_busy_s.items()},
               "classes": {}, "non_200": {}}
     for cls in classes:
         mine = [r for r in run.records if r.cls == cls.name]
@@ -141,7 +145,8 @@ def format_report(report: dict) -> str:
     busy = report["device_busy_fraction"]
     lines = [f"{report['requests']} requests in {report['duration_s']} s, {report['ok']} answered: "
              f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s; "
-             + (f"device busy {busy:.1%}" if busy is not None else "device busy: not reported by the server")]
+             + (f"device busy {busy:.1%}" if busy is not None else "device busy: not reported by the server")
+             + "".join(f", device {lane} {share:.1%}" for lane, share in (report["device_busy_by_lane"] or {}).items())]
     for name, c in report["classes"].items():
         head = f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6} ({(c['answered_share'] or 0):>6.1%})"
         if c["ok"]:
@@ -195,25 +200,36 @@ async def _count(http, path: str, body: dict, headers: dict, tries: int = 10) ->
     return None
 
 
-async def device_busy_s(http) -> float | None:
-    """The server's device-seconds so far per worker (``clef_device_busy_seconds_total`` over
-    ``clef_workers``); None when /metrics does not say."""
+@dataclass
+class Busy:
+    """The server's device-seconds so far: per device (``clef_device_busy_seconds_total``, every lane's series,
+    over ``clef_devices``; servers from before lanes: unlabelled, over ``clef_workers``), and by lane."""
+    per_device_s: float
+    lanes_s: dict
+
+
+async def device_busy(http) -> Busy | None:
+    """What the server's /metrics says of its devices' busy time; None when it does not say."""
     import aiohttp
 
-    values = {}
+    values, lanes = {}, {}
     try:
         async with http.get("/metrics") as reply:
             if reply.status != 200:
                 return None
             for line in (await reply.text()).splitlines():
-                name, _, value = line.partition(" ")
-                if name in ("clef_device_busy_seconds_total", "clef_workers"):
-                    values[name] = float(value)
+                series, _, value = line.rpartition(" ")
+                name, _, labels = series.partition("{")
+                if name in ("clef_device_busy_seconds_total", "clef_devices", "clef_workers"):
+                    values[name] = values.get(name, 0.0) + float(value)
+                if name == "clef_device_busy_seconds_total" and labels.startswith('lane="'):
+                    lanes[labels.split('"')[1]] = float(value)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
     if "clef_device_busy_seconds_total" not in values:
         return None
-    return values["clef_device_busy_seconds_total"] / max(1.0, values.get("clef_workers", 1.0))
+    devices = values.get("clef_devices", values.get("clef_workers", 1.0))
+    return Busy(values["clef_device_busy_seconds_total"] / max(1.0, devices), lanes)
 
 
 async def calibrate(http, path: str, headers: dict, rng: random.Random) -> Sizing:
@@ -248,7 +264,7 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
         # Bodies are built once per class: generating a 24k-word state per request would load the client.
         bodies = {c.name: [make_body(c.tokens, random.Random(rng.random()), run.sizing) for _ in range(4)]
                   for c in classes}
-        busy_at_start = await device_busy_s(http)
+        busy_at_start = await device_busy(http)
         run.started = time.monotonic()
         stop_at = run.started + args.duration
 
@@ -289,9 +305,12 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
 
             await asyncio.gather(*(client() for _ in range(args.clients)))
         run.ended = time.monotonic()
-        busy_at_end = await device_busy_s(http)
+        busy_at_end = await device_busy(http)
         if busy_at_start is not None and busy_at_end is not None:
-            run.busy_s = busy_at_end - busy_at_start
+            run.busy_s = busy_at_end.per_device_s - busy_at_start.per_device_s
+            if len(busy_at_end.lanes_s) > 1:   # one process on several devices: each one's own
+                run.lanes_busy_s = {lane: busy - busy_at_start.lanes_s.get(lane, 0.0)
+                                    for lane, busy in busy_at_end.lanes_s.items()}
     return run
 
 

@@ -17,6 +17,7 @@ from .answers import CONFIDENCE_MODES
 
 VALIDATIONS = ("cloudflare", "reference")
 ON_OVERFLOW = ("truncate", "reject")
+SPREADS = ("queue", "workers")        # --spread: how several devices share the load (queue: the default)
 MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 
 
@@ -60,7 +61,7 @@ class ServiceConfig:
     raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
 
     model: str                              # checkpoint directory
-    device: str = "cpu"                     # cpu or cuda:N (one device; several are `serve`'s workers)
+    device: str = "cpu"                     # cpu, cuda:N, or several, comma-separated: one device process each
     context_length: int = 24576
     validation: str = "cloudflare"
     confidence: str = "cloudflare"
@@ -86,6 +87,8 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
             raise ValueError(f"max_queue_wait must be > 0 or None, got {self.max_queue_wait}")
+        if not self.devices:
+            raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
         if self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
@@ -99,6 +102,11 @@ class ServiceConfig:
     def from_args(cls, args: argparse.Namespace) -> "ServiceConfig":
         """The config in ``clefcore serve``'s parsed flags (the rest of them are the HTTP server's)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices ``device`` names, in order: the Service runs one device process (a lane) on each."""
+        return tuple(d.strip() for d in self.device.split(",") if d.strip())
 
     @property
     def wait_budget(self) -> float:
@@ -145,11 +153,18 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--device", default=d.device,
-                        help="cpu, cuda:N, or a comma-separated list of devices, one worker process each "
+                        help="cpu, cuda:N, or a comma-separated list of devices, spread over as --spread says "
                              "(default: %(default)s)")
     parser.add_argument("--workers", type=int, default=0,
-                        help="with --device cuda: serve on cuda:0..N-1, one worker process per GPU "
+                        help="with --device cuda: serve on cuda:0..N-1, spread over as --spread says "
                              "(default: %(default)s, off)")
+    parser.add_argument("--spread", choices=SPREADS, default=SPREADS[0],
+                        help="several devices: queue (one server process, one admission and one queue that "
+                             "every device takes its next batch from whenever it is free, so no device idles "
+                             "while another has work, whatever connections the clients keep) or workers (one "
+                             "full server process per device on one port with SO_REUSEPORT: the kernel spreads "
+                             "connections, not requests, and each worker admits by its own queue; processes "
+                             "that share nothing) (default: %(default)s)")
     image_options(parser)
     gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1",

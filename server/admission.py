@@ -15,6 +15,18 @@ it), then its own run. A queued
 long prompt whose expected answer moves past its budget is refused then (evicted). So when the device cannot
 keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
 alone exceeds what the device does.
+
+N lanes (a Service on N devices, server/batcher.py): one queue, N devices that each take the next step when
+free, one measured rate r per device. The work ahead of a request is counted over all lanes and drains at N r;
+its own run is on one device, at r. For a whole prompt: (what is left of each lane's running step + the queued
+prompts ahead of it + one chunk of each lane whose started run's next chunk sorts before it) / (N r) + its own
+tokens / r. For a chunked prompt: (every lane's running batch left + the queued whole prompts + the rest of
+every lane's chunked run + the long prompts ahead of it) / (N r x the share of recent time no whole prompt
+waited), then its own tokens / r. The budget's floor: (the sum over lanes of one step each, a chunk or the step
+running there if longer, + N chunks + N times its own tokens) / (N r), which is one device's floor when every
+lane is idle. This counts the lanes as one fluid device N times as fast: a long prompt that a free lane could
+start at once is counted behind the other lanes' chunked runs too, so it errs towards refusing. With N = 1
+every term is the one device's above, computed in the same order, so the numbers are exactly those.
 """
 
 from __future__ import annotations

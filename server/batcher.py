@@ -1,9 +1,12 @@
-"""The asyncio side of batching: futures, deadlines, disconnects, and the calls to the device process.
+"""The asyncio side of batching: futures, deadlines, disconnects, and the calls to the device processes.
 
-Requests are queued in the Cython scheduler (``clefcore.scheduler``); a single dispatcher task takes the
-next packed batch whenever the device is free and has the device process (server/device_process.py) run it,
-so the event loop never waits on the model. Batching is continuous: whatever queued up while one forward ran is
-packed into the next one, so under load batches grow by themselves and an idle server adds no delay.
+Requests are queued in the Cython scheduler (``clefcore.scheduler``). Each device is a *lane*: its device process
+(server/device_process.py), a dispatcher task of its own, the step it runs now and the long prompt it runs
+chunked. A lane's dispatcher takes the next packed batch (or chunk step) from the shared queues whenever its
+device is free and has its device process run it, so the event loop never waits on the model and no device
+idles while work waits. Batching is continuous: whatever queued up while one forward ran is packed into the
+next one, so under load batches grow by themselves and an idle server adds no delay. One device is one lane,
+and everything below then reads as it did before lanes existed.
 
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
 get a 500, the rest of the batch is answered normally.
@@ -17,6 +20,12 @@ arrived when the previous step ended. So a short request waits for at most one c
 started keeps moving under a stream of short ones, and long prompts not yet started are what gives way when
 short work needs the device: a queued one whose expected answer moves past its budget is refused then
 (``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
+
+Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
+model on the same kind of device). A chunked run's state lives in the device process of the lane that started
+it, so its chunks all run on that lane; each lane runs at most one, and a free lane with none starts the next
+long prompt when no whole prompt waits. The admission arithmetic counts the work ahead of a request over all
+lanes and lets it drain at N times the device's rate (server/admission.py's doc, "N lanes").
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from clefcore.errors import DeviceError
@@ -33,6 +43,7 @@ from clefcore.scheduler import Entry, Scheduler
 from . import admission
 from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_process import DeviceProcess, Step
+from .engine_status import combined
 from .logs import log
 from .metrics import Metrics
 
@@ -71,11 +82,39 @@ class _Chunked:
     ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
 
+@dataclass(eq=False)
+class _Lane:
+    """One device: its process, the step on it now (a batch or a chunk: its tokens and when it started), the
+    batch's entries and tokens, and the long prompt it runs chunked (whose state lives in this lane's device
+    process, so all its chunks run here)."""
+    device: DeviceProcess
+    label: str                   # its place in the device list: the busy counter's label
+    running: list = field(default_factory=list)
+    running_tokens: int = 0
+    step_tokens: int = 0
+    step_started: float = 0.0
+    active: _Chunked | None = None
+    task: asyncio.Task | None = None
+
+
+def _first_lane(name: str) -> property:
+    """The first lane's ``name`` under the batcher's own name for it, as it was when the batcher drove one
+    device: the single-device admission cases (tests/test_admission.py) set a step or a chunked run so."""
+    return property(lambda self: getattr(self._lanes[0], name),
+                    lambda self, value: setattr(self._lanes[0], name, value))
+
+
 class Batcher:
-    def __init__(self, device: DeviceProcess, metrics: Metrics, *, max_queue: int, max_batch_tokens: int,
-                 max_batch_requests: int, budgets: Budgets, start_rate: float, chunk_tokens: int = 0,
-                 age_rate: float | None = None):
-        """``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
+    _running = _first_lane("running")
+    _step_tokens = _first_lane("step_tokens")
+    _step_started = _first_lane("step_started")
+    _active = _first_lane("active")
+
+    def __init__(self, devices: DeviceProcess | Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
+                 max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
+                 chunk_tokens: int = 0, age_rate: float | None = None):
+        """``devices``: the device process of each lane (one alone: one lane).
+        ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
         ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
@@ -92,18 +131,15 @@ class Batcher:
         self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
         self._chunk = chunk_tokens
-        self._device = device
-        self._wake = asyncio.Event()
-        self._running: list = []  # entries of the batch on the device now
-        self._running_tokens = 0
-        self._step_tokens = 0      # the step on the device now (a batch or a chunk), and when it started
-        self._step_started = 0.0
+        devices = list(devices) if isinstance(devices, Sequence) else [devices]
+        self._lanes = [_Lane(device, str(i)) for i, device in enumerate(devices)]
+        for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
+            metrics.device_busy.labels(lane.label)
+        self._wake = asyncio.Event()   # work was queued: for every lane's dispatcher that has none
         # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together), and
         # their order keys, by which they are weighed for eviction
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
         self._long_keys: dict[Entry, float] = {}
-        self._active: _Chunked | None = None
-        self._task: asyncio.Task | None = None
 
     @property
     def capacity(self) -> int:
@@ -117,61 +153,68 @@ class Batcher:
         return self.queued >= self._scheduler.capacity
 
     def idle(self) -> bool:
-        return self.queued == 0 and not self._running and self._active is None
+        return self.queued == 0 and all(not lane.running and lane.active is None for lane in self._lanes)
 
     @property
     def rate(self) -> float:
         return self._rate.rate
 
     def backlog_tokens(self) -> int:
-        """Tokens of accepted work not yet done: queued short prompts, the batch on the device, queued long
-        prompts and what is left of the one running chunked."""
-        tokens = self._scheduler.live_tokens + self._running_tokens + self._long.live_tokens
-        return tokens + (self._active.tokens_left if self._active is not None else 0)
+        """Tokens of accepted work not yet done: queued short prompts, the batches on the devices, queued long
+        prompts and what is left of those running chunked."""
+        tokens = self._scheduler.live_tokens + sum(lane.running_tokens for lane in self._lanes)
+        tokens += self._long.live_tokens
+        return tokens + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
 
     def _chunked(self, tokens: int) -> bool:
         return 0 < self._chunk < tokens
 
-    def _chunk_key(self) -> float:
-        """The next chunk step's place in the scheduler's order: that of a queued request of the chunk's size
-        that arrived when the chunk became due (inf: no chunked run started)."""
-        if self._active is None:
+    def _chunk_key(self, lane: _Lane) -> float:
+        """The lane's next chunk step's place in the scheduler's order: that of a queued request of the chunk's
+        size that arrived when the chunk became due (inf: no chunked run started there)."""
+        if lane.active is None:
             return math.inf
-        return self._active.ready_at + min(self._chunk, self._active.tokens_left) / self._scheduler.age_rate
+        return lane.active.ready_at + min(self._chunk, lane.active.tokens_left) / self._scheduler.age_rate
 
-    def _step_left(self, now: float) -> float:
-        """Tokens of the step on the device that are not done yet, at the measured rate."""
-        return max(0.0, self._step_tokens - (now - self._step_started) * self._rate.rate)
+    def _step_left(self, lane: _Lane, now: float) -> float:
+        """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
+        return max(0.0, lane.step_tokens - (now - lane.step_started) * self._rate.rate)
 
     def budget(self, tokens: int) -> float:
         """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than
-        what the order alone can make it wait: one device step (a chunk, or the step running now if longer),
-        the started run's next chunk, and its own run."""
-        step = max(self._chunk, self._step_tokens)
-        return max(self._budgets(tokens), (step + self._chunk + tokens) / self._rate.rate)
+        what the order alone can make it wait: one device step on each lane (a chunk, or the step running there
+        now if longer), each lane's next chunk, and its own run, the lanes' share over all of them."""
+        n = len(self._lanes)
+        steps = sum(max(self._chunk, lane.step_tokens) for lane in self._lanes)
+        return max(self._budgets(tokens), (steps + n * self._chunk + n * tokens) / (n * self._rate.rate))
 
     def _long_ahead(self, now: float) -> float:
-        """Tokens that run before any long prompt not yet started: the whole batch on the device, every queued
-        whole prompt and the rest of the chunked run."""
-        ahead = self._scheduler.live_tokens + (self._active.tokens_left if self._active is not None else 0)
-        return ahead + (self._step_left(now) if self._running else 0.0)
+        """Tokens that run before any long prompt not yet started: the whole batches on the devices, every
+        queued whole prompt and the rest of the chunked runs."""
+        ahead = self._scheduler.live_tokens + sum(lane.active.tokens_left for lane in self._lanes
+                                                  if lane.active is not None)
+        return ahead + sum(self._step_left(lane, now) for lane in self._lanes if lane.running)
 
     def _long_rate(self, now: float) -> float:
-        """Tokens per second the work before a long prompt not yet started drains at: the device's rate times
+        """Tokens per second the work before a long prompt not yet started drains at: the lanes' rate times
         the recent share of time no whole prompt was waiting (it starts only then; whole prompts keep arriving
-        and pass it). Once started, its chunks take their turns, so its own tokens count at the full rate."""
-        return self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
+        and pass it). Once started, its chunks take their turns on its lane, so its own tokens count at one
+        device's full rate."""
+        return len(self._lanes) * self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
 
     def expected_wait(self, tokens: int, now: float) -> float:
-        """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc)."""
+        """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc): the work
+        ahead of it over the lanes' rate, then its own run on one device."""
         if self._chunked(tokens):
             ahead = self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
             return ahead / self._long_rate(now) + tokens / self._rate.rate
         key = self._scheduler.key(tokens, now)
-        ahead = self._step_left(now) + self._scheduler.tokens_before(key)
-        if self._chunk_key() <= key:
-            ahead += min(self._chunk, self._active.tokens_left)
-        return (ahead + tokens) / self._rate.rate
+        ahead = sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
+        ahead += sum(min(self._chunk, lane.active.tokens_left) for lane in self._lanes
+                     if self._chunk_key(lane) <= key)
+        # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
+        n = len(self._lanes)
+        return (ahead + n * tokens) / (n * self._rate.rate)
 
     def _evictable(self, tokens: int) -> Entry | None:
         """The queued long prompt a full queue gives up for a request of ``tokens``: the largest, if
@@ -220,14 +263,16 @@ class Batcher:
         backlog = self.backlog_tokens()
         self._metrics.queue_depth.set(self.queued)
         self._metrics.queued_tokens.set(backlog)
-        self._metrics.estimated_wait.set(backlog / self._rate.rate)
+        self._metrics.estimated_wait.set(backlog / (len(self._lanes) * self._rate.rate))
 
-    def _stepped(self, tokens: int, seconds: float) -> None:
-        """A device step ended: its time counts as busy, and whole prompts that waited during it as such."""
-        self._metrics.device_busy.inc(seconds)
+    def _stepped(self, lane: _Lane, tokens: int, seconds: float) -> None:
+        """A step on the lane's device ended: its time counts as that device's busy time, and whole prompts that
+        waited during it as such (RecentShare caps what one step adds at the time since any lane's last step
+        ended, so lanes whose steps overlap do not count the same wait twice)."""
+        self._metrics.device_busy.labels(lane.label).inc(seconds)
         now = time.monotonic()
         since = self._whole_waiting_since if len(self._scheduler) else None
-        self._whole_waiting.step(now, now - max(self._step_started, since) if since is not None else 0.0)
+        self._whole_waiting.step(now, now - max(lane.step_started, since) if since is not None else 0.0)
         self._observe_rate(tokens, seconds)
 
     def _observe_rate(self, tokens: int, seconds: float) -> None:
@@ -239,21 +284,25 @@ class Batcher:
             self._long.set_age_rate(self._rate.rate)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="clef-dispatch")
-        self._task.add_done_callback(_dispatch_ended)
+        loop = asyncio.get_running_loop()
+        for lane in self._lanes:
+            lane.task = loop.create_task(self._dispatch(lane), name=f"clef-dispatch-{lane.label}")
+            lane.task.add_done_callback(_dispatch_ended)
 
     async def stop(self) -> None:
-        """The drain timeout has passed: answer everything still queued or on the device with a timeout
-        (so no accepted request is cut off without an answer) and stop the dispatcher."""
-        active = [self._active.entry] if self._active is not None else []
+        """The drain timeout has passed: answer everything still queued or on a device with a timeout
+        (so no accepted request is cut off without an answer) and stop the dispatchers."""
+        started = [entry for lane in self._lanes for entry in lane.running]
+        started += [lane.active.entry for lane in self._lanes if lane.active is not None]
         self._long_keys.clear()
-        for entry in self._scheduler.drain() + self._running + self._long.drain() + active:
+        for entry in self._scheduler.drain() + self._long.drain() + started:
             _, future = entry.payload
             if not future.done():
                 future.set_exception(DeadlineExceeded())
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [lane.task for lane in self._lanes if lane.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def submit(self, prepared: Any, deadline: float) -> Outcome:
         """Queue one prepared request and wait for its answer. Raises QueueFull at once when it is not
@@ -329,21 +378,23 @@ class Batcher:
             else:
                 ahead += entry.tokens
 
-    async def _dispatch(self) -> None:
+    async def _dispatch(self, lane: _Lane) -> None:
         while True:
-            if len(self._scheduler) == 0 and len(self._long) == 0 and self._active is None:
+            if len(self._scheduler) == 0 and len(self._long) == 0 and lane.active is None:
+                # Cleared only by a lane that sees nothing queued, right before it waits: a push after this
+                # sets it again, so no lane sleeps through work.
                 self._wake.clear()
                 await self._wake.wait()
             self._evict_late(time.monotonic())
-            # The started run's next chunk goes when it is first in the scheduler's order; the next long
-            # prompt starts only when no whole prompt waits (see the module doc).
-            if self._active is not None and (len(self._scheduler) == 0
-                                             or self._chunk_key() <= self._scheduler.head_key()):
-                await self._chunk_step()
+            # The lane's started run's next chunk goes when it is first in the scheduler's order; the next
+            # long prompt starts only when no whole prompt waits (see the module doc).
+            if lane.active is not None and (len(self._scheduler) == 0
+                                            or self._chunk_key(lane) <= self._scheduler.head_key()):
+                await self._chunk_step(lane)
             elif len(self._scheduler):
-                await self._short_batch()
+                await self._short_batch(lane)
             elif len(self._long):
-                await self._chunk_step()
+                await self._chunk_step(lane)
 
     def _expire(self, entries) -> None:
         """Answer the entries a queue dropped past their deadline with a timeout."""
@@ -353,7 +404,7 @@ class Batcher:
             if not future.done():
                 future.set_exception(DeadlineExceeded())
 
-    async def _short_batch(self) -> None:
+    async def _short_batch(self, lane: _Lane) -> None:
         batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
         if len(self._scheduler) == 0:
             self._whole_waiting_since = None
@@ -363,23 +414,23 @@ class Batcher:
             return
         started = time.monotonic()
         prepared = [entry.payload[0] for entry in batch.entries]
-        self._running = batch.entries
-        self._running_tokens = self._step_tokens = batch.tokens
-        self._step_started = started
+        lane.running = batch.entries
+        lane.running_tokens = lane.step_tokens = batch.tokens
+        lane.step_started = started
         self._publish()
-        self._metrics.running.set(len(prepared))
+        self._metrics.running.inc(len(prepared))
         try:
-            results, prefill_s = await self._device.infer(prepared)
+            results, prefill_s = await lane.device.infer(prepared)
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             results, prefill_s = [(None, lost)] * len(prepared), 0.0
         finally:
-            self._running = []
-            self._running_tokens = self._step_tokens = 0
-            self._metrics.running.set(0)
-        self._stepped(batch.tokens, prefill_s)
+            lane.running = []
+            lane.running_tokens = lane.step_tokens = 0
+            self._metrics.running.dec(len(prepared))
+        self._stepped(lane, batch.tokens, prefill_s)
         self._publish()
         self._metrics.batches.inc()
-        self._metrics.after_batch(self._device.status)
+        self._metrics.after_batch(self._status())
         self._metrics.batch_requests.observe(len(prepared))
         self._metrics.batch_tokens.observe(batch.tokens)
         self._metrics.prefill.observe(prefill_s)
@@ -394,10 +445,14 @@ class Batcher:
             else:
                 future.set_result(Outcome(response, wait_s, prefill_s, len(prepared), batch.tokens))
 
-    async def _chunk_step(self) -> None:
-        """Run the next chunk of the active long prompt (starting the next queued one if none is active)."""
+    def _status(self):
+        """The engines' status, as their device processes last reported it (fallbacks and memory summed)."""
+        return combined([lane.device.status for lane in self._lanes])
+
+    async def _chunk_step(self, lane: _Lane) -> None:
+        """Run the next chunk of the lane's long prompt (starting the next queued one there if it runs none)."""
         now = time.monotonic()
-        if self._active is None:
+        if lane.active is None:
             batch = self._long.take(0, 1, now)
             for entry in batch.entries + batch.expired + batch.cancelled:
                 self._long_keys.pop(entry, None)
@@ -406,39 +461,39 @@ class Batcher:
                 self._publish()
                 return
             entry = batch.entries[0]
-            self._active = _Chunked(entry, entry.tokens, started=now, ready_at=entry.enqueued_at)
+            lane.active = _Chunked(entry, entry.tokens, started=now, ready_at=entry.enqueued_at)
             self._metrics.queue_wait.observe(now - entry.enqueued_at)
-        active = self._active
+        active = lane.active
         _, future = active.entry.payload
         if future.done() or active.entry.deadline <= now:  # the client left or the deadline passed
             if not future.done():
                 self._metrics.expired.inc()
                 future.set_exception(DeadlineExceeded())
-            self._active = None
+            lane.active = None
             self._publish()
             if active.begun:
-                await self._device.drop()   # its state on the device goes now, not at the next long prompt
+                await lane.device.drop()   # its state on the device goes now, not at the next long prompt
             return
-        self._metrics.running.set(1)
-        self._step_tokens = min(self._chunk, active.tokens_left)
-        self._step_started = now
-        active.ready_at = now + self._step_tokens / self._rate.rate  # the step's expected end, until it ends
+        self._metrics.running.inc()
+        lane.step_tokens = min(self._chunk, active.tokens_left)
+        lane.step_started = now
+        active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            step = await self._device.step(None if active.begun else active.entry.payload[0])
+            step = await lane.device.step(None if active.begun else active.entry.payload[0])
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
         finally:
-            self._metrics.running.set(0)
-            self._step_tokens = 0
+            self._metrics.running.dec()
+            lane.step_tokens = 0
             active.ready_at = time.monotonic()
         active.begun = True
         active.tokens_left = step.tokens_left
         active.device_s += step.seconds
         self._metrics.chunk_steps.inc()
-        self._stepped(step.tokens, step.seconds)
+        self._stepped(lane, step.tokens, step.seconds)
         if step.done:
-            self._active = None
-            self._metrics.after_batch(self._device.status)
+            lane.active = None
+            self._metrics.after_batch(self._status())
             self._metrics.prefill.observe(active.device_s)
             if not future.done():
                 if step.error is not None:

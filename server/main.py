@@ -1,6 +1,7 @@
-"""`clefcore serve`: the process. One device: a Service (server/service.py) behind clefcore's routes
-(server/routes.py) on uvloop, listening at once and loading meanwhile (/health answers 503 until ready), draining
-on SIGTERM. Several devices (``--device a,b``, ``--workers N``): one such process per device, started by
+"""`clefcore serve`: the process. A Service (server/service.py) behind clefcore's routes (server/routes.py) on
+uvloop, listening at once and loading meanwhile (/health answers 503 until ready), draining on SIGTERM. Several
+devices (``--device a,b``, ``--workers N``): with ``--spread queue`` (the default) that one process drives a
+device process per device from one queue; with ``--spread workers`` one such process per device, started by
 server/workers.py on one port with SO_REUSEPORT. The flags are clefcore/options.py's ``serve_options``.
 """
 
@@ -25,9 +26,9 @@ from .workers import supervise
 
 def run(args: argparse.Namespace) -> int:
     devices = _devices(args)
-    if len(devices) > 1:
+    if len(devices) > 1 and args.spread == "workers":
         return supervise(args, devices, run)
-    args.device = devices[0]
+    args.device = ",".join(devices)
     if multiprocess_dir() and not getattr(args, "reuse_port", False):
         clear_multiprocess_dir()  # a lone server in a directory named for it: an earlier run's files go
     import uvloop

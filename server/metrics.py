@@ -5,7 +5,10 @@ Names follow the vLLM set with a ``clef_`` prefix (serving-and-peers.md §5b).
 One process: the registry is our own, not prometheus_client's global one, so that two servers in one
 process (tests) never collide and nothing a library registers globally leaks into the scrape.
 
-Several workers (``--workers N``, ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
+One process on several devices (``--spread queue``): one registry; the busy counter has a series per device
+(its ``lane``), the other values are the pod's.
+
+Several workers (``--spread workers`` with ``--workers N`` or ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
 it starts them, so every value is written to a per-process file there, and a scrape, whichever worker the
 kernel hands it to, merges all the files (prometheus_client's MultiProcessCollector): counters and histograms
 are summed over workers, dead ones included, since what they counted happened. Each gauge says how its
@@ -89,9 +92,12 @@ class Metrics:
         # size when refused unread, "unknown" when there was none)
         self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 by reason (queued_work, "
                                 "queue_full, evicted) and prompt size", ["reason", "size"], registry=r)
-        # The loadtest (and a dashboard) takes the device's busy fraction from this counter's rate.
+        # The loadtest (and a dashboard) takes the devices' busy fraction from this counter's rate, over
+        # clef_devices. lane: the device's place in --device (one series per device of a Service on several;
+        # with --spread workers each worker is lane 0 of its own and the scrape sums them).
         self.device_busy = Counter("clef_device_busy_seconds", "Seconds the device spent running forwards "
-                                   "and chunk steps", registry=r)
+                                   "and chunk steps, by lane (the device's place in --device)", ["lane"],
+                                   registry=r)
         self.chunk_steps = Counter("clef_chunk_steps", "Chunks of long prompts run (chunked prefill)",
                                    registry=r)
         self.cancelled = Counter("clef_requests_cancelled", "Queued requests dropped because the client left",
@@ -107,7 +113,9 @@ class Metrics:
         # 1 only while every live worker is ready: one still loading makes the pod not ready.
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed and self-checked", registry=r,
                            multiprocess_mode="livemin")
-        self.workers = Gauge("clef_workers", "Server processes alive (one per device)", registry=r,
+        self.workers = Gauge("clef_workers", "Server processes alive (one per device with --spread workers)",
+                             registry=r, multiprocess_mode="livesum")
+        self.devices = Gauge("clef_devices", "Devices the live server processes run forwards on", registry=r,
                              multiprocess_mode="livesum")
         # Labels say what the engine runs as (device, precision mode); the value is always 1. Workers that
         # agree collapse into one series.

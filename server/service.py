@@ -1,6 +1,7 @@
 """The model behind the routes, as a library for asyncio programs: load, admission, batching, drain.
 
-A ``Service`` owns the device process (server/device_process.py: the engine in a process of its own), the
+A ``Service`` owns the device processes (server/device_process.py: the engine in a process of its own, one per
+device of ``ServiceConfig.device``; several share one queue, as the batcher's lanes), the
 ``Preparer`` with its thread pool and the gate in front of it (validation, images and tokenization, smallest
 bodies first: server/prepare.py), the ``Batcher`` (admission, the scheduler, packed forwards and chunked
 prefill: server/batcher.py), the ``Lifecycle`` (loading, ready, draining, failed) and the ``Metrics``. It knows
@@ -33,10 +34,11 @@ from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig, backend_options
 from clefcore.preparer import Preparer
 
-from . import admission
+from . import admission, gpus
 from .admission import Budgets, Refusal
 from .batcher import Batcher, DeadlineExceeded, QueueFull
 from .device_process import DeviceProcess
+from .engine_status import combined
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import Metrics
@@ -92,7 +94,16 @@ class Service:
         self.lifecycle = Lifecycle()
         self.metrics = Metrics()
         self.hooks = TestHooks.from_environment()
-        self.device = DeviceProcess(self.hooks, config.chunk_tokens)
+        self.devices: list[DeviceProcess] = []
+        self._loads_as: list[str] = []    # the device name each device process loads its engine on
+        several = len(config.devices) > 1
+        for i, device in enumerate(config.devices):
+            # several: each device process sees only its own GPU, as cuda:0; one sees what the server sees
+            with gpus.alone(device) if several else contextlib.nullcontext(device) as loads_as:
+                self._loads_as.append(loads_as)
+                self.devices.append(DeviceProcess(self.hooks, config.chunk_tokens,
+                                                  f"clef-device-{i}" if several else "clef-device"))
+        self.metrics.devices.set(len(self.devices))
         self.preparer: Preparer | None = None   # both set once the model is loaded and self-checked
         self.batcher: Batcher | None = None
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest, and a
@@ -103,8 +114,11 @@ class Service:
 
     @property
     def status(self) -> EngineStatus | None:
-        """What the loaded engine runs as (model, device, precision, fallbacks); None until it is loaded."""
-        return self.device.status if self.preparer is not None else None
+        """What the loaded engine runs as (model, device, precision, fallbacks; on several devices their
+        engines' together, named as configured); None until it is loaded."""
+        if self.preparer is None:
+            return None
+        return combined([device.status for device in self.devices], ",".join(self.config.devices))
 
     # --- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,11 +129,13 @@ class Service:
         if self.hooks.load_delay_s:
             await asyncio.sleep(self.hooks.load_delay_s)
         try:
-            engine = await self.device.load(dict(
-                path=cfg.model, device=cfg.device, max_length=cfg.context_length, confidence=cfg.confidence,
+            engines = await asyncio.gather(*(device.load(dict(
+                path=cfg.model, device=loads_as, max_length=cfg.context_length, confidence=cfg.confidence,
                 validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)))
+                for device, loads_as in zip(self.devices, self._loads_as)))
+            engine = engines[0]
             self.lifecycle.set(LOADING, "warming up and running the self-check")
-            await self.device.self_check()
+            await asyncio.gather(*(device.self_check() for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: Preparer(
                 Checkpoint(cfg.model), cfg.context_length, cfg.validation, engine.images_refused))
@@ -127,23 +143,24 @@ class Service:
             self.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
             log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
             raise
-        self.device.on_lost = self._device_lost
+        for device in self.devices:
+            device.on_lost = self._device_lost
         self.preparer = preparer
-        self.metrics.watch_engine(self.device.status)
-        self.batcher = Batcher(self.device, self.metrics, max_queue=cfg.max_queue,
+        self.metrics.watch_engine(self.status)
+        self.batcher = Batcher(self.devices, self.metrics, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
-                               start_rate=admission.start_rate(cfg.device), chunk_tokens=cfg.chunk_tokens,
+                               start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
                                age_rate=cfg.age_rate)
         self.batcher.start()
         self.lifecycle.set(READY, "ready")
         self.metrics.ready.set(1)
-        log("ready", model=engine.model_name, device=engine.device, load_s=round(time.monotonic() - started, 3),
+        log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
             images=engine.images_refused or "answered")
 
     def _device_lost(self, reason: str) -> None:
-        """The device process died: nothing more can be answered, so the service fails and asks to be stopped
-        (``clefcore serve`` then exits non-zero and is restarted)."""
+        """A device process died: the service fails and asks to be stopped (``clefcore serve`` then exits
+        non-zero and is restarted; on several devices, whole, as a pod missing a GPU should be)."""
         self.lifecycle.set(FAILED, reason)
         self.metrics.ready.set(0)
         log("device_lost", level="error", error=reason)
@@ -167,11 +184,11 @@ class Service:
         return drained
 
     async def stop(self) -> None:
-        """End the device process and the prepare threads (after ``drain``, or after a failed ``start``)."""
+        """End the device processes and the prepare threads (after ``drain``, or after a failed ``start``)."""
         if self.batcher is not None:
             await self.batcher.stop()
         self.metrics.ready.set(0)
-        await self.device.stop()
+        await asyncio.gather(*(device.stop() for device in self.devices))
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # --- requests -------------------------------------------------------------------------------------
@@ -238,5 +255,5 @@ class Service:
         response = outcome.response
         # The engine echoes the request's `model`; strict clients (instructor-php) refuse an empty one.
         if not str(response.get("model", "")).strip():
-            response["model"] = self.device.status.model_name
+            response["model"] = self.devices[0].status.model_name
         return response

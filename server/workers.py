@@ -26,6 +26,7 @@ from pathlib import Path
 
 from prometheus_client.multiprocess import mark_process_dead
 
+from . import gpus
 from .logs import log
 from .metrics import MULTIPROC_ENV, clear_multiprocess_dir
 
@@ -37,10 +38,9 @@ def supervise(args: argparse.Namespace, devices: list[str], serve: Callable[[arg
     if args.port == 0:
         raise SystemExit("several workers share one port: give --port explicitly")
     spawn = multiprocessing.get_context("spawn")  # no CUDA state may be inherited through fork
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     metrics_dir, owned = _metrics_dir()
     try:
-        return _run_workers(args, devices, serve, spawn, inherited, metrics_dir)
+        return _run_workers(args, devices, serve, spawn, metrics_dir)
     finally:
         if owned:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -61,19 +61,19 @@ def _metrics_dir() -> tuple[str, bool]:
     return path, True
 
 
-def _run_workers(args, devices, serve, spawn, inherited, metrics_dir) -> int:
+def _run_workers(args, devices, serve, spawn, metrics_dir) -> int:
     workers = []
-    try:
-        for device in devices:
-            # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
-            child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
-            child.workers, child.reuse_port = 0, True
-            child.device = _isolate(device, inherited)
-            process = spawn.Process(target=_worker, args=(serve, child), name=f"clef-worker-{device}")
-            process.start()  # the child copies os.environ now
-            workers.append(process)
-    finally:
-        _restore("CUDA_VISIBLE_DEVICES", inherited)
+    for device in devices:
+        # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
+        child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+        child.workers, child.reuse_port = 0, True
+        try:
+            with gpus.alone(device) as child.device:
+                process = spawn.Process(target=_worker, args=(serve, child), name=f"clef-worker-{device}")
+                process.start()  # the child copies os.environ now
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        workers.append(process)
     log("supervisor", pid=os.getpid(), workers=[(p.name, p.pid) for p in workers], metrics_dir=metrics_dir)
 
     stopping = False
@@ -102,26 +102,6 @@ def _run_workers(args, devices, serve, spawn, inherited, metrics_dir) -> int:
                 log("worker_exited", level="error", worker=process.name, exitcode=process.exitcode)
                 stop_all()
     return code
-
-
-def _isolate(device: str, inherited: str | None) -> str:
-    """Make GPU N the only one the next worker sees, so that every CUDA call in it, on any thread, lands
-    on its own GPU (CuPy's current device defaults to 0 in each new thread)."""
-    if not device.startswith("cuda"):
-        return device
-    index = int(device.partition(":")[2] or 0)
-    visible = inherited.split(",") if inherited else [str(i) for i in range(index + 1)]
-    if index >= len(visible):
-        raise SystemExit(f"{device}: CUDA_VISIBLE_DEVICES={inherited} shows only {len(visible)} GPU(s)")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
-    return "cuda:0"
-
-
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def _worker(serve: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_harness import Server  # noqa: E402
 
-from clefcore.loadtest import Record, RequestClass, Run, parse_mix, percentile, summarize  # noqa: E402
+from clefcore.loadtest import Record, RequestClass, Run, format_report, parse_mix, percentile, summarize  # noqa: E402
 
 
 def test_parse_mix_normalises_shares_and_names_bad_parts():
@@ -44,6 +44,10 @@ def test_percentiles_and_report_by_class():
     assert report["classes"]["long"]["answered_share"] == round(1 / 3, 4)
     assert report["classes"]["long"]["ok_per_s"] == 0.5
     assert summarize(Run(records, started=0.0, ended=2.0), classes)["device_busy_fraction"] is None
+    assert report["device_busy_by_lane"] is None                   # one device, or workers: no split
+    two = summarize(Run(records, started=0.0, ended=2.0, busy_s=1.5, lanes_busy_s={"0": 1.8, "1": 1.2}), classes)
+    assert two["device_busy_by_lane"] == {"0": 0.9, "1": 0.6}
+    assert "device busy 75.0%, device 0 90.0%, device 1 60.0%" in format_report(two)
     assert report["non_200"] == {"429": 2, "ClientOSError": 1}
     assert report["refused_p50_ms"] == 4.0
 
@@ -97,3 +101,16 @@ def test_no_backoff_resends_at_once_and_the_busy_fraction_comes_from_the_server(
         # each report's share of the server's busy seconds: about 0.2 s a batch, the device mostly busy
         assert 0.5 < fixed["device_busy_fraction"] <= 1.05 and 0.5 < closed["device_busy_fraction"] <= 1.05
         assert busy >= 0.2 * (only["ok"] + closed["ok"])
+
+
+def test_one_process_on_two_devices_reports_each_ones_busy_fraction():
+    # 4 clients, one request a forward, 0.2 s each: both devices of `--device cpu,cpu` mostly busy
+    with Server("--device", "cpu,cpu", "--max-batch-requests", "1", "--min-queue-wait", "1000",
+                "--max-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+        s.wait_ready()
+        report = loadtest(s, "--clients", "4", "--duration", "2", "--mix", "only:1:200")
+        lanes = report["device_busy_by_lane"]
+        assert set(lanes) == {"0", "1"} and all(0.5 < share <= 1.05 for share in lanes.values()), lanes
+        # the mean over the devices is the pod's busy fraction
+        assert report["device_busy_fraction"] == pytest.approx(sum(lanes.values()) / 2, abs=0.002)
+        assert f"device 0 {lanes['0']:.1%}, device 1 {lanes['1']:.1%}" in format_report(report)

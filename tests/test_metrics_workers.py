@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def two_workers(env: dict | None = None) -> Server:
-    server = Server("--device", "cpu,cpu", "--port", str(free_port()), env=env)
+    server = Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(free_port()), env=env)
     server.wait_ready()
     deadline = time.monotonic() + 60
     # /health answers from whichever worker takes the connection: wait until both are up and ready.
@@ -62,6 +62,7 @@ def test_a_scrape_sums_over_both_workers(tmp_path):
     with two_workers({"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as server:
         pids = worker_pids(server)
         assert len(pids) == 2 and server.proc.pid not in pids
+        assert server.metric("clef_devices") == 2
         n = 24
         for i in range(n):  # a new connection each: SO_REUSEPORT spreads them over the workers
             assert server.decide(ticket(f"Checkout error number {i}.")).status == 200

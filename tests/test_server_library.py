@@ -189,6 +189,9 @@ def test_service_config_is_the_serve_flags():
     config = ServiceConfig.from_args(args)
     assert (config.max_queue, config.age_rate, config.chunk_tokens, config.wait_budget) == (7, float("inf"), 0, 3.0)
     assert ServiceConfig(model="m", request_timeout=10).wait_budget == 5.0
+    assert ServiceConfig(model="m", device="cuda:0, cuda:1").devices == ("cuda:0", "cuda:1")
+    with pytest.raises(ValueError, match="device must name at least one device"):
+        ServiceConfig(model="m", device=" , ")
     for field, value, limit in (("max_queue", 0, "> 0"), ("chunk_tokens", -1, ">= 0"), ("age_rate", 0.0, "> 0"),
                                 ("validation", "strict", "one of cloudflare, reference")):
         with pytest.raises(ValueError, match=f"{field} must be {limit}"):

@@ -203,7 +203,7 @@ def test_one_worker_per_device_shares_the_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with Server("--device", "cpu,cpu", "--port", str(port), "--min-queue-wait", "1000") as s:
+    with Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(port), "--min-queue-wait", "1000") as s:
         s.wait_ready()
         # Both workers come up and log their own start; either may answer.
         deadline = time.monotonic() + 60

@@ -1,0 +1,164 @@
+"""Admission and dispatch over several lanes (server/batcher.py, server/admission.py's "N lanes"): the work
+ahead of a request drains at N times one device's rate, against hand-worked numbers; with one lane every number
+is tests/test_admission.py's. And a chunked run's steps all go to the device process that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from clefcore.engine import EngineStatus
+from clefcore.scheduler import Entry
+from clefcore.server.admission import Budgets
+from clefcore.server.batcher import Batcher
+from clefcore.server.device_process import Step
+from clefcore.server.metrics import Metrics
+
+
+class Prepared(SimpleNamespace):
+    pass
+
+
+def batcher(lanes: int, **kw) -> Batcher:
+    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up
+    to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
+    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
+                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+    options.update(kw)
+    b = Batcher([None] * lanes, Metrics(), **options)
+    b._rate.samples = 1  # as if measured: the start value stands
+    return b
+
+
+def entry(loop, tokens: int, at: float) -> Entry:
+    return Entry((Prepared(num_tokens=tokens), loop.create_future()), tokens, at + 60, at)
+
+
+def test_two_busy_lanes_a_short_request_waits_for_half_their_steps_left_then_its_own_run():
+    b = batcher(2, chunk_tokens=0, max_batch_tokens=4_000)
+    now = time.monotonic()
+    first, second = b._lanes
+    first.running, first.step_tokens, first.step_started = [object()], 4_000, now - 1.0   # 3,000 left
+    second.running, second.step_tokens, second.step_started = [object()], 2_000, now - 0.5  # 1,500 left
+    # 4,500 tokens ahead over two devices (2.25 s), then its own 100 on one (0.1 s)
+    assert b.expected_wait(100, now) == pytest.approx(2.35)
+    # the order alone: one step on each lane (4,000 and 2,000) and its own run on each, over both: 6,200 / 2,000
+    assert b.budget(100) == pytest.approx(3.1)
+    assert b.refusal(100, now) is None
+    one = batcher(1, chunk_tokens=0, max_batch_tokens=4_000)
+    one._lanes[0].step_tokens, one._lanes[0].step_started = 4_000, now - 1.0
+    assert one.expected_wait(100, now) == pytest.approx(3.1)          # the first lane alone: 3,000 + 100
+
+
+def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
+    loop = asyncio.new_event_loop()
+    one, two = batcher(1), batcher(2)
+    now = time.monotonic()
+    for b in (one, two):
+        for _ in range(10):
+            b._scheduler.push(entry(loop, 300, now))                   # 3,000 tokens of whole prompts
+        # idle lanes: the floor is a step, a chunk and its own run however many lanes there are
+        assert b.budget(400) == pytest.approx(2.4)
+    assert one.expected_wait(400, now) == pytest.approx(3.4)           # 3 s ahead + its own 0.4 s
+    assert two.expected_wait(400, now) == pytest.approx(1.9)           # 1.5 s ahead + its own 0.4 s
+    assert one.refusal(400, now).reason == "queued_work" and two.refusal(400, now) is None
+    for _ in range(5):
+        two._scheduler.push(entry(loop, 300, now))                     # 4,500: 2.25 s + 0.4 s > 2.4 s
+    refusal = two.refusal(400, now)
+    assert refusal.wait_s == pytest.approx(2.65) and refusal.retry_after_s == 1
+    loop.close()
+
+
+def test_each_lanes_due_chunk_counts_and_a_chunk_not_yet_due_does_not():
+    b = batcher(2)
+    now = time.monotonic()
+    b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)    # due since long ago
+    b._lanes[1].active = SimpleNamespace(ready_at=now, tokens_left=5_000)        # just stepped: due in 1 s
+    assert b.expected_wait(100, now) == pytest.approx(0.6)       # one chunk of 1,000 over two, its own 100
+    b._lanes[1].active.ready_at = now - 5
+    assert b.expected_wait(100, now) == pytest.approx(1.1)       # both lanes' chunks: 2,000 over two
+
+
+def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_lanes():
+    loop = asyncio.new_event_loop()
+    b = batcher(2, budgets=Budgets(1.0, 20.0, 10_000))
+    now = time.monotonic()
+    b._lanes[0].active = SimpleNamespace(ready_at=now, tokens_left=3_000)
+    waiting = entry(loop, 8_000, now - 1)
+    b._long_keys[waiting] = b._long.key(waiting.tokens, waiting.enqueued_at)
+    assert b._long.push(waiting)
+    # 3,000 left of the run and the 8,000 ahead, over two devices (5.5 s), then its own 9,000 on one (9 s)
+    assert b.expected_wait(9_000, now) == pytest.approx(14.5)
+    # the queue's backlog: the run's rest and the waiting prompt, over both devices
+    b._publish()
+    assert b._metrics.registry.get_sample_value("clef_estimated_wait_seconds") == pytest.approx(11_000 / 2_000)
+    loop.close()
+
+
+class FakeDevice:
+    """A device process without a process: a chunked run's state lives here, as in the real one, so a chunk
+    step sent to the wrong device finds no run (or another prompt's) and says so."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.run = None          # [prompt, tokens left]
+        self.ran: list = []      # (op, prompt) in order
+
+    async def infer(self, prepared):
+        self.ran.append(("infer", [p.name for p in prepared]))
+        await asyncio.sleep(0.01)
+        return [({"by": self.name, "prompt": p.name}, None) for p in prepared], 0.01
+
+    async def step(self, prepared):
+        if prepared is not None:
+            self.run = [prepared, prepared.num_tokens]
+        assert self.run is not None, f"{self.name}: a chunk step with no run started here"
+        self.ran.append(("step", self.run[0].name))
+        await asyncio.sleep(0.01)
+        tokens = min(1_000, self.run[1])
+        self.run[1] -= tokens
+        done = self.run[1] == 0
+        response = {"by": self.name, "prompt": self.run[0].name} if done else None
+        if done:
+            self.run = None
+        return Step(done, response, tokens, 0 if done else self.run[1], None, 0.01)
+
+    async def drop(self):
+        self.run = None
+
+
+def test_a_chunked_run_stays_on_the_lane_that_started_it():
+    """Two long prompts, one started on each lane, then a stream of short ones: each long prompt's chunks all
+    run on the device whose process holds its state, with whole prompts between them, whichever lane is free
+    when its next chunk is due."""
+    devices = [FakeDevice("a"), FakeDevice("b")]
+
+    async def main():
+        b = Batcher(devices, Metrics(), max_queue=64, max_batch_tokens=1_000, max_batch_requests=2,
+                    budgets=Budgets(100.0, 100.0, 10_000), start_rate=100_000.0, chunk_tokens=1_000)
+        b.start()
+        deadline = time.monotonic() + 30
+        longs = [asyncio.ensure_future(b.submit(Prepared(num_tokens=4_000, name=f"long{i}"), deadline))
+                 for i in range(2)]
+        await asyncio.sleep(0.005)       # both lanes take one (a free lane starts a long prompt)
+        shorts = []
+        for i in range(12):
+            shorts.append(asyncio.ensure_future(b.submit(Prepared(num_tokens=100, name=f"short{i}"), deadline)))
+            await asyncio.sleep(0.005)
+        answers = await asyncio.gather(*longs, *shorts)
+        await b.stop()
+        return answers
+
+    answers = asyncio.run(main())
+    assert [a.response["prompt"] for a in answers] == ["long0", "long1"] + [f"short{i}" for i in range(12)]
+    for answer, name in zip(answers[:2], ("long0", "long1")):
+        by = answer.response["by"]
+        steps = [prompt for device in devices for op, prompt in device.ran if op == "step" and prompt == name]
+        mine = [prompt for op, prompt in next(d for d in devices if d.name == by).ran if op == "step"]
+        assert len(steps) == 4 and mine.count(name) == 4, (name, devices[0].ran, devices[1].ran)
+    assert {answer.response["by"] for answer in answers[:2]} == {"a", "b"}   # one run on each lane
+    assert all(any(op == "infer" for op, _ in device.ran) for device in devices)   # whole prompts between chunks

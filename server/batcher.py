@@ -97,23 +97,11 @@ class _Lane:
     task: asyncio.Task | None = None
 
 
-def _first_lane(name: str) -> property:
-    """The first lane's ``name`` under the batcher's own name for it, as it was when the batcher drove one
-    device: the single-device admission cases (tests/test_admission.py) set a step or a chunked run so."""
-    return property(lambda self: getattr(self._lanes[0], name),
-                    lambda self, value: setattr(self._lanes[0], name, value))
-
-
 class Batcher:
-    _running = _first_lane("running")
-    _step_tokens = _first_lane("step_tokens")
-    _step_started = _first_lane("step_started")
-    _active = _first_lane("active")
-
-    def __init__(self, devices: DeviceProcess | Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
+    def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
                  max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int = 0, age_rate: float | None = None):
-        """``devices``: the device process of each lane (one alone: one lane).
+        """``devices``: the device process of each lane.
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
         ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
@@ -131,7 +119,6 @@ class Batcher:
         self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
         self._chunk = chunk_tokens
-        devices = list(devices) if isinstance(devices, Sequence) else [devices]
         self._lanes = [_Lane(device, str(i)) for i, device in enumerate(devices)]
         for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
             metrics.device_busy.labels(lane.label)

@@ -101,7 +101,7 @@ def batcher(**kw) -> Batcher:
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
                    budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
     options.update(kw)
-    b = Batcher(None, Metrics(), **options)
+    b = Batcher([None], Metrics(), **options)   # one lane, no device process: arithmetic only
     b._rate.samples = 1  # as if measured: the start value stands
     return b
 
@@ -139,8 +139,9 @@ def test_queued_long_prompts_do_not_count_against_a_short_one():
 def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone():
     b = batcher(chunk_tokens=0, max_batch_tokens=4_000)
     now = time.monotonic()
-    b._running = [object()]
-    b._step_tokens, b._step_started = 4_000, now - 1.0         # a 4 s step, 1 s done
+    lane = b._lanes[0]
+    lane.running = [object()]
+    lane.step_tokens, lane.step_started = 4_000, now - 1.0     # a 4 s step, 1 s done
     assert b.expected_wait(100, now) == pytest.approx(3.1)      # 3,000 left + its own
     assert b.budget(100) == pytest.approx(4.1)                  # that step + its own, over the 1 s floor
     assert b.refusal(100, now) is None
@@ -149,9 +150,9 @@ def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_re
 def test_the_started_runs_next_chunk_counts_once_it_is_due():
     b = batcher()
     now = time.monotonic()
-    b._active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)   # due since long ago
+    b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)   # due since long ago
     assert b.expected_wait(100, now) == pytest.approx(1.1)      # one chunk of 1,000, not the 5,000 left
-    b._active.ready_at = now                                    # just stepped: due in 1 s
+    b._lanes[0].active.ready_at = now                           # just stepped: due in 1 s
     assert b.expected_wait(100, now) == pytest.approx(0.1)
 
 

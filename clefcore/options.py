@@ -79,6 +79,8 @@ class ServiceConfig:
     min_queue_wait: float = 1.0
     chunk_tokens: int = 4096
     age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
+    first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
+                                            # worker's place in --device (set by the supervisor)
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_tokens", "max_batch_requests", "max_queue", "request_timeout",
@@ -165,6 +167,8 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "full server process per device on one port with SO_REUSEPORT: the kernel spreads "
                              "connections, not requests, and each worker admits by its own queue; processes "
                              "that share nothing) (default: %(default)s)")
+    # not flags: the workers' supervisor sets them for each worker it starts (server/workers.py)
+    parser.set_defaults(reuse_port=False, first_lane=d.first_lane)
     image_options(parser)
     gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1",

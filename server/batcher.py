@@ -100,13 +100,14 @@ class _Lane:
 class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
                  max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
-                 chunk_tokens: int = 0, age_rate: float | None = None):
+                 chunk_tokens: int = 0, age_rate: float | None = None, first_lane: int = 0):
         """``devices``: the device process of each lane.
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
         ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
-        rate; inf: first in, first out)."""
+        rate; inf: first in, first out). ``first_lane``: the busy counter's label of the first device (its place
+        in --device)."""
         self._metrics = metrics
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
@@ -119,7 +120,7 @@ class Batcher:
         self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
         self._chunk = chunk_tokens
-        self._lanes = [_Lane(device, str(i)) for i, device in enumerate(devices)]
+        self._lanes = [_Lane(device, str(first_lane + i)) for i, device in enumerate(devices)]
         for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
             metrics.device_busy.labels(lane.label)
         self._wake = asyncio.Event()   # work was queued: for every lane's dispatcher that has none

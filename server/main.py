@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if len(devices) > 1 and args.spread == "workers":
         return supervise(args, devices, run)
     args.device = ",".join(devices)
-    if multiprocess_dir() and not getattr(args, "reuse_port", False):
+    if multiprocess_dir() and not args.reuse_port:
         clear_multiprocess_dir()  # a lone server in a directory named for it: an earlier run's files go
     import uvloop
     return uvloop.run(_serve(args))
@@ -54,7 +54,7 @@ async def _serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the real port when --port 0
     log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,

@@ -93,8 +93,8 @@ class Metrics:
         self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 by reason (queued_work, "
                                 "queue_full, evicted) and prompt size", ["reason", "size"], registry=r)
         # The loadtest (and a dashboard) takes the devices' busy fraction from this counter's rate, over
-        # clef_devices. lane: the device's place in --device (one series per device of a Service on several;
-        # with --spread workers each worker is lane 0 of its own and the scrape sums them).
+        # clef_devices. lane: the device's place in --device, whether one Service drives several devices or
+        # each worker of --spread workers drives one.
         self.device_busy = Counter("clef_device_busy_seconds", "Seconds the device spent running forwards "
                                    "and chunk steps, by lane (the device's place in --device)", ["lane"],
                                    registry=r)

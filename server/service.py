@@ -151,7 +151,7 @@ class Service:
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
                                start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
-                               age_rate=cfg.age_rate)
+                               age_rate=cfg.age_rate, first_lane=cfg.first_lane)
         self.batcher.start()
         self.lifecycle.set(READY, "ready")
         self.metrics.ready.set(1)

@@ -63,10 +63,10 @@ def _metrics_dir() -> tuple[str, bool]:
 
 def _run_workers(args, devices, serve, spawn, metrics_dir) -> int:
     workers = []
-    for device in devices:
+    for lane, device in enumerate(devices):
         # Only plain option values cross into the spawned process (the CLI adds a non-picklable `func`).
         child = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
-        child.workers, child.reuse_port = 0, True
+        child.workers, child.reuse_port, child.first_lane = 0, True, lane
         try:
             with gpus.alone(device) as child.device:
                 process = spawn.Process(target=_worker, args=(serve, child), name=f"clef-worker-{device}")

@@ -80,6 +80,9 @@ def test_a_scrape_sums_over_both_workers(tmp_path):
         memory = [line for line in text.splitlines() if line.startswith("clef_device_memory_bytes{")]
         assert {line.split('pid="')[1].split('"')[0] for line in memory} == {str(p) for p in pids}
         assert "clef_precision_fallbacks_total 0.0" in text
+        # each worker labels its device's busy time with its place in --device: one series per GPU
+        for lane in ("0", "1"):
+            assert server.metric("clef_device_busy_seconds_total", f'lane="{lane}"') > 0, text
         assert server.metric("clef_request_duration_seconds_count", 'route="systemone"') == n
         assert server.terminate() == 0
     # Dead workers' live gauges are gone (they would hold clef_ready and the queue depth); counters stay.

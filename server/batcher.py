@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from clefcore.engine import EngineStatus
 from clefcore.errors import DeviceError
 from clefcore.scheduler import Entry, Scheduler
 
@@ -418,7 +419,7 @@ class Batcher:
         self._stepped(lane, batch.tokens, prefill_s)
         self._publish()
         self._metrics.batches.inc()
-        self._metrics.after_batch(self._status())
+        self._metrics.after_batch(self._status(), self.lane_statuses())
         self._metrics.batch_requests.observe(len(prepared))
         self._metrics.batch_tokens.observe(batch.tokens)
         self._metrics.prefill.observe(prefill_s)
@@ -436,6 +437,10 @@ class Batcher:
     def _status(self):
         """The engines' status, as their device processes last reported it (fallbacks and memory summed)."""
         return combined([lane.device.status for lane in self._lanes])
+
+    def lane_statuses(self) -> dict[str, EngineStatus]:
+        """Each device's engine status by its lane (the busy and memory series' label)."""
+        return {lane.label: lane.device.status for lane in self._lanes}
 
     async def _chunk_step(self, lane: _Lane) -> None:
         """Run the next chunk of the lane's long prompt (starting the next queued one there if it runs none)."""
@@ -481,7 +486,7 @@ class Batcher:
         self._stepped(lane, step.tokens, step.seconds)
         if step.done:
             lane.active = None
-            self._metrics.after_batch(self._status())
+            self._metrics.after_batch(self._status(), self.lane_statuses())
             self._metrics.prefill.observe(active.device_s)
             if not future.done():
                 if step.error is not None:

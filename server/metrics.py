@@ -19,6 +19,7 @@ supervisor marks it dead.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -108,8 +109,8 @@ class Metrics:
                                  "path after the fast path's guard tripped", registry=r)
         # One series per worker (pid label): each worker has its own GPU, and a sum would hide the one
         # that is close to full.
-        self.device_memory = Gauge("clef_device_memory_bytes", "Device memory in use (0 on the CPU)",
-                                   registry=r, multiprocess_mode="liveall")
+        self.device_memory = Gauge("clef_device_memory_bytes", "Device memory in use, by lane (the device's place "
+                                   "in --device; 0 on the CPU)", ["lane"], registry=r, multiprocess_mode="liveall")
         # 1 only while every live worker is ready: one still loading makes the pod not ready.
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed and self-checked", registry=r,
                            multiprocess_mode="livemin")
@@ -124,8 +125,9 @@ class Metrics:
         self.workers.set(1)
         self._fallbacks_seen = 0
 
-    def watch_engine(self, engine: EngineStatus) -> None:
-        """Call once the engine is loaded and self-checked: its identity, and its first counts."""
+    def watch_engine(self, engine: EngineStatus, lanes: Mapping[str, EngineStatus] | None = None) -> None:
+        """Call once the engine is loaded and self-checked: its identity, and its first counts. ``engine``: the
+        engines' status together; ``lanes``: each device's own by its lane (None: one device, lane 0)."""
         status = describe(engine)
         self.engine_info.labels(engine.device, engine.mode).set(1)
         if "cublas" in status:  # GPU engines only: on the CPU there is no cuBLAS to miss
@@ -134,17 +136,18 @@ class Metrics:
             cublas = Gauge("clef_cublas_available", "1 when cuBLAS is loaded, 0 when every GEMM runs "
                            "clefcore's own kernels", registry=self.registry, multiprocess_mode="livemin")
             cublas.set(1 if status["cublas"] else 0)
-        self.after_batch(engine)  # the self-check's fallbacks, if any, count too
+        self.after_batch(engine, lanes)  # the self-check's fallbacks, if any, count too
 
-    def after_batch(self, engine: EngineStatus) -> None:
-        """After every packed forward or chunk step: what changed inside the engine (as the device process
-        reported it with the step). Each worker writes its own values, so a scrape answered by another worker
-        still sees them."""
+    def after_batch(self, engine: EngineStatus, lanes: Mapping[str, EngineStatus] | None = None) -> None:
+        """After every packed forward or chunk step: what changed inside the engines (as the device processes
+        reported it with their steps): the fallbacks of ``engine`` (all devices together) and each lane's device
+        memory. Each worker writes its own values, so a scrape answered by another worker still sees them."""
         seen = engine.fallbacks  # the engine's own count since it was loaded
         if seen > self._fallbacks_seen:
             self.fallbacks.inc(seen - self._fallbacks_seen)
         self._fallbacks_seen = seen
-        self.device_memory.set(float(engine.memory_in_use))
+        for lane, status in (lanes if lanes is not None else {"0": engine}).items():
+            self.device_memory.labels(lane).set(float(status.memory_in_use))
 
     def render(self) -> bytes:
         path = multiprocess_dir()

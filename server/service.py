@@ -146,12 +146,12 @@ class Service:
         for device in self.devices:
             device.on_lost = self._device_lost
         self.preparer = preparer
-        self.metrics.watch_engine(self.status)
         self.batcher = Batcher(self.devices, self.metrics, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
                                start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
                                age_rate=cfg.age_rate, first_lane=cfg.first_lane)
+        self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self.lifecycle.set(READY, "ready")
         self.metrics.ready.set(1)

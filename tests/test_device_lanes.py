@@ -64,6 +64,9 @@ def test_four_keep_alive_clients_keep_both_devices_busy():
         assert sum(busy.values()) >= BATCH_DELAY_S * batches, (busy, batches)
         assert s.metric(BUSY) == pytest.approx(sum(lanes_busy(s).values()))   # the sum: the pod's device time
         assert s.metric("clef_requests_total", 'status="200"') >= len(record)
+        text = s.get("/metrics").text                                      # one memory series per device
+        assert {line.split('lane="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("clef_device_memory_bytes{")} == {"0", "1"}, text
         assert s.terminate() == 0
 
 

@@ -53,6 +53,16 @@ def test_metrics_show_cublas_and_the_engine(missing, available):
     assert sample(text, "clef_device_memory_bytes") == 1234
 
 
+def test_device_memory_is_one_series_per_lane():
+    metrics = Metrics()
+    first, second = (dataclasses.replace(gpu_engine(None), memory_in_use=n) for n in (100, 200))
+    metrics.watch_engine(dataclasses.replace(first, memory_in_use=300), {"0": first, "1": second})
+    text = metrics.render().decode()
+    assert 'clef_device_memory_bytes{lane="0"} 100.0' in text and 'clef_device_memory_bytes{lane="1"} 200.0' in text
+    metrics.after_batch(first, {"0": first, "1": dataclasses.replace(second, memory_in_use=250)})
+    assert 'clef_device_memory_bytes{lane="1"} 250.0' in metrics.render().decode()
+
+
 def test_cpu_metrics_have_no_cublas_line():
     metrics = Metrics()
     metrics.watch_engine(cpu_engine())

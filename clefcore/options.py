@@ -21,6 +21,11 @@ SPREADS = ("queue", "workers")        # --spread: how several devices share the 
 MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 
 
+def device_list(text: str) -> tuple[str, ...]:
+    """The devices a --device value names, in order ("cuda:0, cuda:1" -> ("cuda:0", "cuda:1"))."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
 def image_options(p: argparse.ArgumentParser) -> None:
     """--no-images, shared by every command that loads a model (decide, demo, serve, verify)."""
     p.add_argument("--no-images", action="store_true",
@@ -108,7 +113,7 @@ class ServiceConfig:
     @property
     def devices(self) -> tuple[str, ...]:
         """The devices ``device`` names, in order: the Service runs one device process (a lane) on each."""
-        return tuple(d.strip() for d in self.device.split(",") if d.strip())
+        return device_list(self.device)
 
     @property
     def wait_budget(self) -> float:

@@ -44,7 +44,6 @@ from clefcore.scheduler import Entry, Scheduler
 from . import admission
 from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_process import DeviceProcess, Step
-from .engine_status import combined
 from .logs import log
 from .metrics import Metrics
 
@@ -419,7 +418,7 @@ class Batcher:
         self._stepped(lane, batch.tokens, prefill_s)
         self._publish()
         self._metrics.batches.inc()
-        self._metrics.after_batch(self._status(), self.lane_statuses())
+        self._metrics.after_batch(self.lane_statuses())
         self._metrics.batch_requests.observe(len(prepared))
         self._metrics.batch_tokens.observe(batch.tokens)
         self._metrics.prefill.observe(prefill_s)
@@ -433,10 +432,6 @@ class Batcher:
                 future.set_exception(error)
             else:
                 future.set_result(Outcome(response, wait_s, prefill_s, len(prepared), batch.tokens))
-
-    def _status(self):
-        """The engines' status, as their device processes last reported it (fallbacks and memory summed)."""
-        return combined([lane.device.status for lane in self._lanes])
 
     def lane_statuses(self) -> dict[str, EngineStatus]:
         """Each device's engine status by its lane (the busy and memory series' label)."""
@@ -486,7 +481,7 @@ class Batcher:
         self._stepped(lane, step.tokens, step.seconds)
         if step.done:
             lane.active = None
-            self._metrics.after_batch(self._status(), self.lane_statuses())
+            self._metrics.after_batch(self.lane_statuses())
             self._metrics.prefill.observe(active.device_s)
             if not future.done():
                 if step.error is not None:

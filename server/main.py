@@ -13,7 +13,7 @@ import os
 
 from aiohttp import web
 
-from clefcore.options import ServiceConfig
+from clefcore.options import ServiceConfig, device_list
 
 from .codings import DECODED
 from .lifecycle import FAILED
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace) -> list[str]:
-    devices = [d.strip() for d in args.device.split(",") if d.strip()]
+    devices = list(device_list(args.device))
     if args.workers > 0:
         if devices != ["cuda"]:
             raise SystemExit("--workers N goes with --device cuda (it serves on cuda:0..N-1)")

@@ -136,17 +136,18 @@ class Metrics:
             cublas = Gauge("clef_cublas_available", "1 when cuBLAS is loaded, 0 when every GEMM runs "
                            "clefcore's own kernels", registry=self.registry, multiprocess_mode="livemin")
             cublas.set(1 if status["cublas"] else 0)
-        self.after_batch(engine, lanes)  # the self-check's fallbacks, if any, count too
+        self.after_batch(lanes if lanes is not None else {"0": engine})  # the self-check's fallbacks count too
 
-    def after_batch(self, engine: EngineStatus, lanes: Mapping[str, EngineStatus] | None = None) -> None:
-        """After every packed forward or chunk step: what changed inside the engines (as the device processes
-        reported it with their steps): the fallbacks of ``engine`` (all devices together) and each lane's device
-        memory. Each worker writes its own values, so a scrape answered by another worker still sees them."""
-        seen = engine.fallbacks  # the engine's own count since it was loaded
+    def after_batch(self, lanes: Mapping[str, EngineStatus]) -> None:
+        """After every packed forward or chunk step: what changed inside the engines, each device's by its lane,
+        as its device process reported it with its last step: their precision fallbacks together, and each
+        one's device memory. Each worker writes its own values, so a scrape answered by another worker still
+        sees them."""
+        seen = sum(status.fallbacks for status in lanes.values())  # the engines' own counts since they loaded
         if seen > self._fallbacks_seen:
             self.fallbacks.inc(seen - self._fallbacks_seen)
         self._fallbacks_seen = seen
-        for lane, status in (lanes if lanes is not None else {"0": engine}).items():
+        for lane, status in lanes.items():
             self.device_memory.labels(lane).set(float(status.memory_in_use))
 
     def render(self) -> bytes:

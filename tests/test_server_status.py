@@ -59,8 +59,10 @@ def test_device_memory_is_one_series_per_lane():
     metrics.watch_engine(dataclasses.replace(first, memory_in_use=300), {"0": first, "1": second})
     text = metrics.render().decode()
     assert 'clef_device_memory_bytes{lane="0"} 100.0' in text and 'clef_device_memory_bytes{lane="1"} 200.0' in text
-    metrics.after_batch(first, {"0": first, "1": dataclasses.replace(second, memory_in_use=250)})
+    metrics.after_batch({"0": first, "1": dataclasses.replace(second, memory_in_use=250)})
     assert 'clef_device_memory_bytes{lane="1"} 250.0' in metrics.render().decode()
+    metrics.after_batch({"0": dataclasses.replace(first, fallbacks=1), "1": dataclasses.replace(second, fallbacks=2)})
+    assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3   # the devices' together
 
 
 def test_cpu_metrics_have_no_cublas_line():
@@ -74,8 +76,8 @@ def test_fallbacks_counter_follows_the_engine():
     metrics.watch_engine(engine)  # e.g. the self-check fell back once
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 1
     engine = dataclasses.replace(engine, fallbacks=3)
-    metrics.after_batch(engine)
-    metrics.after_batch(engine)  # read twice, counted once
+    metrics.after_batch({"0": engine})
+    metrics.after_batch({"0": engine})  # read twice, counted once
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3
 
 

@@ -8,8 +8,8 @@ logits to answers).
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -135,14 +135,55 @@ class Engine:
         steps of a long prompt with batches of short ones."""
         return ChunkedRun(self, prepared, chunk)
 
+    def reserve(self, batch_tokens: int, batch_requests: int, chunk_tokens: int = 0) -> int:
+        """Reserve at once the device memory of the largest work a server with these limits gives this engine
+        (Backend.reserve): a packed batch of ``batch_tokens`` over ``batch_requests`` prompts, a prompt of the
+        longest length that runs whole, both while a prompt of ``max_length`` tokens is carried chunked (in
+        chunks of ``chunk_tokens``; 0: never chunked). Text only: the vision tower's activations are not
+        included. Returns the bytes reserved (0 on the CPU); DeviceError, naming the limits, when they do not
+        fit."""
+        longest = self.host.max_length
+        whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
+        base = self.prepare(SELF_CHECK_REQUEST)
+        per = max(batch_tokens // batch_requests, base.num_tokens)
+        packed = [padded(base, per).record] * max(1, min(batch_requests, batch_tokens // per))
+        single = [padded(base, max(whole, base.num_tokens)).record]
+
+        def worst_case():
+            run = ChunkedRun(self, padded(base, longest), chunk_tokens) if whole < longest else None
+            while run is not None and run.tokens_left > chunk_tokens:
+                run.step()
+            self._forward(packed, False)
+            self._forward(single, False)
+            if run is not None:
+                run.step()
+                run.logits()
+
+        try:
+            return self.ops.reserve(worst_case)
+        except DeviceError as error:
+            raise DeviceError(f"cannot reserve device memory for a {longest}-token context, batches of "
+                              f"{batch_tokens} tokens over {batch_requests} requests and chunks of {chunk_tokens} "
+                              f"tokens: {error.message}; lower --max-batch-tokens, --chunk-tokens, --context-length "
+                              f"or --token-block") from error
+
+    @contextmanager
+    def on_device(self):
+        """One forward's window (Backend.begin_forward / end_forward): with a reservation, its buffers come from
+        it."""
+        self.ops.begin_forward()
+        try:
+            yield
+        finally:
+            self.ops.end_forward()
+
     def _forward(self, records: list[EncodedRecord], keep_layers: bool):
         lengths = [len(r.input_ids) for r in records]
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
         positions = packed_positions(records)
         ops = self.ops
-        ops.begin_forward()   # with a GPU arena, this forward's buffers come from it
-        try:
+        with self.on_device():
             rows, embeds = self.image_inputs(records)
             hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
                                         image_rows=rows, image_embeds=embeds)
@@ -151,8 +192,6 @@ class Engine:
                 logits = model.heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
             finally:
                 ops.check_watched()   # the backbone's guard flags, read once; a bad layer fails the whole batch
-        finally:
-            ops.end_forward()
         return logits, hs, layers
 
     def image_inputs(self, records: list[EncodedRecord]):
@@ -193,6 +232,24 @@ class Engine:
     def status(self) -> EngineStatus:
         return EngineStatus(self.model_name, self.device, self.mode, self.images_refused, self.ops.status(),
                             self.fallbacks, self.memory_in_use())
+
+
+def padded(prepared: Prepared, tokens: int) -> Prepared:
+    """``prepared`` with its state lengthened to ``tokens`` tokens in all (its first state token repeated) and
+    the questions' spans moved along: synthetic work of a chosen size (Engine.reserve)."""
+    r = prepared.record
+    extra = tokens - len(r.input_ids)
+    if extra <= 0:
+        return prepared
+    s0, s1 = r.state_span
+    ids = np.concatenate([r.input_ids[:s0], np.full(extra, r.input_ids[s0], r.input_ids.dtype), r.input_ids[s0:]])
+
+    def moved(span):
+        return (span[0] + extra, span[1] + extra) if span[0] >= s1 else span
+
+    questions = tuple(replace(q, question_span=moved(q.question_span),
+                              option_spans=tuple(moved(o) for o in q.option_spans)) for q in r.questions)
+    return replace(prepared, record=replace(r, input_ids=ids, questions=questions, state_span=(s0, s1 + extra)))
 
 
 def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecord]):
@@ -236,9 +293,10 @@ class ChunkedRun:
 
     def _start(self):
         e, rec = self.engine, self.prepared.record
-        rows, embeds = e.image_inputs([rec])
-        return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk, positions=rec.positions,
-                                    image_rows=rows, image_embeds=embeds)
+        with e.on_device():
+            rows, embeds = e.image_inputs([rec])
+            return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk, positions=rec.positions,
+                                        image_rows=rows, image_embeds=embeds)
 
     @property
     def done(self) -> bool:
@@ -255,7 +313,7 @@ class ChunkedRun:
         """Run the next chunk; True when the prefill is complete."""
         ops = self.engine.ops
         try:
-            with self._context():
+            with self.engine.on_device(), self._context():
                 self._prefill.step()
                 ops.check_watched()
         except GuardError as first:
@@ -272,7 +330,7 @@ class ChunkedRun:
         if not self.done:
             raise RuntimeError(f"chunked prefill has {self.tokens_left} tokens left")
         e, rec = self.engine, self.prepared.record
-        with self._context():
+        with e.on_device(), self._context():
             z = model.heads(e.ops, e.params, self._prefill.hs, rec.input_ids, self._prefill.cu, [rec.questions])[0]
             e.ops.check_watched()
         return z

@@ -36,6 +36,7 @@ cdef class FreeList:
     cdef readonly unsigned long long capacity
     cdef readonly unsigned long long in_use
     cdef readonly unsigned long long high_water
+    cdef readonly unsigned long long extent      # the highest end of any range handed out: what a run touched
     cdef list _starts
     cdef list _sizes
 
@@ -45,6 +46,7 @@ cdef class FreeList:
         self._sizes = [capacity] if capacity else []
         self.in_use = 0
         self.high_water = 0
+        self.extent = 0
 
     cpdef long long take(self, unsigned long long size):
         """The start of a free range of ``size`` bytes, now in use; -1 when no free range is large enough."""
@@ -68,6 +70,8 @@ cdef class FreeList:
         self.in_use += size
         if self.in_use > self.high_water:
             self.high_water = self.in_use
+        if start + size > self.extent:
+            self.extent = start + size
         return start
 
     cpdef give(self, unsigned long long start, unsigned long long size):
@@ -149,6 +153,12 @@ cdef class Arena:
     @property
     def high_water(self):
         return self.free.high_water
+
+    @property
+    def extent(self):
+        """Bytes from the arena's start to the end of the highest range ever handed out: an arena of this
+        capacity (plus fragmentation's margin, see clefcore.backends.cuda.reserve) holds the same run."""
+        return self.free.extent
 
     cpdef object alloc(self, unsigned long long nbytes):
         """A MemoryPointer to ``nbytes`` (rounded up to 256) inside the arena."""

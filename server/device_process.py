@@ -66,9 +66,10 @@ class DeviceProcess:
         self.on_lost: Callable[[str], None] | None = None
 
     # --- the calls --------------------------------------------------------------------------------------
-    async def load(self, options: dict) -> EngineStatus:
-        """``clefcore.load(**options)`` in the device process."""
-        await self._call("load", options)
+    async def load(self, options: dict, reserve: dict) -> EngineStatus:
+        """``clefcore.load(**options)`` in the device process, then ``Engine.reserve(**reserve)``: the device
+        memory of the largest batch and chunked prompt, held from now on."""
+        await self._call("load", options, reserve)
         return self.status
 
     async def self_check(self) -> None:
@@ -170,9 +171,10 @@ class _Device:
         self.engine: Engine | None = None
         self.run = None     # the chunked prompt's clefcore.engine.ChunkedRun
 
-    def load(self, options: dict) -> None:
+    def load(self, options: dict, reserve: dict) -> None:
         import clefcore
         self.engine = clefcore.load(**options)
+        self.engine.reserve(**reserve)
 
     def self_check(self) -> None:
         self.engine.self_check()

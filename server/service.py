@@ -131,7 +131,8 @@ class Service:
         try:
             engines = await asyncio.gather(*(device.load(dict(
                 path=cfg.model, device=loads_as, max_length=cfg.context_length, confidence=cfg.confidence,
-                validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)))
+                validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)), dict(
+                batch_tokens=cfg.max_batch_tokens, batch_requests=cfg.max_batch_requests, chunk_tokens=cfg.chunk_tokens))
                 for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
             self.lifecycle.set(LOADING, "warming up and running the self-check")
@@ -156,7 +157,8 @@ class Service:
         self.lifecycle.set(READY, "ready")
         self.metrics.ready.set(1)
         log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
-            images=engine.images_refused or "answered")
+            images=engine.images_refused or "answered", device_memory_bytes=self.status.memory_in_use,
+            reserved_bytes=self.status.backend.get("reserved_bytes", 0))
 
     def _device_lost(self, reason: str) -> None:
         """A device process died: the service fails and asks to be stopped (``clefcore serve`` then exits

@@ -22,6 +22,7 @@ from clefcore.server.device_process import DeviceProcess
 from clefcore.server.testhooks import TestHooks
 
 MODEL = Path(__file__).parent / "golden" / "model"
+RESERVE = {"batch_tokens": 16384, "batch_requests": 32, "chunk_tokens": 4096}   # the serve defaults
 NO_HOOKS = TestHooks(fail_marker=None, batch_delay_s=0.0, load_delay_s=0.0)
 
 
@@ -53,7 +54,7 @@ def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
     async def main():
         device = DeviceProcess(NO_HOOKS, chunk_tokens=16)
         try:
-            status = await device.load({"path": str(MODEL), "device": "cpu"})
+            status = await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
             assert (status.model_name, status.device, status.mode) == (engine.model_name, "cpu", "fp32")
             assert status.images_refused == engine.images_refused and status.fallbacks == 0
             await device.self_check()
@@ -85,8 +86,8 @@ def test_a_failing_request_fails_alone_and_a_load_error_arrives_whole():
         device = DeviceProcess(hooks)
         try:
             with pytest.raises(clefcore.CheckpointError) as missing:
-                await device.load({"path": "/nonexistent/model", "device": "cpu"})
-            await device.load({"path": str(MODEL), "device": "cpu"})
+                await device.load({"path": "/nonexistent/model", "device": "cpu"}, RESERVE)
+            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
             engine = clefcore.load(MODEL)
             good, bad = (engine.prepare(support_ticket(state=s)) for s in ("Fine.", "It went BOOM."))
             results, _ = await device.infer([good, bad, good])
@@ -109,7 +110,7 @@ def test_a_device_process_that_dies_fails_its_waiting_calls():
         device = DeviceProcess(hooks)
         device.on_lost = lost.append
         try:
-            await device.load({"path": str(MODEL), "device": "cpu"})
+            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
             prepared = clefcore.load(MODEL).prepare(support_ticket())
             waiting = asyncio.ensure_future(device.infer([prepared]))
             await asyncio.sleep(0.5)
@@ -132,7 +133,7 @@ def test_a_device_process_that_dies_fails_its_waiting_calls():
 def test_the_device_process_ignores_sigint_and_ends_with_the_pipe():
     async def main():
         device = DeviceProcess(NO_HOOKS)
-        await device.load({"path": str(MODEL), "device": "cpu"})
+        await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
         pid = device._process.pid
         os.kill(pid, signal.SIGINT)          # Ctrl-C reaches the whole process group; the server drains first
         os.kill(pid, signal.SIGTERM)

@@ -36,6 +36,7 @@ def test_freelist_best_fit_coalesce_and_errors():
     assert f.take(100) == 0 and f.take(200) == 100   # the holes merged back: first fit from the start
     f.give(0, 300)
     assert f.ranges() == [(0, 1000)] and f.in_use == 0 and f.high_water == 600
+    assert f.extent == 600                           # [0, 600) was the most ever touched at once
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -64,6 +65,8 @@ def test_freelist_never_hands_out_a_byte_twice(seed):
             live[k] = (start, size)
         assert f.in_use == int(np.count_nonzero(owner))
         assert sum(s for _, s in f.ranges()) == cap - f.in_use
+        touched = np.flatnonzero(owner)
+        assert f.extent >= (touched[-1] + 1 if len(touched) else 0) and f.extent >= f.high_water
     for start, size in live.values():
         f.give(start, size)
     assert f.ranges() == [(0, cap)]
@@ -92,19 +95,45 @@ def test_arena_on_the_gpu():
 
     ck = Checkpoint(Path(__file__).parent / "golden" / "model")
     gemm = "cublas" if HAVE_CUBLAS else "wmma"     # one GEMM path for both, whichever this machine can load
-    ops = CudaOps(0, pool=pool.Arena(256 << 20, 0), token_block=64, gemm=gemm)
+    ops = CudaOps(0, token_block=64, gemm=gemm)
     ref = CudaOps(0, token_block=64, gemm=gemm)
     p, pr = model.load_params(ck, ops), model.load_params(ck, ref)
     ids = np.arange(300) % 1900
     cu, pos = np.array([0, 130, 300]), np.r_[np.arange(130), np.arange(170)]
-    for _ in range(2):                               # the second forward reuses the first one's ranges
+
+    def forward():
         ops.begin_forward()
-        h, _ = model.backbone(ops, p, ids, cu, pos)
-        h = ops.to_host(h)
-        ops.end_forward()
+        try:
+            return ops.to_host(model.backbone(ops, p, ids, cu, pos)[0])
+        finally:
+            ops.end_forward()
+
+    reserved = ops.reserve(forward)
+    assert reserved == ops.arena.capacity and ops.arena.extent <= reserved < 2 * ops.arena.extent + (4 << 20)
+    default = cupy.get_default_memory_pool()
+    before = default.total_bytes()
+    for _ in range(2):                               # each forward reuses the last one's ranges
+        h = forward()
+    assert default.total_bytes() == before           # nothing came from CuPy's own pool: no cudaMalloc
+    assert ops.arena.in_use == 0                     # and everything went back
     want = ref.to_host(model.backbone(ref, pr, ids, cu, pos)[0])
     assert np.max(np.abs(h - want)) <= 1e-5 * np.max(np.abs(want))
-    assert 0 < ops.pool.high_water < 256 << 20
+
+    # a worst case larger than the device: the error says how much there was
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    small = CudaOps(0, token_block=64, gemm=gemm)
+    ballast = cupy.empty(free - (600 << 20), dtype=cupy.uint8)   # leaves the headroom and ~88 MiB
+
+    def too_big():
+        small.begin_forward()
+        try:
+            cupy.empty(256 << 20, dtype=cupy.uint8)
+        finally:
+            small.end_forward()
+    with pytest.raises(DeviceError, match=r"needs more than the \d+ bytes free .*asked for 268435456 bytes"):
+        small.reserve(too_big)
+    assert small.arena is None
+    del ballast
 
 
 def run_child(code: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -31,8 +31,14 @@ GDN_CHUNK = 64
 token_block = 0
 
 
+def reserve(worst_case) -> int:
+    """Nothing to reserve: numpy allocates from the host's memory as it goes."""
+    return 0
+
+
 def begin_forward():
-    """Per-forward hooks of the interface: the CUDA backend resets its arena here; numpy needs nothing."""
+    """Per-forward hooks of the interface: the CUDA backend routes allocations to its arena here; numpy needs
+    nothing."""
 
 
 def end_forward():

@@ -49,8 +49,14 @@ class Backend(Protocol):
     def fallback(self) -> AbstractContextManager[None]:
         """The enclosed forward runs on the range-safe exact path (only where ``falls_back``)."""
 
+    def reserve(self, worst_case: Callable[[], None]) -> int:
+        """Reserve the device memory that ``worst_case`` (the largest forwards the caller will run, each between
+        begin_forward and end_forward) needs, so that no later forward up to that size allocates; the bytes
+        reserved (0: nothing to reserve, worst_case not run)."""
+
     def begin_forward(self) -> None:
-        """Engine hook before a forward (drops guard records a failed forward left unread)."""
+        """Engine hook before a forward (drops guard records a failed forward left unread); the forward's
+        buffers come from the reservation, where there is one."""
 
     def end_forward(self) -> None:
         ...

@@ -104,7 +104,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     tower_graphs: GraphCache
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
-                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128, pool=None,
+                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128,
                  precision: str = precision_modes.DEFAULT, graph_tokens: int = 1024, graphs: int = 4):
         import cupy
         self.cp = cupy
@@ -153,7 +153,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         # activations beyond the residual stream and the K/V cache are [token_block, *]; 0 = whole stream
         self.token_block = int(token_block)
         self.gdn_block_chunks = int(gdn_block_chunks)
-        self.pool = pool
+        self.arena = None            # clefcore.pool.Arena, once reserve() has sized it
         self.fp16_overflow = 0       # weight values saturated to +-65504
         self.fp16_underflow = 0      # nonzero weight values that became 0 in fp16
         self._counts = cupy.zeros(2, dtype=cupy.uint64)
@@ -161,11 +161,11 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self._pinned = None          # during a graph capture: the uploads the graph reads (graphs.py)
         self._staged = []            # pinned host buffers of asynchronous uploads still in flight
         self._watched = []
-        # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never); the arena opts out
-        self.graphs = GraphCache(self, graph_tokens if pool is None else 0, graphs)
+        # single-sequence prompts up to graph_tokens replay a CUDA graph (0 = never)
+        self.graphs = GraphCache(self, graph_tokens, graphs)
         # the vision tower's graphs (fast mode, per set of image sizes) in a cache of their own, so that the image
         # sizes a service sees never evict the short prompts' graphs
-        self.tower_graphs = GraphCache(self, graph_tokens if pool is None else 0, 2)
+        self.tower_graphs = GraphCache(self, graph_tokens, 2)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):
@@ -418,15 +418,16 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
     def memory_in_use(self) -> int:
-        """Device bytes held by live arrays (weights included) and by the CUDA graphs' private pools (the server's
-        device-memory gauge)."""
+        """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
+        whole reservation (the server's device-memory gauge)."""
         used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
-        return used + (int(self.pool.in_use) if self.pool is not None else 0)
+        return used + (int(self.arena.capacity) if self.arena is not None else 0)
 
     def status(self) -> dict:
         """For /health and /metrics: whether cuBLAS is loaded, and why not where it is not (every GEMM then runs
         clefcore's own kernels)."""
-        info: dict = {"cublas": self.cublas_missing is None}
+        info: dict = {"cublas": self.cublas_missing is None,
+                      "reserved_bytes": int(self.arena.capacity) if self.arena is not None else 0}
         if self.cublas_missing is not None:
             info["cublas_missing"] = str(self.cublas_missing)
         return info
@@ -442,16 +443,22 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         finally:
             self.plan = saved
 
+    def reserve(self, worst_case) -> int:
+        """Size the arena by running ``worst_case`` in it (reserve.py); from then on every forward's buffers come
+        from it. Returns the bytes reserved."""
+        from .reserve import reserve
+        return int(reserve(self, worst_case).capacity)
+
     def begin_forward(self):
-        """Engine hook: every array made until end_forward() comes from the arena (clefcore.pool.Arena), so a
-        forward never calls cudaMalloc. Drops guard records a failed forward may have left unread."""
+        """Engine hook: every array made until end_forward() comes from the arena, where reserve() made one, so
+        a forward never calls cudaMalloc. Drops guard records a failed forward may have left unread."""
         self._watched = []
-        if self.pool is not None:
-            self.pool.activate()
+        if self.arena is not None:
+            self.arena.activate()
 
     def end_forward(self):
-        if self.pool is not None:
-            self.pool.deactivate()
+        if self.arena is not None:
+            self.arena.deactivate()
 
     def synchronize(self):
         self.cp.cuda.Device(self.device_id).synchronize()

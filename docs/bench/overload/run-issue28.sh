@@ -53,7 +53,7 @@ install() {  # install <name>: .whl/<name>/clefcore-*.whl (built on the developm
 stamp "installing"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deps "$ROOT"/.whl/deps/*.whl
 install new
-install base
+for tree in $TREES; do [ "$tree" = new ] || install "$tree"; done
 
 cd /tmp  # never import the source tree
 if [ ! -f "$MODEL/config.json" ]; then

@@ -1,0 +1,61 @@
+"""Sizing the activation arena (clefcore.pool.Arena) by running the worst case in it.
+
+How much device memory a forward needs depends on the model, the token block, the packed batch's shape and the
+chunked prompt carried beside it; counting it by hand goes stale with every kernel change. So the caller passes
+the largest work it will ever ask for as a callable, and it runs three times:
+
+0. outside any arena, to compile, autotune and fill the backend's caches (a cache entry made inside the trial
+   arena would keep its whole reservation alive);
+1. in a trial arena of all the free memory but ``HEADROOM``: the highest byte it touched (``Arena.extent``) is
+   the need;
+2. in the arena kept, of that need plus ``MARGIN`` for fragmentation, rounded up to ``GRANULE``. This run is the
+   proof that the worst case fits the arena as reserved (best fit in a smaller arena may place pieces
+   differently); it also warms up every kernel and GEMM shape at those sizes.
+
+From then on every forward between ``begin_forward`` and ``end_forward`` is carved from the arena: no request
+calls cudaMalloc, and a request within the limits cannot run out of memory. The CUDA graphs of short prompts
+keep their private pools outside the arena; a graph that finds no memory is not captured and its prompt runs
+eagerly, in the arena."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ... import errors
+
+HEADROOM = 512 << 20     # outside the trial arena: cuBLAS workspaces and the driver's own allocations
+MARGIN = 1.05            # fragmentation: real traffic frees and reuses in another order than the worst case
+GRANULE = 2 << 20
+
+
+def reserve(ops, worst_case: Callable[[], None]):
+    """The arena for ``worst_case`` on ``ops``'s device, left active as ``ops.arena``; raises DeviceError with
+    the numbers when the device cannot hold it."""
+    from ... import pool
+    cp = ops.cp
+    ops.arena = None
+    worst_case()
+    ops.synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    trial_bytes = max(free - HEADROOM, GRANULE)
+    ops.arena = pool.Arena(trial_bytes, ops.device_id)
+    try:
+        worst_case()
+        ops.synchronize()
+        need = int(ops.arena.extent)
+    except errors.DeviceError as error:
+        raise errors.DeviceError(f"the largest work needs more than the {trial_bytes} bytes free beyond the "
+                                 f"weights and {HEADROOM} bytes of headroom ({error})") from None
+    finally:
+        ops.arena = None    # the trial's pieces all died with the worst case's arrays
+    size = -(-int(need * MARGIN) // GRANULE) * GRANULE
+    ops.arena = pool.Arena(size, ops.device_id)
+    try:
+        worst_case()
+        ops.synchronize()
+    except errors.DeviceError as error:
+        ops.arena = None
+        raise errors.DeviceError(f"the largest work ran in {need} bytes but not in an arena of {size} "
+                                 f"({error})") from None
+    return ops.arena

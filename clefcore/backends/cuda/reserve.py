@@ -31,7 +31,7 @@ GRANULE = 2 << 20
 def reserve(ops, worst_case: Callable[[], None]):
     """The arena for ``worst_case`` on ``ops``'s device, left active as ``ops.arena``; raises DeviceError with
     the numbers when the device cannot hold it."""
-    from ... import pool
+    from ...pool import Arena     # compiled from pyx/pool.pyx
     cp = ops.cp
     ops.arena = None
     worst_case()
@@ -39,7 +39,7 @@ def reserve(ops, worst_case: Callable[[], None]):
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
     trial_bytes = max(free - HEADROOM, GRANULE)
-    ops.arena = pool.Arena(trial_bytes, ops.device_id)
+    ops.arena = Arena(trial_bytes, ops.device_id)
     try:
         worst_case()
         ops.synchronize()
@@ -50,7 +50,7 @@ def reserve(ops, worst_case: Callable[[], None]):
     finally:
         ops.arena = None    # the trial's pieces all died with the worst case's arrays
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE
-    ops.arena = pool.Arena(size, ops.device_id)
+    ops.arena = Arena(size, ops.device_id)
     try:
         worst_case()
         ops.synchronize()

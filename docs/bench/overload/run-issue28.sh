@@ -6,13 +6,13 @@
 # python3 is 3.12 and has no meson-python), and clefcore's dependencies that the device lacks, all under .whl/
 # (ignored by git), which the device call carries:
 #   py=python3.12   # e.g. /root/.pyenv/versions/3.12.1/bin/python3.12
-#   git worktree add --detach /tmp/base-0f26886 0f26886 && $py -m pip wheel --no-deps -w .whl/base /tmp/base-0f26886
+#   git worktree add --detach /tmp/base-0f26886 0f26886 && $py -m pip wheel --no-deps -w .whl/b0f26886 /tmp/base-0f26886
 #   $py -m pip wheel --no-deps -w .whl/new .
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
 # Run (device tool, repository root as cwd; carry [".whl"]):
 #   bash docs/bench/overload/run-issue28.sh
-# It writes to $OUT: issue28-{base,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-servers.log
+# It writes to $OUT: issue28-{b0f26886,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-servers.log
 # (per tree: lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json: 8 files, as many
 # as a device call returns.
 #
@@ -29,12 +29,12 @@
 # Expected wall time with DUR=30: checkpoint ~1.5 min, builds ~0.5 min, per server ~1 min to load and warm up
 # plus 3 x ~35 s of load: ~7.5 min in all (estimated, not yet run on a GPU). A run lasts DUR plus the tail of
 # the requests still in flight (in the CPU dry run the baseline's took up to 29 s more), so up to ~9 min: keep
-# DUR <= 30 in a 10-minute call, or split it, TREES=base in one call and TREES=new in the next (the checkpoint
+# DUR <= 30 in a 10-minute call, or split it, TREES=b0f26886 in one call and TREES=new in the next (the checkpoint
 # is written again if /tmp did not survive).
 set -euo pipefail
 DUR=${DUR:-30}
 OUT=${OUT:-/tmp/issue28-out}
-TREES=${TREES:-"base new"}
+TREES=${TREES:-"b0f26886 new"}   # each a wheel folder under .whl/; "new" is this tree
 PRESET=${PRESET:-clef-flash}
 SERVE_ARGS=${SERVE_ARGS:-"--device cuda:0 --precision fast"}
 MODEL=/tmp/$PRESET-synth

@@ -6,7 +6,9 @@
 current thread is carved out of it, best fit and 256-byte aligned, and its range goes back to the arena when
 the array dies. So a forward never calls cudaMalloc, and the token-blocked prefill's early frees are reused
 by the next block. Running out raises ``clefcore.errors.DeviceError`` naming the bytes asked for, the largest
-free piece and the free total.
+free piece and the free total; an arena made with ``overflow=True`` instead takes that allocation from CuPy's
+own pool and counts it (``overflows``, ``overflow_bytes``): work beyond what the arena was sized for (an image
+batch) is answered, and the count says the reservation was short.
 
 Ownership: the Arena owns the reservation (a ``cupy.cuda.Memory``). Each piece handed out is a
 ``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is a ``_Piece``; CuPy keeps the owner alive as
@@ -126,11 +128,17 @@ cdef class Arena:
     cdef readonly FreeList free
     cdef readonly unsigned long long base
     cdef readonly int device_id
+    cdef readonly bint overflow
+    cdef readonly unsigned long long overflows
+    cdef readonly unsigned long long overflow_bytes
     cdef object _mem
     cdef object _ctx
 
-    def __cinit__(self, unsigned long long nbytes, int device_id=0):
+    def __cinit__(self, unsigned long long nbytes, int device_id=0, bint overflow=False):
         self.device_id = device_id
+        self.overflow = overflow
+        self.overflows = 0
+        self.overflow_bytes = 0
         with cupy.cuda.Device(device_id):
             try:
                 self._mem = cupy.cuda.Memory(nbytes)
@@ -164,6 +172,11 @@ cdef class Arena:
         """A MemoryPointer to ``nbytes`` (rounded up to 256) inside the arena."""
         cdef unsigned long long size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
         cdef long long start = self.free.take(size)
+        if start < 0 and self.overflow:
+            self.overflows += 1
+            self.overflow_bytes += nbytes
+            with cupy.cuda.Device(self.device_id):
+                return cupy.get_default_memory_pool().malloc(nbytes)
         if start < 0:
             raise DeviceError(f"arena out of memory: asked for {nbytes} bytes; largest free piece "
                               f"{self.free.largest_free()} bytes, {self.free.capacity - self.free.in_use} of "
@@ -190,4 +203,4 @@ cdef class Arena:
 
     def __repr__(self):
         return (f"Arena(device={self.device_id}, capacity={self.capacity}, in_use={self.in_use}, "
-                f"high_water={self.high_water})")
+                f"high_water={self.high_water}, overflows={self.overflows})")

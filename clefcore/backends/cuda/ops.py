@@ -425,9 +425,11 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
 
     def status(self) -> dict:
         """For /health and /metrics: whether cuBLAS is loaded, and why not where it is not (every GEMM then runs
-        clefcore's own kernels)."""
+        clefcore's own kernels); the bytes reserve() holds and how many allocations went beyond them."""
+        arena = self.arena
         info: dict = {"cublas": self.cublas_missing is None,
-                      "reserved_bytes": int(self.arena.capacity) if self.arena is not None else 0}
+                      "reserved_bytes": int(arena.capacity) if arena is not None else 0,
+                      "reserve_overflows": int(arena.overflows) if arena is not None else 0}
         if self.cublas_missing is not None:
             info["cublas_missing"] = str(self.cublas_missing)
         return info

@@ -13,7 +13,8 @@ the largest work it will ever ask for as a callable, and it runs three times:
    differently); it also warms up every kernel and GEMM shape at those sizes.
 
 From then on every forward between ``begin_forward`` and ``end_forward`` is carved from the arena: no request
-calls cudaMalloc, and a request within the limits cannot run out of memory. The CUDA graphs of short prompts
+within the limits calls cudaMalloc or can run out of memory. Work the worst case does not cover (the vision
+tower's activations) overflows into CuPy's pool, counted (``Arena.overflows``, /health). The CUDA graphs of short prompts
 keep their private pools outside the arena; a graph that finds no memory is not captured and its prompt runs
 eagerly, in the arena."""
 
@@ -50,12 +51,11 @@ def reserve(ops, worst_case: Callable[[], None]):
     finally:
         ops.arena = None    # the trial's pieces all died with the worst case's arrays
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE
-    ops.arena = Arena(size, ops.device_id)
-    try:
-        worst_case()
-        ops.synchronize()
-    except errors.DeviceError as error:
-        ops.arena = None
+    ops.arena = Arena(size, ops.device_id, overflow=True)
+    worst_case()
+    ops.synchronize()
+    if ops.arena.overflows:    # best fit placed the same work differently in the smaller arena
+        overflow, ops.arena = ops.arena.overflow_bytes, None
         raise errors.DeviceError(f"the largest work ran in {need} bytes but not in an arena of {size} "
-                                 f"({error})") from None
+                                 f"({overflow} bytes overflowed)")
     return ops.arena

@@ -16,9 +16,9 @@ from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
 
-def gpu_engine(cublas_missing, fallbacks=0):
-    return EngineStatus("m", "cuda:0", "fast", None, CudaOps.status(SimpleNamespace(cublas_missing=cublas_missing)),
-                        fallbacks, 1234)
+def gpu_engine(cublas_missing, fallbacks=0, arena=None):
+    backend = CudaOps.status(SimpleNamespace(cublas_missing=cublas_missing, arena=arena))
+    return EngineStatus("m", "cuda:0", "fast", None, backend, fallbacks, 1234)
 
 
 def cpu_engine():
@@ -37,9 +37,13 @@ def one_process(monkeypatch):
 
 def test_describe():
     missing = "libcublasLt.so.12: cannot open shared object file"
-    assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False,
-                                                "cublas_missing": missing, "precision_fallbacks": 2}
-    assert describe(gpu_engine(None)) == {"precision": "fast", "cublas": True, "precision_fallbacks": 0}
+    assert describe(gpu_engine(missing, 2)) == {"precision": "fast", "cublas": False, "reserved_bytes": 0,
+                                                "reserve_overflows": 0, "cublas_missing": missing,
+                                                "precision_fallbacks": 2}
+    reserved = SimpleNamespace(capacity=3 << 30, overflows=5)     # clefcore.pool.Arena's counters
+    assert describe(gpu_engine(None, arena=reserved)) == {"precision": "fast", "cublas": True,
+                                                          "reserved_bytes": 3 << 30, "reserve_overflows": 5,
+                                                          "precision_fallbacks": 0}
     assert describe(cpu_engine()) == {"precision": "fp32", "precision_fallbacks": 0}
 
 

@@ -5,7 +5,6 @@ with other forwards run between its steps."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,20 +15,12 @@ import clefcore
 from clefcore import model
 
 sys.path.insert(0, str(Path(__file__).parent))
+from golden_requests import GOLD, accepted  # noqa: E402
 from gpu_only import MARKS  # noqa: E402
-
-GOLD = Path(__file__).parent / "golden"
-BODIES = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines()]
 
 
 def _longest(engine, n=2):
-    prepared = []
-    for b in BODIES:
-        try:
-            prepared.append(engine.prepare(b))
-        except clefcore.ClefError:
-            continue
-    return sorted(prepared, key=lambda p: -p.num_tokens)[:n]
+    return sorted(accepted(engine), key=lambda p: -p.num_tokens)[:n]
 
 
 def _run(engine, prepared, chunk, between=None):

@@ -6,7 +6,6 @@ and answers as an engine without one."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,10 +16,9 @@ import clefcore
 from clefcore.engine import SELF_CHECK_REQUEST, padded
 
 sys.path.insert(0, str(Path(__file__).parent))
+from golden_requests import GOLD, accepted  # noqa: E402
 from gpu_only import HAVE_GPU  # noqa: E402
 
-GOLD = Path(__file__).parent / "golden"
-BODIES = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines()]
 LIMITS = dict(batch_tokens=1024, batch_requests=4, chunk_tokens=256)
 
 
@@ -63,12 +61,7 @@ def _numbers(answers) -> np.ndarray:
 
 def _traffic(engine):
     """Batches, single prompts and a chunked prompt with a batch between its steps; every probability."""
-    prepared = []
-    for b in BODIES:
-        try:
-            prepared.append(engine.prepare(b))
-        except clefcore.ClefError:
-            continue
+    prepared = accepted(engine)
     out = [engine.infer(prepared[:4]), engine.infer(prepared[:1]), engine.infer(prepared[:1])]
     long = padded(engine.prepare(SELF_CHECK_REQUEST), 2000)
     run = engine.chunked(long, LIMITS["chunk_tokens"])

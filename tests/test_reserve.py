@@ -7,6 +7,7 @@ and answers as an engine without one."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +98,117 @@ def test_after_the_reservation_nothing_allocates_and_answers_are_unchanged():
                                _numbers(a for r in ref.infer([big] * 4) for a in r["answers"].values()),
                                rtol=1e-6, atol=1e-7)
     assert engine.status().backend["reserve_overflows"] > 0
+
+
+# --- reserve.py's procedure on the CPU: clefcore.pool.Arena's bookkeeping (its FreeList) without a device ----
+
+class _BookArena:
+    """clefcore.pool.Arena with FreeList ranges for memory: what reserve.py reads of it (capacity, in_use,
+    extent, overflows), alloc/give for the fake forwards, activate/deactivate as no-ops."""
+
+    def __init__(self, nbytes, device_id=0, overflow=False):
+        from clefcore import pool
+        self.free, self.overflow, self.overflows, self.overflow_bytes = pool.FreeList(nbytes), overflow, 0, 0
+
+    capacity = property(lambda self: self.free.capacity)
+    in_use = property(lambda self: self.free.in_use)
+    extent = property(lambda self: self.free.extent)
+
+    def alloc(self, n):
+        from clefcore.errors import DeviceError
+        start = self.free.take(n)
+        if start >= 0:
+            return (start, n)
+        if not self.overflow:
+            raise DeviceError(f"arena out of memory: asked for {n} bytes")
+        self.overflows, self.overflow_bytes = self.overflows + 1, self.overflow_bytes + n
+        return None
+
+    def give(self, piece):
+        if piece is not None:
+            self.free.give(*piece)
+
+    def activate(self):
+        pass
+
+    def deactivate(self):
+        pass
+
+
+class _Ops:
+    """What reserve.py uses of CudaOps, with a device of ``free`` bytes."""
+
+    def __init__(self, free):
+        from clefcore.backends.cuda.state import Caches
+        pool = SimpleNamespace(free_all_blocks=lambda: None)
+        self.cp = SimpleNamespace(get_default_memory_pool=lambda: pool,
+                                  cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free))))
+        self.device_id, self.arena, self.caches = 0, None, Caches()
+
+    def synchronize(self):
+        pass
+
+
+def _forwards(ops, sizes_per_run, keep=None):
+    """A worst case that allocates ``sizes_per_run[i]`` on its i-th run (0: the warm-up, outside any arena),
+    freeing every other piece at once (fragmentation) and the rest at the end; ``keep`` holds pieces past it."""
+    runs = iter(sizes_per_run)
+
+    def worst_case():
+        sizes = next(runs)
+        arena = ops.arena
+        if arena is None:
+            return
+        pieces = [arena.alloc(n) for n in sizes]
+        for p in pieces[::2]:
+            arena.give(p)
+        if keep is not None:
+            keep.append(pieces.pop())
+        for p in pieces[1::2] if keep is None else pieces[1::2][:-1]:
+            arena.give(p)
+    return worst_case
+
+
+@pytest.fixture
+def book(monkeypatch):
+    from clefcore import pool
+    monkeypatch.setattr(pool, "Arena", _BookArena)
+
+
+def test_reserve_keeps_the_trials_extent_plus_the_margin(book):
+    from clefcore.backends.cuda import reserve as R
+    ops = _Ops(free=8 << 30)
+    sizes = [(300 << 20), (5 << 20), (700 << 20), (1 << 20), (40 << 20)]
+    got = R.reserve(ops, _forwards(ops, [sizes] * 3))
+    need = (300 + 5 + 700 + 1 + 40) << 20          # nothing is freed before the last allocation: all side by side
+    assert got is ops.arena and ops.arena.overflow and ops.arena.overflows == 0
+    assert got.capacity == -(-int(need * R.MARGIN) // R.GRANULE) * R.GRANULE
+    assert ops.arena.in_use == 0
+
+
+def test_reserve_refuses_a_worst_case_larger_than_the_device(book):
+    from clefcore.backends.cuda import reserve as R
+    from clefcore.errors import DeviceError
+    ops = _Ops(free=R.HEADROOM + (64 << 20))
+    with pytest.raises(DeviceError, match=r"needs more than the 67108864 bytes free .*asked for 104857600"):
+        R.reserve(ops, _forwards(ops, [[100 << 20]] * 3))
+    assert ops.arena is None
+
+
+def test_reserve_refuses_when_the_trials_memory_outlives_it(book):
+    from clefcore.backends.cuda import reserve as R
+    from clefcore.errors import DeviceError
+    ops = _Ops(free=1 << 30)
+    with pytest.raises(DeviceError, match=r"1048576 bytes made while sizing the reservation outlived the run"):
+        R.reserve(ops, _forwards(ops, [[4 << 20, 1 << 20]] * 3, keep=[]))
+    assert ops.arena is None
+
+
+def test_reserve_refuses_when_the_kept_arena_overflows(book):
+    from clefcore.backends.cuda import reserve as R
+    from clefcore.errors import DeviceError
+    ops = _Ops(free=1 << 30)
+    small, large = [10 << 20], [40 << 20]          # the third run asks for more than the trial did
+    with pytest.raises(DeviceError, match=r"ran in 10485760 bytes but not in an arena of 12582912 \(41943040"):
+        R.reserve(ops, _forwards(ops, [small, small, large]))
+    assert ops.arena is None

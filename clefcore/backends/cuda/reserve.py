@@ -20,6 +20,7 @@ eagerly, in the arena."""
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 from ... import errors
@@ -40,16 +41,22 @@ def reserve(ops, worst_case: Callable[[], None]):
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
     trial_bytes = max(free - HEADROOM, GRANULE)
-    ops.arena = Arena(trial_bytes, ops.device_id)
+    trial = ops.arena = Arena(trial_bytes, ops.device_id)
     try:
         worst_case()
         ops.synchronize()
-        need = int(ops.arena.extent)
     except errors.DeviceError as error:
         raise errors.DeviceError(f"the largest work needs more than the {trial_bytes} bytes free beyond the "
                                  f"weights and {HEADROOM} bytes of headroom ({error})") from None
     finally:
-        ops.arena = None    # the trial's pieces all died with the worst case's arrays
+        ops.arena = None
+        ops.caches.uploads.clear()   # index tables memoised during the trial live in it: upload them again
+        gc.collect()
+    if trial.in_use:     # an array made in the trial outlived it: the trial's memory cannot be given back
+        raise errors.DeviceError(f"{trial.in_use} bytes made while sizing the reservation outlived the run; "
+                                 f"the {trial_bytes}-byte trial arena stays held")
+    need = int(trial.extent)
+    del trial
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE
     ops.arena = Arena(size, ops.device_id, overflow=True)
     worst_case()

@@ -153,12 +153,13 @@ class Engine:
             run = ChunkedRun(self, padded(base, longest), chunk_tokens) if whole < longest else None
             while run is not None and run.tokens_left > chunk_tokens:
                 run.step()
-            self._forward(packed, False)
-            self._forward(single, False)
+            self.forward(packed)     # a guard trip on the synthetic prompt re-runs it on the range-safe path
+            self.forward(single)
             if run is not None:
                 run.step()
                 run.logits()
 
+        counted = self.fallbacks
         try:
             return self.ops.reserve(worst_case)
         except DeviceError as error:
@@ -166,6 +167,8 @@ class Engine:
                               f"{batch_tokens} tokens over {batch_requests} requests and chunks of {chunk_tokens} "
                               f"tokens: {error.message}; lower --max-batch-tokens, --chunk-tokens, --context-length "
                               f"or --token-block") from error
+        finally:
+            self.fallbacks = counted    # the synthetic prompts' guard trips are no request's
 
     @contextmanager
     def on_device(self):

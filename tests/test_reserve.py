@@ -195,13 +195,15 @@ def test_reserve_refuses_a_worst_case_larger_than_the_device(book):
     assert ops.arena is None
 
 
-def test_reserve_refuses_when_the_trials_memory_outlives_it(book):
+def test_reserve_serves_from_the_trial_when_its_memory_outlives_it(book, caplog):
+    """A bug (an array of the trial run kept alive) must not stop the server: the trial arena cannot be given
+    back, so it becomes the reservation, and the log says so."""
     from clefcore.backends.cuda import reserve as R
-    from clefcore.errors import DeviceError
     ops = _Ops(free=1 << 30)
-    with pytest.raises(DeviceError, match=r"1048576 bytes made while sizing the reservation outlived the run"):
-        R.reserve(ops, _forwards(ops, [[4 << 20, 1 << 20]] * 3, keep=[]))
-    assert ops.arena is None
+    kept = []
+    got = R.reserve(ops, _forwards(ops, [[4 << 20, 1 << 20]] * 3, keep=kept))
+    assert got is ops.arena and got.capacity == (1 << 30) - R.HEADROOM and got.in_use == 1 << 20 and kept
+    assert "1048576 bytes made while sizing the reservation outlived the run" in caplog.text
 
 
 def test_reserve_refuses_when_the_kept_arena_overflows(book):

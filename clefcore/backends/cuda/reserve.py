@@ -10,7 +10,9 @@ the largest work it will ever ask for as a callable, and it runs three times:
    the need;
 2. in the arena kept, of that need plus ``MARGIN`` for fragmentation, rounded up to ``GRANULE``. This run is the
    proof that the worst case fits the arena as reserved (best fit in a smaller arena may place pieces
-   differently); it also warms up every kernel and GEMM shape at those sizes.
+   differently); it also warms up every kernel and GEMM shape at those sizes. Should an array of the trial
+   outlive it (a cache filled during a forward: a bug), the trial cannot be given back and is kept instead,
+   logged, so that the server still starts.
 
 From then on every forward between ``begin_forward`` and ``end_forward`` is carved from the arena: no request
 within the limits calls cudaMalloc or can run out of memory. Work the worst case does not cover (the vision
@@ -21,9 +23,12 @@ eagerly, in the arena."""
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Callable
 
 from ... import errors
+
+log = logging.getLogger("clefcore")
 
 HEADROOM = 512 << 20     # outside the trial arena: cuBLAS workspaces and the driver's own allocations
 MARGIN = 1.05            # fragmentation: real traffic frees and reuses in another order than the worst case
@@ -52,9 +57,11 @@ def reserve(ops, worst_case: Callable[[], None]):
         ops.arena = None
         ops.caches.uploads.clear()   # index tables memoised during the trial live in it: upload them again
         gc.collect()
-    if trial.in_use:     # an array made in the trial outlived it: the trial's memory cannot be given back
-        raise errors.DeviceError(f"{trial.in_use} bytes made while sizing the reservation outlived the run; "
-                                 f"the {trial_bytes}-byte trial arena stays held")
+    if trial.in_use:     # an array made in the trial outlived it: the trial's memory cannot be given back, so it
+        log.warning("%d bytes made while sizing the reservation outlived the run: serving from the whole %d-byte "
+                    "trial arena (CUDA graphs will find no memory and run eagerly)", trial.in_use, trial_bytes)
+        ops.arena = trial
+        return trial
     need = int(trial.extent)
     del trial
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE

@@ -139,8 +139,8 @@ class Engine:
         """Reserve at once the device memory of the largest work a server with these limits gives this engine
         (Backend.reserve): a packed batch of ``batch_tokens`` over ``batch_requests`` prompts, a prompt of the
         longest length that runs whole, both while a prompt of ``max_length`` tokens is carried chunked (in
-        chunks of ``chunk_tokens``; 0: never chunked). Text only: the vision tower's activations are not
-        included. Returns the bytes reserved (0 on the CPU); DeviceError, naming the limits, when they do not
+        chunks of ``chunk_tokens``; 0: never chunked), and the batch again on the range-safe path that a guard
+        trip re-runs it on. Text only: the vision tower's activations are not included. Returns the bytes reserved (0 on the CPU); DeviceError, naming the limits, when they do not
         fit."""
         longest = self.host.max_length
         whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
@@ -155,6 +155,9 @@ class Engine:
                 run.step()
             self.forward(packed)     # a guard trip on the synthetic prompt re-runs it on the range-safe path
             self.forward(single)
+            if self.ops.falls_back:  # a batch answered again after a guard trip: the range-safe path's buffers
+                with self.ops.fallback():
+                    self._forward(packed, False)
             if run is not None:
                 run.step()
                 run.logits()

@@ -140,14 +140,14 @@ class Engine:
         (Backend.reserve): a packed batch of ``batch_tokens`` over ``batch_requests`` prompts, a prompt of the
         longest length that runs whole, both while a prompt of ``max_length`` tokens is carried chunked (in
         chunks of ``chunk_tokens``; 0: never chunked), and the batch again on the range-safe path that a guard
-        trip re-runs it on. Text only: the vision tower's activations are not included. Returns the bytes reserved (0 on the CPU); DeviceError, naming the limits, when they do not
-        fit."""
+        trip re-runs it on. Text only: the vision tower's activations are not included. Returns the bytes
+        reserved (0 on the CPU); DeviceError, naming the limits, when they do not fit."""
         longest = self.host.max_length
         whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
         base = self.prepare(SELF_CHECK_REQUEST)
         per = max(batch_tokens // batch_requests, base.num_tokens)
         packed = [padded(base, per).record] * max(1, min(batch_requests, batch_tokens // per))
-        single = [padded(base, max(whole, base.num_tokens)).record]
+        single = [padded(base, whole).record]
 
         def worst_case():
             run = ChunkedRun(self, padded(base, longest), chunk_tokens) if whole < longest else None

@@ -109,13 +109,16 @@ def test_arena_on_the_gpu():
             ops.end_forward()
 
     reserved = ops.reserve(forward)
-    assert reserved == ops.arena.capacity and ops.arena.extent <= reserved < 2 * ops.arena.extent + (4 << 20)
+    tables = ops.caches.upload_arena
+    assert reserved == ops.arena.capacity + tables.capacity
+    assert ops.arena.extent <= ops.arena.capacity < 2 * ops.arena.extent + (4 << 20)
     default = cupy.get_default_memory_pool()
     before = default.total_bytes()
     for _ in range(2):                               # each forward reuses the last one's ranges
         h = forward()
     assert default.total_bytes() == before           # nothing came from CuPy's own pool: no cudaMalloc
-    assert ops.arena.in_use == 0                     # and everything went back
+    assert ops.arena.in_use == 0                     # and everything went back: the memoised index tables
+    assert tables.in_use > 0 and tables.overflows == 0   # live in an arena of their own
     want = ref.to_host(model.backbone(ref, pr, ids, cu, pos)[0])
     assert np.max(np.abs(h - want)) <= 1e-5 * np.max(np.abs(want))
 

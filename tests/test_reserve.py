@@ -135,6 +135,10 @@ class _BookArena:
         pass
 
 
+class _OutOfMemory(Exception):
+    """Stands for cupy.cuda.memory.OutOfMemoryError."""
+
+
 class _Ops:
     """What reserve.py uses of CudaOps, with a device of ``free`` bytes."""
 
@@ -142,7 +146,8 @@ class _Ops:
         from clefcore.backends.cuda.state import Caches
         pool = SimpleNamespace(free_all_blocks=lambda: None)
         self.cp = SimpleNamespace(get_default_memory_pool=lambda: pool,
-                                  cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free))))
+                                  cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free)),
+                                                       memory=SimpleNamespace(OutOfMemoryError=_OutOfMemory)))
         self.device_id, self.arena, self.caches = 0, None, Caches()
 
     def synchronize(self):
@@ -214,3 +219,39 @@ def test_reserve_refuses_when_the_kept_arena_overflows(book):
     with pytest.raises(DeviceError, match=r"ran in 10485760 bytes but not in an arena of 12582912 \(41943040"):
         R.reserve(ops, _forwards(ops, [small, small, large]))
     assert ops.arena is None
+
+
+@pytest.mark.parametrize("error, where", [
+    (_OutOfMemory("out of memory allocating 1,073,741,824 bytes"), "on the first run, outside any arena"),
+    (RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"), "on the first run, outside any arena"),   # a cuBLAS workspace
+])
+def test_reserve_names_running_out_of_memory_on_the_warm_up(book, error, where):
+    """The first run uses CuPy's pool: running out there (or cuBLAS failing to get its workspace) is the same
+    refusal as the trial's, with the numbers, never a bare CuPy or cuBLAS error that fails the start unexplained."""
+    from clefcore.backends.cuda import reserve as R
+    from clefcore.errors import DeviceError
+    ops = _Ops(free=3 << 30)
+
+    def worst_case():
+        raise error
+    with pytest.raises(DeviceError, match=rf"out of device memory {where} \(3221225472 of 6442450944 bytes free"):
+        R.reserve(ops, worst_case)
+    assert ops.arena is None
+
+
+def test_reserve_lets_other_errors_through(book):
+    from clefcore.backends.cuda import reserve as R
+    ops = _Ops(free=3 << 30)
+
+    def worst_case():
+        raise ValueError("a bug, not a shortage")
+    with pytest.raises(ValueError, match="a bug"):
+        R.reserve(ops, worst_case)
+
+
+def test_reserve_gives_the_index_tables_an_arena_of_their_own(book):
+    from clefcore.backends.cuda import reserve as R
+    ops = _Ops(free=1 << 30)
+    ops.caches.uploads["stale"] = object()       # made before the reservation, in CuPy's pool
+    R.reserve(ops, _forwards(ops, [[1 << 20]] * 3))
+    assert ops.caches.uploads == {} and ops.caches.upload_arena.capacity == R.UPLOADS

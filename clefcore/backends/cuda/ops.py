@@ -238,9 +238,15 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         if d is None:
             if self._pinned is not None:
                 raise errors.DeviceError("index table upload during a CUDA graph capture")
-            if len(uploads) >= 256:
-                uploads.clear()
-            d = uploads[key] = self._to_device(a)
+            arena = self.caches.upload_arena
+            if len(uploads) >= 256 or (arena is not None and arena.free.largest_free() < a.nbytes):
+                uploads.clear()      # tables a CUDA graph reads stay alive with it
+            if arena is None:
+                d = self._to_device(a)
+            else:
+                with self.cp.cuda.using_allocator(arena.malloc):
+                    d = self._to_device(a)
+            uploads[key] = d
         if self._pinned is not None:
             self._pinned.append(d)
         return d
@@ -421,15 +427,18 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
         whole reservation (the server's device-memory gauge)."""
         used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
-        return used + (int(self.arena.capacity) if self.arena is not None else 0)
+        return used + sum(int(a.capacity) for a in self._arenas())
+
+    def _arenas(self):
+        return [a for a in (self.arena, self.caches.upload_arena) if a is not None]
 
     def status(self) -> dict:
         """For /health and /metrics: whether cuBLAS is loaded, and why not where it is not (every GEMM then runs
         clefcore's own kernels); the bytes reserve() holds and how many allocations went beyond them."""
-        arena = self.arena
+        arenas = self._arenas()
         info: dict = {"cublas": self.cublas_missing is None,
-                      "reserved_bytes": int(arena.capacity) if arena is not None else 0,
-                      "reserve_overflows": int(arena.overflows) if arena is not None else 0}
+                      "reserved_bytes": sum(int(a.capacity) for a in arenas),
+                      "reserve_overflows": sum(int(a.overflows) for a in arenas)}
         if self.cublas_missing is not None:
             info["cublas_missing"] = str(self.cublas_missing)
         return info
@@ -447,9 +456,10 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
 
     def reserve(self, worst_case) -> int:
         """Size the arena by running ``worst_case`` in it (reserve.py); from then on every forward's buffers come
-        from it. Returns the bytes reserved."""
+        from it. Returns the bytes reserved: that arena and the memoised index tables' own."""
         from .reserve import reserve
-        return int(reserve(self, worst_case).capacity)
+        reserve(self, worst_case)
+        return sum(int(a.capacity) for a in self._arenas())
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena, where reserve() made one, so

@@ -5,7 +5,8 @@ chunked prompt carried beside it; counting it by hand goes stale with every kern
 the largest work it will ever ask for as a callable, and it runs three times:
 
 0. outside any arena, to compile, autotune and fill the backend's caches (a cache entry made inside the trial
-   arena would keep its whole reservation alive);
+   arena would keep its whole reservation alive). The index tables that CudaOps memoises across forwards get an
+   arena of their own (``UPLOADS``), made first: in the forwards' arena they would pin holes between forwards;
 1. in a trial arena of all the free memory but ``HEADROOM``: the highest byte it touched (``Arena.extent``) is
    the need;
 2. in the arena kept, of that need plus ``MARGIN`` for fragmentation, rounded up to ``GRANULE``. This run is the
@@ -33,6 +34,23 @@ log = logging.getLogger("clefcore")
 HEADROOM = 512 << 20     # outside the trial arena: cuBLAS workspaces and the driver's own allocations
 MARGIN = 1.05            # fragmentation: real traffic frees and reuses in another order than the worst case
 GRANULE = 2 << 20
+UPLOADS = 16 << 20       # the memoised index tables: a 24k-token prompt's largest is ~100 KB; full = start over
+
+
+def _run(ops, worst_case, where: str) -> None:
+    """worst_case() to completion; running out of device memory (CuPy's pool, or a cuBLAS workspace that
+    cudaMalloc could not give) becomes a DeviceError that says where."""
+    try:
+        worst_case()
+        ops.synchronize()
+    except errors.DeviceError:
+        raise
+    except Exception as error:   # noqa: BLE001 - only out-of-memory errors are translated, the rest re-raised
+        if not (isinstance(error, ops.cp.cuda.memory.OutOfMemoryError) or "ALLOC_FAILED" in str(error)):
+            raise
+        free, total = ops.cp.cuda.runtime.memGetInfo()
+        raise errors.DeviceError(f"out of device memory {where} ({free} of {total} bytes free beyond the "
+                                 f"weights: {type(error).__name__}: {error})") from None
 
 
 def reserve(ops, worst_case: Callable[[], None]):
@@ -41,21 +59,20 @@ def reserve(ops, worst_case: Callable[[], None]):
     from ...pool import Arena     # compiled from pyx/pool.pyx
     cp = ops.cp
     ops.arena = None
-    worst_case()
-    ops.synchronize()
+    ops.caches.uploads.clear()
+    ops.caches.upload_arena = Arena(UPLOADS, ops.device_id, overflow=True)
+    _run(ops, worst_case, "on the first run, outside any arena")
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
     trial_bytes = max(free - HEADROOM, GRANULE)
     trial = ops.arena = Arena(trial_bytes, ops.device_id)
     try:
-        worst_case()
-        ops.synchronize()
+        _run(ops, worst_case, "in the trial arena")
     except errors.DeviceError as error:
         raise errors.DeviceError(f"the largest work needs more than the {trial_bytes} bytes free beyond the "
                                  f"weights and {HEADROOM} bytes of headroom ({error})") from None
     finally:
         ops.arena = None
-        ops.caches.uploads.clear()   # index tables memoised during the trial live in it: upload them again
         gc.collect()
     if trial.in_use:     # an array made in the trial outlived it: the trial's memory cannot be given back, so it
         log.warning("%d bytes made while sizing the reservation outlived the run: serving from the whole %d-byte "
@@ -66,8 +83,7 @@ def reserve(ops, worst_case: Callable[[], None]):
     del trial
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE
     ops.arena = Arena(size, ops.device_id, overflow=True)
-    worst_case()
-    ops.synchronize()
+    _run(ops, worst_case, "in the arena kept")
     if ops.arena.overflows:    # best fit placed the same work differently in the smaller arena
         overflow, ops.arena = ops.arena.overflow_bytes, None
         raise errors.DeviceError(f"the largest work ran in {need} bytes but not in an arena of {size} "

@@ -16,8 +16,9 @@ from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
 
-def gpu_engine(cublas_missing, fallbacks=0, arena=None):
-    backend = CudaOps.status(SimpleNamespace(cublas_missing=cublas_missing, arena=arena))
+def gpu_engine(cublas_missing, fallbacks=0, arena=None, tables=None):
+    backend = CudaOps.status(SimpleNamespace(cublas_missing=cublas_missing, arena=arena,
+                                             caches=SimpleNamespace(upload_arena=tables)))
     return EngineStatus("m", "cuda:0", "fast", None, backend, fallbacks, 1234)
 
 
@@ -41,9 +42,10 @@ def test_describe():
                                                 "reserve_overflows": 0, "cublas_missing": missing,
                                                 "precision_fallbacks": 2}
     reserved = SimpleNamespace(capacity=3 << 30, overflows=5)     # clefcore.pool.Arena's counters
-    assert describe(gpu_engine(None, arena=reserved)) == {"precision": "fast", "cublas": True,
-                                                          "reserved_bytes": 3 << 30, "reserve_overflows": 5,
-                                                          "precision_fallbacks": 0}
+    tables = SimpleNamespace(capacity=16 << 20, overflows=1)       # the index tables' arena counts too
+    assert describe(gpu_engine(None, arena=reserved, tables=tables)) == {
+        "precision": "fast", "cublas": True, "reserved_bytes": (3 << 30) + (16 << 20), "reserve_overflows": 6,
+        "precision_fallbacks": 0}
     assert describe(cpu_engine()) == {"precision": "fp32", "precision_fallbacks": 0}
 
 

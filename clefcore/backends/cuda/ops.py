@@ -427,15 +427,12 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
         whole reservation (the server's device-memory gauge)."""
         used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
-        return used + sum(int(a.capacity) for a in self._arenas())
-
-    def _arenas(self):
-        return [a for a in (self.arena, self.caches.upload_arena) if a is not None]
+        return used + sum(int(a.capacity) for a in _arenas(self))
 
     def status(self) -> dict:
         """For /health and /metrics: whether cuBLAS is loaded, and why not where it is not (every GEMM then runs
         clefcore's own kernels); the bytes reserve() holds and how many allocations went beyond them."""
-        arenas = self._arenas()
+        arenas = _arenas(self)
         info: dict = {"cublas": self.cublas_missing is None,
                       "reserved_bytes": sum(int(a.capacity) for a in arenas),
                       "reserve_overflows": sum(int(a.overflows) for a in arenas)}
@@ -459,7 +456,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         from it. Returns the bytes reserved: that arena and the memoised index tables' own."""
         from .reserve import reserve
         reserve(self, worst_case)
-        return sum(int(a.capacity) for a in self._arenas())
+        return sum(int(a.capacity) for a in _arenas(self))
 
     def begin_forward(self):
         """Engine hook: every array made until end_forward() comes from the arena, where reserve() made one, so
@@ -474,3 +471,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
 
     def synchronize(self):
         self.cp.cuda.Device(self.device_id).synchronize()
+
+
+def _arenas(ops) -> list:
+    """The arenas reserve() made: the forwards' and the memoised index tables'."""
+    return [a for a in (ops.arena, ops.caches.upload_arena) if a is not None]

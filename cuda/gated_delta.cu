@@ -15,6 +15,8 @@
 //  gdn_out  (grid chunk x value head x 64 columns, parallel): out += Q' S_chunk.
 // Tensor-core operands are fp32 values split x = hi + lo (two fp16); hi*hi + hi*lo + lo*hi keeps a product
 // fp32-grade (~2^-22; dropping lo*hi measured 3.5e-4 relative error on the output, over the 2e-4 test bound).
+// GDN_PASSES 1 (gated_delta_fast.cu, the fast precision) keeps hi*hi only: one fp16 rounding of each operand,
+// ~5e-4 of the output at the model's head shapes (docs/studies/gdn_fp16_operands.py); solve and state stay fp32.
 // Tail chunks are zero-padded (k = v = beta = g = 0), which is exact. Only non-positive numbers are exponentiated.
 // Fragments are loaded with .shared addressing (mma_sm70.cuh: ldmatrix on sm_75+).
 // Each kernel is one template body on (dk, dv): the plain entry takes them at run time (any multiple of 16 up
@@ -32,13 +34,17 @@
 #define PREP_BLOCKS 1  // 96 KB of shared memory per SM on sm_70
 #endif
 
+#ifndef GDN_PASSES
+#define GDN_PASSES 3   // tensor-core passes per product: 3 (hi/lo, fp32-grade) or 1 (hi only)
+#endif
+
 enum { RR, RC, CR };   // (A, B) layouts: row.row, row.col, col.row
-// d += (ah + al)(bh + bl) less the al * bl term
+// d += (ah + al)(bh + bl) less the al * bl term; with GDN_PASSES 1, d += ah bh
 template <int L>
 __device__ __forceinline__ void mma3(FragC& d, const FragA& ah, const FragA& al, const FragB& bh, const FragB& bl) {
-    if (L == RR) { mma_row_row(d, ah, bh); mma_row_row(d, ah, bl); mma_row_row(d, al, bh); }
-    if (L == RC) { mma_row_col(d, ah, bh); mma_row_col(d, ah, bl); mma_row_col(d, al, bh); }
-    if (L == CR) { mma_col_row(d, ah, bh); mma_col_row(d, ah, bl); mma_col_row(d, al, bh); }
+    if (L == RR) { mma_row_row(d, ah, bh); if (GDN_PASSES == 3) { mma_row_row(d, ah, bl); mma_row_row(d, al, bh); } }
+    if (L == RC) { mma_row_col(d, ah, bh); if (GDN_PASSES == 3) { mma_row_col(d, ah, bl); mma_row_col(d, al, bh); } }
+    if (L == CR) { mma_col_row(d, ah, bh); if (GDN_PASSES == 3) { mma_col_row(d, ah, bl); mma_col_row(d, al, bh); } }
 }
 
 __device__ __forceinline__ unsigned hl_pair(float a, float b, unsigned& lo) {   // hi halves returned

@@ -352,6 +352,25 @@ def test_gated_delta_rule(ops, cu, hk, hv, dk, dv):
     ops.gdn_block_chunks = 128
 
 
+# the fast precision's delta rule (gated_delta_fast.cu): one fp16 rounding of each tensor-core operand, ~5e-4 of
+# the output at the model's head shapes in the numpy study (docs/studies/gdn_fp16_operands.py)
+GDN_FAST_BOUND = 2e-3
+
+
+@pytest.mark.parametrize("cu", CU)
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 32, 64)])
+def test_gated_delta_rule_fast(ops_fast, cu, hk, hv, dk, dv):
+    ops = ops_fast["wmma16"]
+    q, k, v, g, beta = _gdn_inputs(cu[-1], hk, hv, dk, dv)
+    S0 = _state0(len(cu) - 1, hv, dk, dv)
+    S_ref = S0.copy()
+    ref = cpu.gated_delta_rule(q, k, v, g, beta, np.array(cu), S_ref)
+    S = ops.asarray(S0)
+    got = ops.gated_delta_rule(*(ops.asarray(a) for a in (q, k, v, g, beta)), np.array(cu), S)
+    check(f"gdn fast cu{cu} dk{dk} dv{dv}", got, ref, GDN_FAST_BOUND, ops, _gdn_floor(q, k, v, beta))
+    check(f"gdn fast state cu{cu} dk{dk} dv{dv}", S, S_ref, GDN_FAST_BOUND, ops)
+
+
 def _state0(B, hv, dk, dv):
     return r(B, hv, dk, dv, scale=0.5)
 

@@ -39,7 +39,8 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """cuda/gated_delta.cu: gdn_prep, gdn_scan, gdn_out per group of chunks. state: None or fp32
+        """cuda/gated_delta.cu (gated_delta_fast.cu in the fast precision): gdn_prep, gdn_scan, gdn_out per group
+        of chunks. state: None or fp32
         [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
@@ -80,9 +81,11 @@ class DeltaRuleOps:
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        prep = self.kernel("gated_delta.cu", "gdn_prep" + sfx, prep_smem)
-        scan = self.kernel("gated_delta.cu", "gdn_scan" + sfx, scan_smem)
-        outk = self.kernel("gated_delta.cu", "gdn_out" + sfx, out_smem)
+        # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade
+        module = "gated_delta_fast.cu" if self.plan.fp16 else "gated_delta.cu"
+        prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
+        scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
+        outk = self.kernel(module, "gdn_out" + sfx, out_smem)
         # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
         # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
         per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)

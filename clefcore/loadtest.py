@@ -65,6 +65,7 @@ class Record:
     status: int | str      # HTTP status, or the transport error's name
     latency_s: float
     input_tokens: int = 0
+    reason: str | None = None   # a 429's error.reason: queued_work, queue_full, evicted (it had waited)
 
 
 @dataclass
@@ -134,10 +135,17 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
         if r.status != 200:
             key = str(r.status)
             report["non_200"][key] = report["non_200"].get(key, 0) + 1
-    refused = [r.latency_s for r in run.records if r.status == 429]
+    refused = [r for r in run.records if r.status == 429]
     if refused:
-        report["refused_p50_ms"] = round(percentile(refused, 50) * 1000, 1)
-        report["refused_p99_ms"] = round(percentile(refused, 99) * 1000, 1)
+        report["refused_p50_ms"] = round(percentile([r.latency_s for r in refused], 50) * 1000, 1)
+        report["refused_p99_ms"] = round(percentile([r.latency_s for r in refused], 99) * 1000, 1)
+        # refused on arrival (queued_work, queue_full) and refused after waiting in the queue (evicted)
+        report["refused_by_reason"] = {}
+        for reason in sorted({r.reason or "unknown" for r in refused}):
+            latencies = [r.latency_s for r in refused if (r.reason or "unknown") == reason]
+            report["refused_by_reason"][reason] = {
+                "count": len(latencies), "p50_ms": round(percentile(latencies, 50) * 1000, 1),
+                "p99_ms": round(percentile(latencies, 99) * 1000, 1)}
     return report
 
 
@@ -157,7 +165,9 @@ def format_report(report: dict) -> str:
     if report["non_200"]:
         lines.append("  non-200: " + ", ".join(f"{k}: {v}" for k, v in sorted(report["non_200"].items())))
     if "refused_p50_ms" in report:
-        lines.append(f"  429 latency p50 {report['refused_p50_ms']} ms, p99 {report['refused_p99_ms']} ms")
+        lines.append(f"  429 latency p50 {report['refused_p50_ms']} ms, p99 {report['refused_p99_ms']} ms; "
+                     + ", ".join(f"{reason} {r['count']}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
+                                 for reason, r in report["refused_by_reason"].items()))
     return "\n".join(lines)
 
 
@@ -176,6 +186,8 @@ async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict,
                 answer = json.loads(data)
                 answer = answer.get("result", answer)  # the Workers AI envelope
                 record.input_tokens = int(answer.get("usage", {}).get("input_tokens", 0))
+            elif reply.status == 429:
+                record.reason = _refusal_reason(data)
             run.records.append(record)
             if reply.status in (429, 503):
                 return reply.status, float(reply.headers.get("Retry-After", "1") or 1)
@@ -183,6 +195,16 @@ async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict,
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
         run.records.append(Record(cls.name, type(error).__name__, time.monotonic() - sent))
         return type(error).__name__, 0.1
+
+
+def _refusal_reason(data: bytes) -> str:
+    """The reason a 429's bare body gives (clefcore's own routes); "unknown" for any other body."""
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return "unknown"
+    reason = error.get("reason") if isinstance(error, dict) else None
+    return reason if isinstance(reason, str) else "unknown"
 
 
 async def _count(http, path: str, body: dict, headers: dict, tries: int = 10) -> int | None:

@@ -144,12 +144,14 @@ def queue_full(capacity: int, retry_after_s: int) -> ApiError:
                     headers={"Retry-After": str(retry_after_s)})
 
 
-def overloaded(wait_s: float, budget_s: float, retry_after_s: int) -> ApiError:
-    """Admission by work refused the request: the work ahead of it would outlast the wait budget."""
-    return ApiError(429, f"server is overloaded: the work already queued means an expected wait of "
-                         f"{wait_s:.2f} s, over the {budget_s:g} s wait budget; retry in {retry_after_s} s",
+def overloaded(wait_s: float, budget_s: float, retry_after_s: int, evicted: bool = False) -> ApiError:
+    """Admission by work refused the request: the work ahead of it would outlast the wait budget. ``evicted``:
+    it had been queued, and cheaper work admitted since pushed its answer past the budget."""
+    what = ("cheaper work admitted since this request was queued" if evicted else "the work already queued")
+    return ApiError(429, f"server is overloaded: {what} means an expected wait of {wait_s:.2f} s, over the "
+                         f"{budget_s:g} s wait budget; retry in {retry_after_s} s",
                     "rate_limit_error", cf_code=CF_CAPACITY, limit=f"{budget_s:g} s expected wait",
-                    extra={"reason": "queued_work", "expected_wait_s": round(wait_s, 3)},
+                    extra={"reason": "evicted" if evicted else "queued_work", "expected_wait_s": round(wait_s, 3)},
                     headers={"Retry-After": str(retry_after_s)})
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, retry_after,
-                                      size_class)
+from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
+                                      retry_after, size_class)
 from clefcore.server.batcher import Batcher, QueueFull
 from clefcore.server.metrics import Metrics
 
@@ -305,3 +305,16 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
     assert b.early_refusal(None) is None            # size unknown (compressed) and the queue not full
     assert refused(b, "queued_work") == 2
     loop.close()
+
+
+@pytest.mark.parametrize("reason, says", [("queued_work", "the work already queued"),
+                                          ("evicted", "cheaper work admitted since this request was queued")])
+def test_a_refusal_for_work_answers_429_with_its_own_reason(reason, says):
+    """An evicted request waited before its 429: the body says so (its reason was once reported as queued_work,
+    which hid the evictions from clients and from loadtest's refusal latencies)."""
+    from clefcore.server.routes import _api_error
+    from clefcore.server.service import Overloaded
+    error = _api_error(Overloaded(Refusal(reason, 3, 4.5, 2.0), capacity=64), {"log": {}})
+    body = error.bare_body()["error"]
+    assert error.status == 429 and error.headers["Retry-After"] == "3"
+    assert body["reason"] == reason and body["expected_wait_s"] == 4.5 and says in body["message"]

@@ -33,23 +33,35 @@ def test_percentiles_and_report_by_class():
     assert percentile(list(range(1, 101)), 90) == 90
     classes = [RequestClass("short", 0.5, 100), RequestClass("long", 0.5, 1000)]
     records = [Record("short", 200, 0.1 * i, 100) for i in range(1, 11)]
-    records += [Record("long", 200, 2.0, 1000), Record("long", 429, 0.004), Record("long", 429, 0.006),
+    records += [Record("long", 200, 2.0, 1000), Record("long", 429, 0.004, reason="queued_work"),
+                Record("long", 429, 0.006, reason="queued_work"), Record("long", 429, 1.5, reason="evicted"),
                 Record("short", "ClientOSError", 0.0)]
     report = summarize(Run(records, started=0.0, ended=2.0, busy_s=1.5), classes)
-    assert report["requests"] == 14 and report["ok"] == 11 and report["device_busy_fraction"] == 0.75
+    assert report["requests"] == 15 and report["ok"] == 11 and report["device_busy_fraction"] == 0.75
     assert report["requests_per_s"] == 5.5 and report["prompt_tokens_per_s"] == 1000.0
     assert report["classes"]["short"]["p50_ms"] == 500.0 and report["classes"]["short"]["p99_ms"] == 1000.0
-    assert report["classes"]["long"]["sent"] == 3 and report["classes"]["long"]["mean_input_tokens"] == 1000.0
+    assert report["classes"]["long"]["sent"] == 4 and report["classes"]["long"]["mean_input_tokens"] == 1000.0
     assert report["classes"]["short"]["answered_share"] == round(10 / 11, 4)
-    assert report["classes"]["long"]["answered_share"] == round(1 / 3, 4)
+    assert report["classes"]["long"]["answered_share"] == round(1 / 4, 4)
     assert report["classes"]["long"]["ok_per_s"] == 0.5
     assert summarize(Run(records, started=0.0, ended=2.0), classes)["device_busy_fraction"] is None
     assert report["device_busy_by_lane"] is None                   # one device, or workers: no split
     two = summarize(Run(records, started=0.0, ended=2.0, busy_s=1.5, lanes_busy_s={"0": 1.8, "1": 1.2}), classes)
     assert two["device_busy_by_lane"] == {"0": 0.9, "1": 0.6}
     assert "device busy 75.0%, device 0 90.0%, device 1 60.0%" in format_report(two)
-    assert report["non_200"] == {"429": 2, "ClientOSError": 1}
-    assert report["refused_p50_ms"] == 4.0
+    assert report["non_200"] == {"429": 3, "ClientOSError": 1}
+    assert report["refused_p50_ms"] == 6.0 and report["refused_p99_ms"] == 1500.0
+    # an eviction waited in the queue: its latency is apart from the refusals made on arrival
+    assert report["refused_by_reason"] == {"evicted": {"count": 1, "p50_ms": 1500.0, "p99_ms": 1500.0},
+                                           "queued_work": {"count": 2, "p50_ms": 4.0, "p99_ms": 6.0}}
+    assert "queued_work 2: p50 4.0 ms, p99 6.0 ms" in format_report(report)
+
+
+def test_a_refusals_reason_comes_from_its_bare_body():
+    from clefcore.loadtest import _refusal_reason
+    assert _refusal_reason(b'{"error": {"type": "rate_limit_error", "reason": "evicted"}}') == "evicted"
+    for other in (b'{"errors": [{"code": 3040}]}', b"not json", b'["a list"]', b'{"error": "text"}'):
+        assert _refusal_reason(other) == "unknown"
 
 
 def loadtest(server: Server, *args: str) -> dict:

@@ -193,7 +193,8 @@ _ERROR_STATUSES = {
            "\"images: this model has no vision tower\" (or: its tower is incomplete)",
     "429": "overloaded: the work that runs before this request plus its own would exceed the wait it is "
            "allowed (--min-queue-wait, and --max-queue-wait for a prompt of --context-length tokens, shorter "
-           "ones in proportion; reason queued_work), or the queue is full (queue_full); honour Retry-After",
+           "ones in proportion; reason queued_work; evicted when cheaper work admitted later displaced it from "
+           "the queue), or the queue is full (queue_full); honour Retry-After",
     "500": "the device failed this request",
     "503": "loading, draining, or the request waited past --request-timeout; honour Retry-After",
 }

@@ -3,9 +3,9 @@
 # CAP_GIB (default 15.2: a V100-16GB's 15.78 GiB less a CUDA context), then the server starts text-only with its
 # defaults (fast, --context-length 24576, --max-batch-tokens 16384 over 32 requests, --chunk-tokens 4096, CUDA
 # graphs up to 1024 tokens) and reserves its activation arena at load (Engine.reserve). Limits that do not fit
-# must fail the start, naming them; the script then tries smaller batches and token blocks, then shorter contexts, until one
-# starts, and serves the loadtest's default mix with it (80/15/5 of ~1.2k/7.8k/24.6k tokens: the long ones run
-# chunked beside batches).
+# must fail the start, naming them; the script then tries smaller batches and token blocks, then shorter contexts,
+# until one starts, and serves the loadtest's default mix with it (80/15/5 of ~1.2k/7.8k/24.6k tokens: the long
+# ones run chunked beside batches).
 #
 # Prepare as for docs/bench/overload/run-issue28.sh (.whl/new, .whl/deps; carry [".whl"]); reuses its checkpoint
 # (/tmp/clef-flash-synth) when the machine still has it. Run: bash docs/bench/arena-cap.sh
@@ -60,8 +60,8 @@ serve() {  # serve <log> <extra flags...>: start, wait until ready; returns 1 if
 
 # the defaults first, then smaller batches, until one starts: the refused starts show the check at load
 small="--max-batch-tokens 2048 --max-batch-requests 4 --chunk-tokens 2048 --token-block 1024 --graph-tokens 0"
-configs=("" "$small" "--context-length 16384 $small" "--context-length 8192 $small"
-         "--context-length 8192 --max-batch-tokens 1024 --max-batch-requests 2 --chunk-tokens 1024 --token-block 512 --graph-tokens 0")
+smaller="--max-batch-tokens 1024 --max-batch-requests 2 --chunk-tokens 1024 --token-block 512 --graph-tokens 0"
+configs=("" "$small" "--context-length 16384 $small" "--context-length 8192 $small" "--context-length 8192 $smaller")
 started_with=none
 for i in "${!configs[@]}"; do
   flags=${configs[$i]}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 30, step 1 on a GPU, in one device call: the one-pass fast delta rule of this branch (gdn-one-pass) through
-# its kernel tests and the golden engine tests in every mode (native and compute_70 PTX), then `clefcore bench`
-# (fast; kernels table, 2048 and 8192 tokens, 16 x 512) at main and at this branch, same GPU, same call.
+# Issue 30, step 1 on a GPU, in one device call: the one-pass fast delta rule (branch gdn-one-pass, merged at
+# c25c249) through its kernel tests and the golden engine tests in every mode (native and compute_70 PTX), then
+# `clefcore bench` (fast; kernels table, 2048 and 8192 tokens, 16 x 512) at main before the merge and at the
+# branch, same GPU, same call. The figures in docs/bench/issue30/ (H100, 2026-12-05) came from these steps, run in
+# two calls: .whl/main held 8593dda, .whl/gdn the branch.
 #
 # Prepare on the development machine, in this branch's root (.whl/ is ignored by git; carry [".whl"]):
 #   py=python3.12   # the device's python3 is 3.12 and has no meson-python

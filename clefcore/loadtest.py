@@ -280,7 +280,9 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
     weights = [c.share for c in classes]
     run = Run()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=args.clients)
+    # keep-alive: each client reuses its connection, as a gateway does (and SO_REUSEPORT then pins it to one
+    # worker); new: a connection per request, which the kernel spreads over the workers one by one
+    connector = aiohttp.TCPConnector(limit=args.clients, force_close=args.connections == "new")
     async with aiohttp.ClientSession(args.url, timeout=timeout, connector=connector) as http:
         run.sizing = await calibrate(http, path, headers, rng)
         # Bodies are built once per class: generating a 24k-word state per request would load the client.
@@ -371,6 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-backoff", action="store_true",
                         help="after a 429/503 send again at once: a closed-loop client its next request, at "
                              "a fixed rate the refused request itself (a retry storm)")
+    parser.add_argument("--connections", choices=("keep-alive", "new"), default="keep-alive",
+                        help="keep-alive: each client reuses one connection; new: a connection per request")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None,
@@ -383,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     report["sizing"] = asdict(result.sizing)
     report["config"] = {"url": args.url, "route": args.route, "clients": args.clients,
                         "duration_s": args.duration, "rate": args.rate, "no_backoff": args.no_backoff,
-                        "mix": [asdict(c) for c in args.mix]}
+                        "connections": args.connections, "mix": [asdict(c) for c in args.mix]}
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")

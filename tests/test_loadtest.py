@@ -3,9 +3,11 @@ real server (what it counts must match what the server counted)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,57 @@ def test_one_process_on_two_devices_reports_each_ones_busy_fraction():
         # the mean over the devices is the pod's busy fraction
         assert report["device_busy_fraction"] == pytest.approx(sum(lanes.values()) / 2, abs=0.002)
         assert f"device 0 {lanes['0']:.1%}, device 1 {lanes['1']:.1%}" in format_report(report)
+
+
+class _CountingServer:
+    """A stand-in for the server in a thread of its own: answers /v1/systemone with a token count that grows
+    with the state's words (so the probes calibrate), and records each request's client port: one port per
+    TCP connection."""
+
+    def __init__(self):
+        self.ports: list[int] = []
+        self.ready = threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True).start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+
+    async def _serve(self):
+        from aiohttp import web
+
+        async def decide(request):
+            body = await request.json()
+            self.ports.append(request.transport.get_extra_info("peername")[1])
+            return web.json_response({"usage": {"input_tokens": 20 + len(body["state"].split())}})
+        app = web.Application()
+        app.router.add_post("/v1/systemone", decide)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+        self.ready.set()
+        await self.stop.wait()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("connections", ["keep-alive", "new"])
+def test_connections_are_kept_alive_or_new_per_request(connections):
+    """Issue 31 measures both: keep-alive clients stay on their connection (SO_REUSEPORT pins each to one
+    worker), new connections spread request by request."""
+    with _CountingServer() as s:
+        done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", s.url, "--json", "-",
+                               "--clients", "3", "--duration", "0.5", "--mix", "only:1:50",
+                               "--connections", connections], capture_output=True, text=True, timeout=60, cwd="/")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+    assert report["config"]["connections"] == connections and report["ok"] > 20
+    if connections == "new":
+        assert len(set(s.ports)) == len(s.ports)           # every request on a connection of its own
+    else:
+        assert len(set(s.ports)) <= 3 + 2                  # the clients' connections, and the two probes' at most

@@ -9,7 +9,8 @@
 #   SETUPS="one workers" bash docs/bench/run-issue31.sh # a subset, to fit a 10-minute call
 # A dry run on a CPU (the tiny model) checks the script itself; SITE, a folder where clefcore is installed, skips
 # the wheels (PY: a python3 with clefcore's dependencies):
-#   SITE=/tmp/site PY=venv/bin/python PRESET=tiny DEVICE0=cpu DEVICE1=cpu DUR=3 OUT=/tmp/o bash docs/bench/run-issue31.sh
+#   SITE=/tmp/site PY=venv/bin/python PRESET=tiny DEVICE0=cpu DEVICE1=cpu DUR=3 OUT=/tmp/o \
+#     bash docs/bench/run-issue31.sh
 # Writes to $OUT: issue31-<setup>-<connections>.json (loadtest reports: prompt tokens/s, each device's busy
 # fraction by lane, per class the answered share and p50/p99), issue31-servers.log (per setup: lifecycle lines,
 # /health after the load, the /metrics request counters, the exit code after SIGTERM), issue31-meta.json.
@@ -77,12 +78,14 @@ r['device_busy_fraction'], r['device_busy_by_lane'], {k: (c['answered_share'], c
 for k, c in r['classes'].items()})" "$OUT/issue31-$setup-$connections.json"
   done
   { echo "== $setup: /health after the load"; get "http://127.0.0.1:$PORT/health"
-    echo "== $setup: /metrics"; get "http://127.0.0.1:$PORT/metrics" | grep -E "^clef_(requests_total|device_busy|devices|workers)" || true
+    echo "== $setup: /metrics"
+    get "http://127.0.0.1:$PORT/metrics" | grep -E "^clef_(requests_total|device_busy|devices|workers)" || true
   } >>"$OUT/issue31-servers.log"
   kill -TERM "$pid"
   code=0; wait "$pid" || code=$?
   stamp "$setup: exit $code"
-  { grep -E '"event": "(listening|ready|draining|drained|drain_timeout|exit|load_failed|unhandled|worker)' "$log" || true
+  events='"event": "(listening|ready|draining|drained|drain_timeout|exit|load_failed|unhandled|worker)'
+  { grep -E "$events" "$log" || true
     echo "exit code $code"; } | sed "s/^/$setup: /" >>"$OUT/issue31-servers.log"
 done
 stamp "done"

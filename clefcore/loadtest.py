@@ -135,18 +135,21 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
         if r.status != 200:
             key = str(r.status)
             report["non_200"][key] = report["non_200"].get(key, 0) + 1
-    refused = [r for r in run.records if r.status == 429]
-    if refused:
-        report["refused_p50_ms"] = round(percentile([r.latency_s for r in refused], 50) * 1000, 1)
-        report["refused_p99_ms"] = round(percentile([r.latency_s for r in refused], 99) * 1000, 1)
-        # refused on arrival (queued_work, queue_full) and refused after waiting in the queue (evicted)
-        report["refused_by_reason"] = {}
-        for reason in sorted({r.reason or "unknown" for r in refused}):
-            latencies = [r.latency_s for r in refused if (r.reason or "unknown") == reason]
-            report["refused_by_reason"][reason] = {
-                "count": len(latencies), "p50_ms": round(percentile(latencies, 50) * 1000, 1),
-                "p99_ms": round(percentile(latencies, 99) * 1000, 1)}
+    # refused on arrival (queued_work, queue_full) and refused after waiting in the queue (evicted)
+    by_reason: dict[str, list[float]] = {}
+    for r in run.records:
+        if r.status == 429:
+            by_reason.setdefault(r.reason or "unknown", []).append(r.latency_s)
+    if by_reason:
+        refused = [latency for latencies in by_reason.values() for latency in latencies]
+        report["refused_p50_ms"], report["refused_p99_ms"] = _ms(refused, 50), _ms(refused, 99)
+        report["refused_by_reason"] = {reason: {"count": len(v), "p50_ms": _ms(v, 50), "p99_ms": _ms(v, 99)}
+                                       for reason, v in sorted(by_reason.items())}
     return report
+
+
+def _ms(latencies_s: list[float], q: float) -> float:
+    return round(percentile(latencies_s, q) * 1000, 1)
 
 
 def format_report(report: dict) -> str:

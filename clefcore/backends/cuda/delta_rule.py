@@ -40,8 +40,8 @@ class DeltaRuleOps:
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
         """cuda/gated_delta.cu (gated_delta_fast.cu in the fast precision): gdn_prep, gdn_scan, gdn_out per group
-        of chunks. state: None or fp32
-        [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
+        of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place
+        with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]

@@ -10,7 +10,7 @@
 // 16-byte rows of an ldmatrix phase fall on distinct banks. Rows past M or N and k-chunks past K are
 // zero-filled by cp.async itself (src-size 0). Needs K % 8 == 0 and 16-byte aligned A and W: every 16-byte
 // chunk is then wholly inside or outside a row (the caller checks). The epilogue writes straight from the
-// accumulators (two adjacent columns per register pair).
+// accumulators (two adjacent columns per register pair). Blocks walk the output in groups of 8 block rows.
 //
 // Older architectures compile this file to empty kernels (the compute_70 PTX of every file is built in CI);
 // the backend never routes to it there.
@@ -76,7 +76,17 @@ extern "C" __global__ void __launch_bounds__(256) gemm_mma_f16a(const mg_half* _
     extern __shared__ __align__(16) mg_half mg_smem_buf[];
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     const int wm = warp >> 2, wn = warp & 3;              // warp grid 2 x 4
-    const int m0 = blockIdx.y * MG_BM, n0 = blockIdx.x * MG_BN;
+    // Blocks are launched in order of blockIdx.x fastest; handing them out down groups of 8 block rows (then
+    // across) makes 8 consecutive blocks share one W tile column while it is in L2: at N = 12,288, K = 4096
+    // the weight (100 MB) no longer streams from memory once per block row.
+    int bm, bn;
+    {
+        const int grid_m = gridDim.y, pid = blockIdx.y * gridDim.x + blockIdx.x, width = 8 * gridDim.x;
+        const int first = (pid / width) * 8, rows = min(grid_m - first, 8);
+        bm = first + (pid % width) % rows;
+        bn = (pid % width) / rows;
+    }
+    const int m0 = bm * MG_BM, n0 = bn * MG_BN;
     const int KT = (K + MG_BK - 1) / MG_BK;
 
     float acc[4][4][4];

@@ -84,14 +84,21 @@ class _Routes:
     gemm_with run for a plan and an operand dtype."""
 
     gemm_with = CudaOps.gemm_with
+    _mma_runs = CudaOps._mma_runs
 
-    def __init__(self, path, twinned=False, pick="cublas"):
+    def __init__(self, path, twinned=False, pick="cublas", mma=False):
         self.plan, self.twinned, self.pick, self.calls = Plan(path), twinned, pick, []
+        self.gemm = GemmChoices(mma=mma)
         self.cp = types.SimpleNamespace(float32=np.float32, float16=np.float16)
 
     def _choose(self, M, N, K, paths, tag):
-        assert set(paths) == ({"wmma", "cublas", "rows"} if tag == "float32" and M <= 64 else {"wmma", "cublas"})
+        want = {"wmma", "cublas"} | ({"rows"} if tag == "float32" and M <= 64 else set())
+        want |= {"mma"} if self.gemm.mma and self.plan.fp16 and K % 8 == 0 else set()
+        assert set(paths) == want
         return self.pick
+
+    def _mma(self, a, w, out, bias=None):
+        self.calls.append(("mma", bias is not None))
 
     def _has_twin(self, M, *ws):
         return self.plan.fp8 and self.twinned
@@ -145,6 +152,16 @@ def test_own_kernels_take_the_bias_themselves(pick):
     out = np.zeros((8, 16), np.float32)
     CudaOps._gemm(ops, np.ones((8, 32), np.float32), np.ones((16, 32)), out, np.ones(16))
     assert ops.calls == [(pick, True)] and not out.any()
+
+
+@pytest.mark.parametrize("path, K, offered", [("fp16", 32, True), ("fp16", 36, False), ("split", 32, False)])
+def test_gemm_mma_is_a_candidate_of_the_fast_plan_where_it_runs(path, K, offered):
+    """gemm_mma.cu (sm_80+, native code: GemmChoices.mma) is timed against the others for fp16 operands with
+    K % 8 == 0 (its 16-byte copies), converts an fp32 operand once, and adds the bias in its epilogue."""
+    ops = _Routes(path, pick="mma" if offered else "wmma", mma=True)
+    out = np.zeros((100, 16), np.float32)
+    CudaOps._gemm(ops, np.ones((100, K), np.float32), np.ones((16, K)), out, np.ones(16))
+    assert ops.calls == (["half", ("mma", True)] if offered else [("wmma", True)]) and not out.any()
 
 
 def test_an_unknown_route_is_refused():

@@ -166,6 +166,26 @@ def test_linear(ops, request, ops_fast, M, N, K, path):
     check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
 
 
+@pytest.mark.parametrize("M", [1, 63, 65, 300])
+@pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000), (129, 8), (7, 4104)])
+def test_gemm_mma(ops_fast, M, N, K):
+    """gemm_mma.cu (sm_80+, native code only): fp16 operands, so one rounding of x against numpy, as the other
+    fp16 paths; rows and columns past a 128-tile, K past a 32-deep k-tile (the cp.async zero fill, K % 8 == 0),
+    an odd N (the scalar stores), with bias and a residual; every output is written (it starts as NaN)."""
+    o = ops_fast["wmma16"]
+    if not o.gemm.mma:
+        pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
+    cp = o.cp
+    x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
+    a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
+    out = cp.full((M, N), np.nan, dtype=cp.float32)
+    check(f"gemm_mma {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
+    out[...] = np.nan
+    check(f"gemm_mma+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
+          cpu.linear(x, w, b) + res, 4e-3, o)
+    assert o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)).shape == (M, N)
+
+
 @pytest.mark.parametrize("path", ["wmma", "cublas"])
 def test_linear_model_k(ops, request, path):
     """split GEMMs at the model's widest K (the MLP's down projection, 12,288). Their error is the fp32
@@ -237,6 +257,26 @@ def test_mlp(ops, request, ops_fast, M, path):
     got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
     # fp16: the hidden product is also stored in fp16 before the down projection
     check(f"mlp {path} M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3 if path.endswith("16") else SPLIT_TOL, o)
+
+
+@pytest.mark.parametrize("M", [1, 65, 300])
+def test_mlp_mma(M):
+    """The MLP's gemm_mma.cu path (gate and up on it, SwiGLU into fp16, the down GEMM on it too), taken by
+    seeding the autotune's choices; hidden width 200 is not a multiple of 128, so both GEMMs cut tiles."""
+    from clefcore.backends.cuda import CudaOps
+    from clefcore.backends.cuda.matmul import shape_key
+    o = CudaOps(0, gemm="auto", precision="fp16")
+    if not o.gemm.mma:
+        pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
+    H, I = 96, 200
+    o.gemm.chosen[shape_key(M, 2 * I, H, "swiglu", o.plan.path)] = "mma"
+    o.gemm.chosen[shape_key(M, H, I, "float16", o.plan.path)] = "mma"
+    x = r(M, H)
+    wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
+    with o.gemm_paths() as seen:
+        got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
+    assert set(seen.values()) == {"mma"}
+    check(f"mlp mma M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)
 
 
 def test_weight_overflow_counted(ops):

@@ -19,12 +19,13 @@ from .elementwise import ELEM_THREADS, NULL, rowdot_k
 log = logging.getLogger("clefcore.cuda")
 
 _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
+MMA_SMEM = 3 * (128 + 128) * 40 * 2   # gemm_mma.cu's pipeline: stages x (A + W tile rows) x padded row x 2 bytes
 
 
 # gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
 # hi + lo halves, split8 (lo in fp8 against the weight's fp8 twin, cuBLASLt), gemm.cu's WMMA kernels (fp16 or
-# split as the plan says), gemm_rows.cu's few-row kernel
-ROUTES = ("cublas", "split", "split8", "wmma", "rows")
+# split as the plan says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands)
+ROUTES = ("cublas", "split", "split8", "wmma", "rows", "mma")
 
 
 def shape_key(M, N, K, tag, path) -> tuple:
@@ -122,6 +123,8 @@ class MatmulOps:
             return self._wmma(x, w, out, bias)
         if route == "rows":
             return self._gemm_rows(x, w, out, bias)
+        if route == "mma":
+            return self._mma(self._half(x), w, out, bias)
         if route == "cublas":
             self._cublas(self._half(x), w, out)
         elif route == "split":
@@ -149,6 +152,8 @@ class MatmulOps:
         paths = {"wmma": lambda: self.gemm_with("wmma", x, w, out, bias), "cublas": cublas}
         if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
             paths["rows"] = lambda: self.gemm_with("rows", x, w, out, bias)
+        if self._mma_runs(K) and not split:
+            paths["mma"] = lambda: self.gemm_with("mma", x, w, out, bias)
         paths[self._choose(M, N, K, paths, str(x.dtype))]()
         return out
 
@@ -160,6 +165,24 @@ class MatmulOps:
         self.kernel("gemm_rows.cu", "gemm_rows")((-(-N // 16), -(-M // 16)), (256,),
                                                  (a, w16, NULL if bias is None else bias, out, np.int32(M),
                                                   np.int32(N), np.int32(K)))
+        return out
+
+    def _mma_runs(self, K) -> bool:
+        """gemm_mma.cu can take a GEMM over K here: an sm_80+ GPU running native code, K a multiple of 8 (its
+        16-byte copies never straddle a row's end). Its operands are fp16: the fast plan only."""
+        return self.gemm.mma and K % 8 == 0 and self.plan.fp16
+
+    def _mma(self, a16, w16, out, bias=None, res=None):
+        """gemm_mma.cu: out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both operands fp16 and
+        16-byte aligned (``_half``; weights are)."""
+        M, K = a16.shape
+        N = w16.shape[0]
+        if w16.data.ptr % 16:
+            raise errors.DeviceError(f"gemm_mma: weight at {w16.data.ptr:#x} is not 16-byte aligned")
+        fn = self.kernel("gemm_mma.cu", "gemm_mma_f16a", MMA_SMEM)
+        fn((-(-N // 128), -(-M // 128)), (256,), (a16, w16, NULL if bias is None else bias,
+                                                 NULL if res is None else res, out, np.int32(M), np.int32(N),
+                                                 np.int32(K)), shared_mem=MMA_SMEM)
         return out
 
     def _wmma(self, a, w16, out, bias=None, res=None):
@@ -294,6 +317,19 @@ class MatmulOps:
                 else:
                     self._split_gemm(self._split(gb), w_down, ob)
 
+            def run_m():                              # gate and up on gemm_mma.cu, SwiGLU in one pass, down
+                a16 = self._half(xb)
+                gb = self._mma(a16, w_gate, cp.empty((M, I), dtype=cp.float32))
+                ub = self._mma(a16, w_up, cp.empty((M, I), dtype=cp.float32))
+                del a16
+                hb = cp.empty((M, I), dtype=cp.float16)
+                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (ELEM_THREADS,),
+                                                      (gb, ub, hb, np.int64(gb.size)))
+                del gb, ub
+                self._gemm(hb, w_down, ob)            # its own autotune
+
             paths = {"wmma": run_w, "cublas": run_c}
+            if self._mma_runs(H) and not split:
+                paths["mma"] = run_m
             paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
         return out

@@ -149,6 +149,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
             self.twins.gemm = cublaslt.Fp8Gemm(cupy)
         self.tables = tables
         self.ptx70 = bool(ptx70)
+        self.gemm.mma = self.cc >= (8, 0) and not self.ptx70   # the compute_70 PTX has no mma.sync m16n8k16
         # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
         # activations beyond the residual stream and the K/V cache are [token_block, *]; 0 = whole stream
         self.token_block = int(token_block)

@@ -12,6 +12,7 @@ class GemmChoices:
     """Which GEMM kernels run (``CudaOps.gemm``; matmul.py's ``_choose``)."""
 
     pin: str = "auto"            # --gemm: auto (timed per shape the first time it is seen), wmma or cublas
+    mma: bool = False            # gemm_mma.cu runs here (sm_80+, compiled for this GPU): a candidate of auto
     chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> "wmma", "cublas" or "rows"
     seen: dict | None = None     # while a gemm_paths() block runs: shape_key -> the path each GEMM took
 

@@ -301,8 +301,9 @@ class ChunkedRun:
         e, rec = self.engine, self.prepared.record
         with e.on_device():
             rows, embeds = e.image_inputs([rec])
-            return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk, positions=rec.positions,
-                                        image_rows=rows, image_embeds=embeds)
+            return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
+                                        model.head_rows([0, len(rec.input_ids)], [rec.questions]),
+                                        positions=rec.positions, image_rows=rows, image_embeds=embeds)
 
     @property
     def done(self) -> bool:
@@ -337,7 +338,8 @@ class ChunkedRun:
             raise RuntimeError(f"chunked prefill has {self.tokens_left} tokens left")
         e, rec = self.engine, self.prepared.record
         with e.on_device(), self._context():
-            z = model.heads(e.ops, e.params, self._prefill.hs, rec.input_ids, self._prefill.cu, [rec.questions])[0]
+            z = model.heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
+                                 [rec.questions])[0]
             e.ops.check_watched()
         return z
 

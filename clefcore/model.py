@@ -261,13 +261,15 @@ class ChunkedPrefill:
     """One prompt's backbone run as a sequence of token chunks, each through every layer (chunk-outer, where
     ``backbone`` is layer-outer), so that a caller can run other forwards on the same backend between two chunks.
     What the next chunk needs is carried: per GDN layer the conv tail and the delta-rule state (``_Carry``), per
-    attention layer its own K/V rows so far. The final-norm states of every row gather in ``hs`` [T, H] for the
-    head. The result equals ``backbone`` on the whole prompt up to fp rounding, for any chunk size.
+    attention layer its own K/V rows so far. Of each chunk's final-norm states only what the head reads is kept
+    (``readout``, a HeadReadout of the rows ``head_rows``): a quarter of the whole [T, H] stream. The result equals
+    ``backbone`` and ``readout`` on the whole prompt up to fp rounding, for any chunk size.
 
     ``step()`` runs the next chunk (its guard flags are left for the caller's ``ops.check_watched``) and returns
     True once the last one has run."""
 
-    def __init__(self, ops, p: Params, ids, chunk: int, positions=None, image_rows=None, image_embeds=None):
+    def __init__(self, ops, p: Params, ids, chunk: int, head_rows, positions=None, image_rows=None,
+                 image_embeds=None):
         if chunk < 1:
             raise ValueError("chunk must be at least one token")
         c = p.text
@@ -284,7 +286,7 @@ class ChunkedPrefill:
         self.caches = [(ops.kv_cache(T, c.num_kv_heads, c.head_dim), ops.kv_cache(T, c.num_kv_heads, c.head_dim))
                        if a else None for a in attn]
         self.carries = [None if a else _Carry() for a in attn]
-        self.hs = ops.xp.empty((T, c.hidden_size), dtype=np.float32)
+        self.readout = HeadReadout(ops, p, T, head_rows)
 
     @property
     def done(self) -> bool:
@@ -302,8 +304,9 @@ class ChunkedPrefill:
         for i, L in enumerate(p.layers):
             _layer_block(ops, c, i, L, x, b, self.cu, self.cos[t0:t1], self.sin[t0:t1], self.caches[i],
                          self.carries[i])
-        self.hs[t0:t1] = ops.rmsnorm(x, p.norm, c.rms_eps)
-        ops.watch(self.hs[t0:t1], f"final hidden states, tokens {t0}-{t1}")
+        hs = ops.rmsnorm(x, p.norm, c.rms_eps)
+        ops.watch(hs, f"final hidden states, tokens {t0}-{t1}")
+        self.readout.add(hs, t0)
         self.t = t1
         return self.done
 
@@ -401,10 +404,64 @@ def _delta_rule_block(ops, q, k, v, g, beta, b: _Block, carry: _Carry):
 
 # ----------------------------------------------------------------------------------------------------- head
 
+def head_rows(cu_seqlens, questions_of) -> np.ndarray:
+    """The rows of a packed stream that the joint head reads one by one (each sequence's last row, the rows of
+    its question and option spans), sorted and unique; besides them it reads every row's memory projection."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    spans = [np.arange(cu[b] + s, cu[b] + e) for b, qs in enumerate(questions_of)
+             for q in qs for s, e in [q.question_span, *q.option_spans]]
+    return np.unique(np.concatenate([cu[1:] - 1, *spans]).astype(np.int64))
+
+
+class HeadReadout:
+    """What the joint head reads of the final-norm states hs [T, H]: the memory projection of every row
+    (``mem`` [T, M], step 2 of ``heads_from``) and the layer-normed rows ``rows`` (``picked`` [len(rows), H]).
+    Filled block by block (``add``), so that a chunked prefill never holds hs whole; layernorm and the
+    projection act row by row, so the blocks do not change a value."""
+
+    def __init__(self, ops: Backend, p: Params, T: int, rows):
+        P = p.head
+        self.ops, self.p, self.rows = ops, p, np.asarray(rows, dtype=np.int64)
+        self.mem = ops.xp.empty((T, P["memory_projection.weight"].shape[0]), dtype=np.float32)
+        self.picked = ops.xp.empty((len(self.rows), p.text.hidden_size), dtype=np.float32)
+
+    def norm(self, x):
+        P = self.p.head
+        return self.ops.layernorm(x, P["hidden_norm.weight"], P["hidden_norm.bias"])
+
+    def add(self, hs, t0: int) -> None:
+        """The rows [t0, t0 + len(hs)) of the stream."""
+        ops, t1 = self.ops, t0 + hs.shape[0]
+        self.mem[t0:t1] = ops.linear(self.norm(hs), self.p.head["memory_projection.weight"])
+        lo, hi = np.searchsorted(self.rows, [t0, t1])
+        if hi > lo:
+            self.picked[lo:hi] = self.norm(ops.gather_rows(hs, self.rows[lo:hi] - t0))
+
+    def take(self, rows):
+        """The normed rows ``rows`` (each one of ``self.rows``)."""
+        return self.ops.gather_rows(self.picked, np.searchsorted(self.rows, rows))
+
+
+def readout(ops: Backend, p: Params, hs, rows) -> HeadReadout:
+    """HeadReadout of a whole stream hs [T, H], in blocks of the backend's token block."""
+    T = hs.shape[0]
+    out = HeadReadout(ops, p, T, rows)
+    block = ops.token_block or max(T, 1)
+    for t0 in range(0, T, block):
+        out.add(hs[t0:t0 + block], t0)
+    return out
+
+
 def heads(ops: Backend, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
     """Joint schema head for every sequence of a packed stream in one pass. hs [T, H] final-norm states,
     ids [T] (host ints), cu_seqlens [B+1], questions_of[b]: sequence b's EncodedQuestions (spans relative to its
-    start). Returns, per sequence, one logit vector (host fp32) per question.
+    start). Returns, per sequence, one logit vector (host fp32) per question."""
+    return heads_from(ops, p, readout(ops, p, hs, head_rows(cu_seqlens, questions_of)), ids, cu_seqlens,
+                      questions_of)
+
+
+def heads_from(ops: Backend, p: Params, seen: HeadReadout, ids, cu_seqlens, questions_of) -> list:
+    """``heads`` on what it reads of the stream (``seen``: ``readout``, or a chunked prefill's).
 
     The head's rows (options, questions) of all sequences are stacked; where it mixes rows it stays inside a
     sequence: its attentions take group ids (options and questions attend to their own sequence's memory and
@@ -423,24 +480,15 @@ def heads(ops: Backend, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
     opt_seq = q_seq[owner]
 
     # 1: X = layernorm(hs) is never formed for all T rows: the memory is projected block by block (2), and
-    # the last rows (3) and the span means (4, 5) read the normalised rows of their spans only
-    norm = lambda a: ops.layernorm(a, P["hidden_norm.weight"], P["hidden_norm.bias"])  # noqa: E731
-    T = hs.shape[0]
-    block = ops.token_block or max(T, 1)
-    wm = P["memory_projection.weight"]
-    if T <= block:
-        mem = ops.linear(norm(hs), wm)                                                        # 2
-    else:
-        mem = xp.empty((T, wm.shape[0]), dtype=np.float32)
-        for t0 in range(0, T, block):
-            mem[t0:t0 + block] = ops.linear(norm(hs[t0:t0 + block]), wm)
-    g = norm(ops.gather_rows(hs, cu[1:] - 1))[ops.asarray(q_seq)]                             # 3, per question
+    # the last rows (3) and the span means (4, 5) read the normalised rows of their spans only (HeadReadout)
+    mem = seen.mem                                                                            # 2
+    g = seen.take(cu[1:] - 1)[ops.asarray(q_seq)]                                             # 3, per question
     q_starts = np.array([cu[b] + q.question_span[0] for b, q in qs], dtype=np.int64)
     q_ends = np.array([cu[b] + q.question_span[1] for b, q in qs], dtype=np.int64)
     span_s, span_e = np.concatenate([q_starts, o_starts]), np.concatenate([q_ends, o_ends])
     rows = np.concatenate([np.arange(s, e) for s, e in zip(span_s, span_e)] + [np.zeros(0, np.int64)])
     span_offs = np.concatenate([[0], np.cumsum(span_e - span_s)])
-    means = ops.span_means(norm(ops.gather_rows(hs, rows)), span_offs[:-1], span_offs[1:])
+    means = ops.span_means(seen.take(rows), span_offs[:-1], span_offs[1:])
     qv, ctx = means[:nq], means[nq:]                                                          # 4, 5
     # 6: LM-head rows of the option tokens, gathered once, then averaged per span
     tok = np.concatenate([ids[s:e] for s, e in zip(o_starts, o_ends)])

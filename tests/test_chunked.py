@@ -51,8 +51,11 @@ def test_chunked_equals_whole(engine, chunk):
         chunk = long_.num_tokens - 1                 # one short of the prompt: the last chunk is one token
     (whole,), hs, _ = engine.forward([long_.record])
     run = _run(engine, long_, chunk, between=short if chunk in (7, 65) else None)
-    got = engine.ops.to_host(run._prefill.hs)
-    ref = engine.ops.to_host(hs)
+    # the chunked run keeps only what the head reads: compare that with the same readout of the whole stream
+    seen, want = run._prefill.readout, model.readout(engine.ops, engine.params, hs, run._prefill.readout.rows)
+    assert list(seen.rows) == list(model.head_rows([0, long_.num_tokens], [long_.record.questions]))
+    got = np.concatenate([engine.ops.to_host(seen.mem).ravel(), engine.ops.to_host(seen.picked).ravel()])
+    ref = np.concatenate([engine.ops.to_host(want.mem).ravel(), engine.ops.to_host(want.picked).ravel()])
     err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
     # CPU: fp32 summation order (the bound of the blocked prefill's test, tests/test_blocked.py); GPU (exact):
     # GEMMs of other row counts may take other kernel paths, measured up to 5.2e-5 on the H200 at 580879e
@@ -77,4 +80,21 @@ def test_answers_before_the_last_chunk_are_refused(engine):
     with pytest.raises(RuntimeError, match="tokens left"):
         run.logits()
     with pytest.raises(ValueError):
-        model.ChunkedPrefill(engine.ops, engine.params, p.record.input_ids, 0)
+        model.ChunkedPrefill(engine.ops, engine.params, p.record.input_ids, 0, [0])
+
+
+def test_the_head_reads_every_rows_memory_but_only_its_spans_and_last_rows(engine):
+    """A chunked prefill keeps HeadReadout, not the [T, H] stream: the rows it keeps whole are each sequence's
+    last row and its question and option spans, placed by the packed stream's offsets."""
+    a, b = _longest(engine)
+    cu = [0, a.num_tokens, a.num_tokens + b.num_tokens]
+    rows = model.head_rows(cu, [a.record.questions, b.record.questions])
+    want = {cu[1] - 1, cu[2] - 1}
+    for start, rec in ((0, a.record), (cu[1], b.record)):
+        for q in rec.questions:
+            for s, e in (q.question_span, *q.option_spans):
+                want |= set(range(start + s, start + e))
+    assert list(rows) == sorted(want) and len(rows) < cu[2] // 2
+    run = _run(engine, a, 64)
+    assert run._prefill.readout.mem.shape[0] == a.num_tokens
+    assert run._prefill.readout.picked.shape[0] == len(model.head_rows(cu[:2], [a.record.questions]))

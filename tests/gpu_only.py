@@ -1,5 +1,6 @@
 """One answer to "is there a GPU?" for the test modules: ``HAVE_GPU``, ``HAVE_FP8`` (fp8 tensor cores, compute
-capability 8.9+, which the split8 precision needs), ``HAVE_CUBLAS`` / ``NEEDS_CUBLAS`` and ``MARKS`` (the ``gpu`` marker plus a clean skip without
+capability 8.9+, which the split8 precision needs), ``HAVE_MMA`` (compute capability 8.0+, where gemm_mma.cu runs in
+native code), ``HAVE_CUBLAS`` / ``NEEDS_CUBLAS`` and ``MARKS`` (the ``gpu`` marker plus a clean skip without
 CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)``."""
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ def _have_gpu() -> bool:
         return False
 
 
-def _have_fp8() -> bool:
+def _cc() -> int:
     import cupy
-    return int(cupy.cuda.Device(0).compute_capability) >= 89     # a string such as "90" or "100"
+    return int(cupy.cuda.Device(0).compute_capability)           # a string such as "90" or "100"
 
 
 def _have_cublas() -> bool:
@@ -26,7 +27,8 @@ def _have_cublas() -> bool:
 
 
 HAVE_GPU = _have_gpu()
-HAVE_FP8 = HAVE_GPU and _have_fp8()
+HAVE_FP8 = HAVE_GPU and _cc() >= 89
+HAVE_MMA = HAVE_GPU and _cc() >= 80
 # False where cuBLAS cannot be loaded (an image without it, or a run under tests/no_cublas/): the engine then runs
 # its own GEMM kernels, and the tests that pin cuBLAS skip
 HAVE_CUBLAS = HAVE_GPU and _have_cublas()

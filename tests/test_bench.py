@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_MMA, MARKS  # noqa: E402
 
 from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights  # noqa: E402
 from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
@@ -121,6 +121,8 @@ def test_kernel_table_checks_every_timed_op(ops):
             names |= {f"cuBLAS fp16 {M}x{N}x{K}", f"cuBLAS split {M}x{N}x{K}"}
         if HAVE_FP8 and HAVE_CUBLAS and ops.twins.gemm.supports(M, N, K):
             names.add(f"cuBLAS(Lt) split8 {M}x{N}x{K}")
+        if HAVE_MMA and K % 8 == 0:
+            names.add(f"mma fp16 {M}x{N}x{K}")
     M, N, K = SMALL["head_gemm"]
     names |= {f"gemm_rows {M}x{N}x{K}", f"wmma {ops.plan.path} {M}x{N}x{K}"}
     if HAVE_CUBLAS:
@@ -156,7 +158,7 @@ def test_gemm_paths_records_each_shapes_path_within_the_block(ops):
 def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
     """The kernel table (small shapes) and `clefcore bench` end to end (the tiny golden model, fast and exact)
     in a process that cannot load cuBLAS: both complete; no cuBLAS row; the JSON says cuBLAS and cuBLASLt are not
-    loadable; every case's GEMMs ran on clefcore's wmma (and gemm_rows) kernels."""
+    loadable; every case's GEMMs ran on clefcore's own kernels: wmma, gemm_rows, and gemm_mma.cu on sm_80+."""
     table, report = tmp_path / "kernels.json", tmp_path / "bench.json"
     script = (f"import json, sys, cupy\nfrom clefcore import bench\nfrom clefcore.backends.cuda import CudaOps\n"
               f"out = {{}}\nbench.kernels.table(cupy, CudaOps(0, precision='fast'), out, **{SMALL!r})\n"
@@ -171,6 +173,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
     assert not any("cuBLAS" in n for n in names + list(kt["checks"])), names
     assert sum(n.startswith("wmma GEMM") for n in names) == 2 * len(SMALL["gemm_shapes"])
     assert any(n.startswith("gemm_rows") for n in names) and "tests/no_cublas" in kt["kernels_note"]
+    own = {"wmma", "rows", "mma"} if HAVE_MMA else {"wmma", "rows"}
     got = json.loads(report.read_text())
     assert got["cublas"]["loadable"] is False and "tests/no_cublas" in got["cublas"]["error"]
     assert got["cublaslt"]["loadable"] is False
@@ -179,10 +182,10 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
     for prec, cases in got["end_to_end"].items():
         assert [c["case"] for c in cases] == ["200 tokens", "2x160 packed"]
         for c in cases:
-            # every layer's MLP is a wmma-or-cuBLAS choice, so a run without cuBLAS shows wmma shapes; the
-            # head's few-row GEMMs may take gemm_rows, clefcore's other kernel
-            assert c["gemm_paths"].get("wmma", 0) > 0 and set(c["gemm_paths"]) <= {"wmma", "rows"}, (prec, c)
-        assert set(got["gemm_choice"][prec].values()) <= {"wmma", "rows"}
+            # the tiny model's fp32-operand GEMMs have only wmma among clefcore's kernels, so a run without cuBLAS
+            # shows wmma shapes; fp16 operands may take gemm_mma.cu, the head's few-row GEMMs gemm_rows
+            assert c["gemm_paths"].get("wmma", 0) > 0 and set(c["gemm_paths"]) <= own, (prec, c)
+        assert set(got["gemm_choice"][prec].values()) <= own
     lines = [line for line in r.stdout.splitlines() if line.startswith("  clefcore ")]   # each case's line says it
     assert len(lines) == 4 and all(re.search(r"; GEMM (.*, )?wmma \d+", line) and "cublas" not in line
                                    for line in lines), lines

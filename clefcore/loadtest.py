@@ -11,7 +11,9 @@ per class, the answered share of attempts, latency percentiles of the answered (
 prompt tokens; throughput; every non-200 by status, and refusals' own latency (a 429 should be fast); the
 devices' mean busy fraction over the run, from the server's /metrics (``clef_device_busy_seconds_total``, summed
 over its lanes, over ``clef_devices``; absent from servers that do not count it), and each device's where one
-server process runs several (``--spread queue``: a series per lane).
+server process runs several (``--spread queue``: a series per lane). Each side's event-loop lag (how late a
+20 ms timer woke): the client's own, which bounds how far its latencies are the server's, and the server's from
+``clef_event_loop_lag_seconds``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _WORDS = ("the customer order payment failed again after checkout service error 
 # example request's three questions): the sizing used when the probes cannot run.
 _OVERHEAD_TOKENS = 260
 _PROBE_WORDS = 400
+LAG_EVERY_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class Run:
     ended: float = 0.0
     busy_s: float | None = None    # device-seconds the server counted between start and end, per device
     lanes_busy_s: dict | None = None   # the same for each device of one server process on several (by lane)
+    client_lag_s: list = field(default_factory=list)   # this process's loop lag, one sample per LAG_EVERY_S
+    server_lag: dict | None = None   # the server's loop-lag histogram over the run: upper bound (s) -> count
 
 
 def parse_mix(text: str) -> list[RequestClass]:
@@ -145,7 +150,26 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
         report["refused_p50_ms"], report["refused_p99_ms"] = _ms(refused, 50), _ms(refused, 99)
         report["refused_by_reason"] = {reason: {"count": len(v), "p50_ms": _ms(v, 50), "p99_ms": _ms(v, 99)}
                                        for reason, v in sorted(by_reason.items())}
+    report["loop_lag"] = {"client": {"p50_ms": _ms(run.client_lag_s, 50), "p99_ms": _ms(run.client_lag_s, 99),
+                                     "max_ms": _ms(run.client_lag_s, 100)} if run.client_lag_s else None,
+                          "server": _histogram_summary(run.server_lag)}
     return report
+
+
+def _histogram_summary(counts: dict | None) -> dict | None:
+    """A Prometheus histogram's deltas (upper bound in s -> cumulative count) as the bound under which 50 % and
+    99 % of the samples fell (None: beyond the last finite bound) and the share above 50 ms."""
+    if not counts or not counts.get(math.inf):
+        return None
+    total = counts[math.inf]
+
+    def bound_ms(q: float) -> float | None:
+        le = min(le for le, n in counts.items() if n >= q * total)
+        return None if le == math.inf else round(le * 1000, 1)
+
+    over = total - max((n for le, n in counts.items() if le <= 0.05), default=0.0)
+    return {"samples": int(total), "p50_ms_at_most": bound_ms(0.5), "p99_ms_at_most": bound_ms(0.99),
+            "over_50ms_share": round(over / total, 4)}
 
 
 def _ms(latencies_s: list[float], q: float) -> float:
@@ -171,10 +195,16 @@ def format_report(report: dict) -> str:
         lines.append(f"  429 latency p50 {report['refused_p50_ms']} ms, p99 {report['refused_p99_ms']} ms; "
                      + ", ".join(f"{reason} {r['count']}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
                                  for reason, r in report["refused_by_reason"].items()))
+    client, server = report["loop_lag"]["client"], report["loop_lag"]["server"]
+    if client is not None:
+        lines.append(f"  event-loop lag: client p50 {client['p50_ms']} ms, p99 {client['p99_ms']} ms, max "
+                     f"{client['max_ms']} ms; server " + ("not reported" if server is None else
+                                                           f"p99 <= {server['p99_ms_at_most']} ms, "
+                                                           f"{server['over_50ms_share']:.2%} over 50 ms"))
     return "\n".join(lines)
 
 
-async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict,
+async def _one(http, path: str, cls: RequestClass, body: bytes, headers: dict,
                run: Run) -> tuple[int | str, float]:
     """Send one request, record it; returns its status and the backoff a 429 or 503 asked for (0 otherwise;
     0.1 after a transport error)."""
@@ -182,7 +212,7 @@ async def _one(http, path: str, cls: RequestClass, body: dict, headers: dict,
 
     sent = time.monotonic()
     try:
-        async with http.post(path, json=body, headers=headers) as reply:
+        async with http.post(path, data=body, headers=headers) as reply:
             data = await reply.read()
             record = Record(cls.name, reply.status, time.monotonic() - sent)
             if reply.status == 200:
@@ -226,18 +256,21 @@ async def _count(http, path: str, body: dict, headers: dict, tries: int = 10) ->
 
 
 @dataclass
-class Busy:
-    """The server's device-seconds so far: per device (``clef_device_busy_seconds_total``, every lane's series,
-    over ``clef_devices``; servers from before lanes: unlabelled, over ``clef_workers``), and by lane."""
-    per_device_s: float
+class Counts:
+    """What the server's /metrics says so far. Its device-seconds per device (``clef_device_busy_seconds_total``,
+    every lane's series, over ``clef_devices``; servers from before lanes: unlabelled, over ``clef_workers``) and
+    by lane, None when it does not count them; its event-loop lag histogram (upper bound in s -> cumulative
+    count, summed over workers; empty when it does not keep one)."""
+    per_device_s: float | None
     lanes_s: dict
+    loop_lag: dict
 
 
-async def device_busy(http) -> Busy | None:
-    """What the server's /metrics says of its devices' busy time; None when it does not say."""
+async def server_counts(http) -> Counts | None:
+    """The server's /metrics, read for the report; None when it cannot be read."""
     import aiohttp
 
-    values, lanes = {}, {}
+    values, lanes, lag = {}, {}, {}
     try:
         async with http.get("/metrics") as reply:
             if reply.status != 200:
@@ -249,12 +282,22 @@ async def device_busy(http) -> Busy | None:
                     values[name] = values.get(name, 0.0) + float(value)
                 if name == "clef_device_busy_seconds_total" and labels.startswith('lane="'):
                     lanes[labels.split('"')[1]] = float(value)
+                if name == "clef_event_loop_lag_seconds_bucket" and 'le="' in labels:
+                    le = float(labels.split('le="')[1].split('"')[0])
+                    lag[le] = lag.get(le, 0.0) + float(value)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
-    if "clef_device_busy_seconds_total" not in values:
-        return None
+    busy = values.get("clef_device_busy_seconds_total")
     devices = values.get("clef_devices", values.get("clef_workers", 1.0))
-    return Busy(values["clef_device_busy_seconds_total"] / max(1.0, devices), lanes)
+    return Counts(None if busy is None else busy / max(1.0, devices), lanes, lag)
+
+
+async def _sample_lag(into: list, stop_at: float) -> None:
+    """This process's event-loop lag until ``stop_at``: how late each LAG_EVERY_S sleep returned."""
+    while time.monotonic() < stop_at:
+        asked = time.monotonic()
+        await asyncio.sleep(LAG_EVERY_S)
+        into.append(max(0.0, time.monotonic() - asked - LAG_EVERY_S))
 
 
 async def calibrate(http, path: str, headers: dict, rng: random.Random) -> Sizing:
@@ -288,14 +331,17 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
     connector = aiohttp.TCPConnector(limit=args.clients, force_close=args.connections == "new")
     async with aiohttp.ClientSession(args.url, timeout=timeout, connector=connector) as http:
         run.sizing = await calibrate(http, path, headers, rng)
-        # Bodies are built once per class: generating a 24k-word state per request would load the client.
-        bodies = {c.name: [make_body(c.tokens, random.Random(rng.random()), run.sizing) for _ in range(4)]
-                  for c in classes}
-        busy_at_start = await device_busy(http)
+        # Bodies are built and encoded once per class: a 24k-word state made or serialised per request would
+        # load the client's loop, and its latencies would be its own.
+        bodies = {c.name: [json.dumps(make_body(c.tokens, random.Random(rng.random()), run.sizing)).encode()
+                           for _ in range(4)] for c in classes}
+        headers = {**headers, "Content-Type": "application/json"}
+        at_start = await server_counts(http)
         run.started = time.monotonic()
         stop_at = run.started + args.duration
+        lag = asyncio.ensure_future(_sample_lag(run.client_lag_s, stop_at))
 
-        def pick() -> tuple[RequestClass, dict]:
+        def pick() -> tuple[RequestClass, bytes]:
             cls = rng.choices(classes, weights)[0]
             return cls, rng.choice(bodies[cls.name])
 
@@ -332,12 +378,16 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
 
             await asyncio.gather(*(client() for _ in range(args.clients)))
         run.ended = time.monotonic()
-        busy_at_end = await device_busy(http)
-        if busy_at_start is not None and busy_at_end is not None:
-            run.busy_s = busy_at_end.per_device_s - busy_at_start.per_device_s
-            if len(busy_at_end.lanes_s) > 1:   # one process on several devices: each one's own
-                run.lanes_busy_s = {lane: busy - busy_at_start.lanes_s.get(lane, 0.0)
-                                    for lane, busy in busy_at_end.lanes_s.items()}
+        await lag
+        at_end = await server_counts(http)
+        if at_start is not None and at_end is not None:
+            if at_start.per_device_s is not None and at_end.per_device_s is not None:
+                run.busy_s = at_end.per_device_s - at_start.per_device_s
+            if len(at_end.lanes_s) > 1:   # one process on several devices: each one's own
+                run.lanes_busy_s = {lane: busy - at_start.lanes_s.get(lane, 0.0)
+                                    for lane, busy in at_end.lanes_s.items()}
+            if at_end.loop_lag:
+                run.server_lag = {le: n - at_start.loop_lag.get(le, 0.0) for le, n in at_end.loop_lag.items()}
     return run
 
 

@@ -18,7 +18,9 @@ supervisor marks it dead.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -33,6 +35,9 @@ from .engine_status import describe
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 24576, 32768, 65536)
 _REQUESTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+# How late the event loop runs a timer: a refusal or a health probe waits at least this long.
+_LAG = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LOOP_LAG_INTERVAL_S = 0.02
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -122,8 +127,19 @@ class Metrics:
         # agree collapse into one series.
         self.engine_info = Gauge("clef_engine_info", "The loaded engine: device and precision mode",
                                  ["device", "precision"], registry=r, multiprocess_mode="livemax")
+        self.loop_lag = Histogram("clef_event_loop_lag_seconds", "How late the server's event loop woke a timer "
+                                  f"set every {LOOP_LAG_INTERVAL_S * 1000:.0f} ms: the delay HTTP work (429s, "
+                                  "probes) saw from the loop being busy", buckets=_LAG, registry=r)
         self.workers.set(1)
         self._fallbacks_seen = 0
+
+    async def watch_loop_lag(self) -> None:
+        """Until cancelled: sleep LOOP_LAG_INTERVAL_S at a time and observe how much later than asked the loop
+        came back."""
+        while True:
+            asked = time.monotonic()
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.loop_lag.observe(max(0.0, time.monotonic() - asked - LOOP_LAG_INTERVAL_S))
 
     def watch_engine(self, engine: EngineStatus, lanes: Mapping[str, EngineStatus] | None = None) -> None:
         """Call once the engine is loaded and self-checked: its identity, and its first counts. ``engine``: the

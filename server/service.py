@@ -106,6 +106,7 @@ class Service:
         self.metrics.devices.set(len(self.devices))
         self.preparer: Preparer | None = None   # both set once the model is loaded and self-checked
         self.batcher: Batcher | None = None
+        self._loop_lag: asyncio.Task | None = None   # metrics.watch_loop_lag, from ready to stop
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest, and a
         # gate in front of it that hands it the smallest bodies first (server/prepare.py).
         threads = max(2, min(4, os.cpu_count() or 2))
@@ -154,6 +155,7 @@ class Service:
                                age_rate=cfg.age_rate, first_lane=cfg.first_lane)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
+        self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
         self.lifecycle.set(READY, "ready")
         self.metrics.ready.set(1)
         log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
@@ -189,6 +191,9 @@ class Service:
         """End the device processes and the prepare threads (after ``drain``, or after a failed ``start``)."""
         if self.batcher is not None:
             await self.batcher.stop()
+        if self._loop_lag is not None:
+            self._loop_lag.cancel()
+            await asyncio.gather(self._loop_lag, return_exceptions=True)
         self.metrics.ready.set(0)
         await asyncio.gather(*(device.stop() for device in self.devices))
         self.executor.shutdown(wait=False, cancel_futures=True)

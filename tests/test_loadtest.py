@@ -57,6 +57,25 @@ def test_percentiles_and_report_by_class():
     assert report["refused_by_reason"] == {"evicted": {"count": 1, "p50_ms": 1500.0, "p99_ms": 1500.0},
                                            "queued_work": {"count": 2, "p50_ms": 4.0, "p99_ms": 6.0}}
     assert "queued_work 2: p50 4.0 ms, p99 6.0 ms" in format_report(report)
+    assert report["loop_lag"] == {"client": None, "server": None}
+
+
+def test_the_report_gives_both_sides_event_loop_lag():
+    """The client's own samples as percentiles; the server's histogram deltas as the bucket bound under which
+    50 % and 99 % fell and the share over 50 ms (None: past the last finite bound)."""
+    classes = [RequestClass("only", 1.0, 100)]
+    lag = [0.001] * 98 + [0.030, 0.400]
+    server = {0.001: 50.0, 0.005: 90.0, 0.05: 99.0, 0.1: 100.0, 2.5: 100.0, float("inf"): 100.0}
+    report = summarize(Run([Record("only", 429, 0.003, reason="queued_work")], started=0.0, ended=1.0,
+                           client_lag_s=lag, server_lag=server), classes)
+    assert report["loop_lag"]["client"] == {"p50_ms": 1.0, "p99_ms": 30.0, "max_ms": 400.0}
+    assert report["loop_lag"]["server"] == {"samples": 100, "p50_ms_at_most": 1.0, "p99_ms_at_most": 50.0,
+                                            "over_50ms_share": 0.01}
+    assert "event-loop lag: client p50 1.0 ms, p99 30.0 ms, max 400.0 ms; server p99 <= 50.0 ms, 1.00% over 50 ms" \
+        in format_report(report)
+    tail = summarize(Run([], started=0.0, ended=1.0, client_lag_s=[0.0], server_lag={
+        0.05: 10.0, 2.5: 10.0, float("inf"): 20.0}), classes)["loop_lag"]["server"]
+    assert tail == {"samples": 20, "p50_ms_at_most": 50.0, "p99_ms_at_most": None, "over_50ms_share": 0.5}
 
 
 def test_a_refusals_reason_comes_from_its_bare_body():
@@ -115,6 +134,11 @@ def test_no_backoff_resends_at_once_and_the_busy_fraction_comes_from_the_server(
         # each report's share of the server's busy seconds: about 0.2 s a batch, the device mostly busy
         assert 0.5 < fixed["device_busy_fraction"] <= 1.05 and 0.5 < closed["device_busy_fraction"] <= 1.05
         assert busy >= 0.2 * (only["ok"] + closed["ok"])
+        # both loops sampled every 20 ms over the run (the server's between the report's two scrapes, which
+        # also take in the tail of requests in flight at the end)
+        lag = closed["loop_lag"]
+        assert len(lag) == 2 and lag["client"]["max_ms"] >= lag["client"]["p50_ms"] >= 0
+        assert 10 <= lag["server"]["samples"] <= (closed["duration_s"] + 1) / 0.02, lag
 
 
 def test_one_process_on_two_devices_reports_each_ones_busy_fraction():

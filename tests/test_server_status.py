@@ -87,6 +87,30 @@ def test_fallbacks_counter_follows_the_engine():
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3
 
 
+def test_the_loop_lag_histogram_sees_a_blocked_loop():
+    """watch_loop_lag: samples every LOOP_LAG_INTERVAL_S; a callback that holds the loop 0.2 s lands in the
+    0.25 s bucket and not below 0.1 s, the other samples in the low ones."""
+    import asyncio
+    import time
+
+    metrics = Metrics()
+
+    async def run():
+        watch = asyncio.ensure_future(metrics.watch_loop_lag())
+        await asyncio.sleep(0.1)
+        time.sleep(0.2)                    # the loop held, as a long piece of work on it would
+        await asyncio.sleep(0.1)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+    asyncio.run(run())
+    text = metrics.render().decode()
+    count = sample(text, "clef_event_loop_lag_seconds_count")
+    buckets = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("clef_event_loop_lag_seconds_bucket")}
+    assert count >= 6 and buckets["0.1"] == count - 1 and buckets["0.25"] == count   # one sample waited ~0.2 s
+
+
 def test_a_real_cpu_server_reports_its_engine():
     import sys
     from pathlib import Path

@@ -60,6 +60,19 @@ class DeadlineExceeded(Exception):
     pass
 
 
+@dataclass(eq=False)
+class Hold:
+    """A body that passed the check on arrival and is being read and prepared: its estimated prompt tokens count
+    as work ahead of later arrivals whose bodies are no smaller until it is queued or given up
+    (``Batcher.release``). Without it, every client of a burst that finds the queue short passes the check at
+    once, and all but the first few are refused only after the prepare threads have tokenized them, each
+    waiting its turn there. Bodies are ordered by bytes, not by estimated tokens: two bodies of one kind share
+    the estimate's error, so a body as large as a held one is no shorter, while its low estimate would sort it
+    ahead of every held body of its size."""
+    tokens: int
+    nbytes: int
+
+
 @dataclass
 class Outcome:
     """A request's answer plus what the request log line and the metrics want to know about its trip."""
@@ -128,6 +141,7 @@ class Batcher:
         # their order keys, by which they are weighed for eviction
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
         self._long_keys: dict[Entry, float] = {}
+        self._holds: set[Hold] = set()   # bodies past the arrival check, not yet queued
 
     @property
     def capacity(self) -> int:
@@ -190,14 +204,15 @@ class Batcher:
         device's full rate."""
         return len(self._lanes) * self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
 
-    def expected_wait(self, tokens: int, now: float) -> float:
+    def expected_wait(self, tokens: int, now: float, held: float = 0.0) -> float:
         """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc): the work
-        ahead of it over the lanes' rate, then its own run on one device."""
+        ahead of it over the lanes' rate, then its own run on one device. ``held``: tokens of bodies still being
+        prepared that will queue ahead of it."""
         if self._chunked(tokens):
-            ahead = self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
+            ahead = held + self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
             return ahead / self._long_rate(now) + tokens / self._rate.rate
         key = self._scheduler.key(tokens, now)
-        ahead = sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
+        ahead = held + sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
         ahead += sum(min(self._chunk, lane.active.tokens_left) for lane in self._lanes
                      if self._chunk_key(lane) <= key)
         # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
@@ -210,15 +225,16 @@ class Batcher:
         victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
         return victim if victim is not None and victim.tokens > tokens else None
 
-    def refusal(self, tokens: int, now: float | None = None) -> Refusal | None:
-        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None. Until the first step
-        is measured the rate is a guess per device kind, so the work is judged against the largest budget only
-        (a cold server's first burst is not refused on a guess, nor admitted without bound)."""
+    def refusal(self, tokens: int, now: float | None = None, held: float = 0.0) -> Refusal | None:
+        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None (``held``: as in
+        expected_wait). Until the first step is measured the rate is a guess per device kind, so the work is
+        judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
+        admitted without bound)."""
         now = time.monotonic() if now is None else now
         budget = self.budget(tokens)
         if not self._rate.samples:
             budget = max(budget, self._budgets.max_s)
-        wait = self.expected_wait(tokens, now)
+        wait = self.expected_wait(tokens, now, held)
         if self.full() and self._evictable(tokens) is None:
             return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
         if wait <= budget:
@@ -228,8 +244,8 @@ class Batcher:
     def early_refusal(self, body_bytes: int | None) -> Refusal | None:
         """The check before a body is read: refused when a request of the body's estimated size would be
         refused at every size in the estimate's error span (``BodySizer``; a request it cannot judge is
-        tokenized and checked exactly), or when the queue is full and holds nothing a request could displace.
-        Counted."""
+        tokenized and checked exactly), counting the bodies held in preparation that are no larger (``Hold``);
+        or when the queue is full and holds nothing a request could displace. Counted."""
         now = time.monotonic()
         estimates = self.sizer.estimates(body_bytes)
         if not estimates:
@@ -237,12 +253,27 @@ class Batcher:
                 return None
             refused, size = Refusal("queue_full", 1, 0.0, 0.0), None
         else:
-            refusals = [self.refusal(tokens, now) for tokens in estimates]
+            held = sum(h.tokens for h in self._holds if h.nbytes <= body_bytes)
+            refusals = [self.refusal(tokens, now, held) for tokens in estimates]
             if not all(refusals):
                 return None
             refused, size = refusals[1], estimates[1]
         self._count_refusal(refused.reason, size)
         return refused
+
+    def hold(self, body_bytes: int | None) -> Hold | None:
+        """Count a body that passed ``early_refusal`` at its estimated size until ``release`` (None: the body
+        has no estimate, and nothing is held)."""
+        estimates = self.sizer.estimates(body_bytes)
+        if not estimates:
+            return None
+        held = Hold(estimates[1], body_bytes)
+        self._holds.add(held)
+        return held
+
+    def release(self, held: Hold | None) -> None:
+        """The held body is queued (``submit`` counts it from there) or given up; twice is harmless."""
+        self._holds.discard(held)
 
     def _count_refusal(self, reason: str, tokens: int | None) -> None:
         self._metrics.rejected.labels(reason, admission.size_class(tokens)).inc()

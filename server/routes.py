@@ -151,7 +151,7 @@ def _finish(request: web.Request, route: str, status: int) -> None:
     request.app[SERVICE].metrics.requests.labels(route, str(status)).inc()
     refused = request["log"].get("refused")
     if refused is not None:  # one line a second for all of them: a retry storm must not cost a line each
-        request.app[HTTP].refusals.note(refused)
+        request.app[HTTP].refusals.note(refused, duration, read="bytes_in" in request["log"])
         return
     log("request", request_id=request["id"], method=request.method, path=request.path, route=route,
         status=status, duration_ms=round(duration * 1000, 2), client=request.remote, **request["log"])
@@ -207,19 +207,19 @@ async def _cloudflare(request: web.Request) -> web.Response:
 
 async def _decide(request: web.Request, path_model: str | None) -> dict:
     service = request.app[SERVICE]
-    with service.accept():
+    with service.accept() as arrival:
         # Refuse before reading and tokenizing when the queue is already full or the work before a body of this
         # size is over its budget: shedding load must be cheap. A compressed body's size says little.
         plain = request.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
         body_bytes = request.content_length if plain else None
-        service.refuse_early(body_bytes)
+        service.refuse_early(arrival, body_bytes)
         body = await read_json(request, request.app[HTTP].max_body_bytes, service.executor)
         if path_model is not None and isinstance(body, dict):
             # Workers AI takes the model from the path: a body may leave it out or name it either way.
             body_model = body.setdefault("model", path_model)
             if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
-        return await service.answer(body, route="cloudflare" if path_model else "systemone",
+        return await service.answer(body, arrival, route="cloudflare" if path_model else "systemone",
                                     started=request["started"], body_bytes=body_bytes,
                                     read_bytes=request["log"].get("bytes_in", 0), trace=request["log"])
 

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from clefcore.checkpoint import Checkpoint
@@ -36,7 +37,7 @@ from clefcore.preparer import Preparer
 
 from . import admission, gpus
 from .admission import Budgets, Refusal
-from .batcher import Batcher, DeadlineExceeded, QueueFull
+from .batcher import Batcher, DeadlineExceeded, Hold, QueueFull
 from .device_process import DeviceProcess
 from .engine_status import combined
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
@@ -47,6 +48,12 @@ from .testhooks import TestHooks
 
 __all__ = ["Service", "ServiceConfig", "ServiceError", "Unavailable", "Overloaded", "TimedOut",
            "InferenceFailed"]
+
+
+@dataclass
+class Arrival:
+    """One request inside ``Service.accept``: what the arrival check holds for it until it is queued."""
+    hold: Hold | None = None
 
 
 class ServiceError(Exception):
@@ -205,33 +212,37 @@ class Service:
         them. Raises RequestError for a body the engine refuses, Unavailable, Overloaded, TimedOut or
         InferenceFailed."""
         started = time.monotonic()
-        with self.accept():
-            self.refuse_early(None)
-            return await self.answer(body, route="library", started=started)
+        with self.accept() as arrival:
+            self.refuse_early(arrival, None)
+            return await self.answer(body, arrival, route="library", started=started)
 
     @contextlib.contextmanager
-    def accept(self) -> Iterator[None]:
+    def accept(self) -> Iterator[Arrival]:
         """A request from its arrival to its answer: refused with Unavailable unless the service is ready, and
         counted in flight meanwhile, so that ``drain`` waits for it. ``refuse_early`` and ``answer`` run in
-        it."""
+        it, with the Arrival it yields."""
         lifecycle = self.lifecycle
         if lifecycle.phase != READY:
             raise Unavailable(lifecycle.reason, retry_after_s=5 if lifecycle.phase == LOADING else 1)
         lifecycle.in_flight += 1
+        arrival = Arrival()
         try:
-            yield
+            yield arrival
         finally:
             lifecycle.in_flight -= 1
+            self.batcher.release(arrival.hold)   # a body given up before it was queued (bad, gone, failed)
 
-    def refuse_early(self, body_bytes: int | None) -> None:
+    def refuse_early(self, arrival: Arrival, body_bytes: int | None) -> None:
         """Raise Overloaded, before the body is read and tokenized, when the queue is full or the work before a
-        body of ``body_bytes`` (None: unknown) is over its budget: shedding load must be cheap."""
+        body of ``body_bytes`` (None: unknown) is over its budget: shedding load must be cheap. Otherwise the
+        body's estimated size is held as work ahead of later arrivals until it is queued."""
         refusal = self.batcher.early_refusal(body_bytes)
         if refusal is not None:
             raise Overloaded(refusal, self.batcher.capacity)
+        arrival.hold = self.batcher.hold(body_bytes)
 
-    async def answer(self, body: Any, *, route: str, started: float, body_bytes: int | None = None,
-                     read_bytes: int = 0, trace: dict | None = None) -> dict:
+    async def answer(self, body: Any, arrival: Arrival, *, route: str, started: float,
+                     body_bytes: int | None = None, read_bytes: int = 0, trace: dict | None = None) -> dict:
         """Prepare ``body`` on the threads, queue it, wait for its forward (inside ``accept``). ``route``: the
         e2e latency histogram's label, measured from ``started`` (time.monotonic). ``body_bytes``: its size on
         the wire when known, which teaches the early refusal tokens per byte; ``read_bytes``: its decoded size,
@@ -243,6 +254,7 @@ class Service:
                                         self.executor)
         trace["prompt_tokens"] = prepared.num_tokens
         batcher = self.batcher
+        batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between
         batcher.sizer.observe(body_bytes, prepared.num_tokens)
         deadline = time.monotonic() + cfg.request_timeout
         try:

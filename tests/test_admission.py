@@ -287,6 +287,30 @@ def test_a_narrow_span_refuses_unread_what_half_the_size_would_let_through():
     loop.close()
 
 
+def test_bodies_being_prepared_count_against_later_arrivals_no_smaller_until_released():
+    """A burst that finds the queue empty: 400-token bodies (1,600 bytes, 0.4 s each) pass the check on arrival
+    while the held ones' work fits the 2.4 s budget: six of them (the sixth's low estimate, 364 tokens, waits
+    2.364 s of 2.364 s). The seventh is refused unread, not after the tokenizer. A smaller body does not count
+    the larger held ones; released holds count no more."""
+    b = batcher()                                    # 1,000 tokens/s
+    for _ in range(8):
+        b.sizer.observe(1_600, 400)                  # 4 bytes per token, every time: 0.91x to 1.11x
+    holds = []
+    for _ in range(6):
+        assert b.early_refusal(1_600) is None
+        holds.append(b.hold(1_600))
+    assert [h.tokens for h in holds] == [400] * 6
+    refusal = b.early_refusal(1_600)
+    assert refusal is not None and refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(2.8)
+    assert b.early_refusal(800) is None              # ~200 tokens: none of the held bodies is ahead of it
+    b.release(holds[0])
+    b.release(holds[0])                              # twice is harmless
+    assert b.early_refusal(1_600) is None
+    assert b.hold(None) is None and b.hold(0) is None    # no estimate: nothing held
+    b.release(None)
+    assert refused(b, "queued_work") == 1
+
+
 def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts_it():
     loop = asyncio.new_event_loop()
     b = batcher()                                   # 1,000 tokens/s

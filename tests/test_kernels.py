@@ -18,6 +18,7 @@ import pytest
 
 from clefcore.bench import kernels as bench_kernels
 from clefcore.backends import cpu
+from clefcore.backends.cuda.matmul import MMA_TILES
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -166,15 +167,21 @@ def test_linear(ops, request, ops_fast, M, N, K, path):
     check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
 
 
+@pytest.mark.parametrize("tile", [t[0] for t in MMA_TILES])
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000), (129, 8), (7, 4104)])
-def test_gemm_mma(ops_fast, M, N, K):
-    """gemm_mma.cu (sm_80+, native code only): fp16 operands, so one rounding of x against numpy, as the other
-    fp16 paths; rows and columns past a 128-tile, K past a 32-deep k-tile (the cp.async zero fill, K % 8 == 0),
-    an odd N (the scalar stores), with bias and a residual; every output is written (it starts as NaN)."""
+def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
+    """gemm_mma.cu (sm_80+, native code only), each tile (a GPU with less shared memory per block takes the
+    smaller one: the test lowers what this one reports): fp16 operands, so one rounding of x against numpy, as
+    the other fp16 paths; rows and columns past a tile, K past a k-tile (the cp.async zero fill, K % 8 == 0), an
+    odd N (the scalar stores), with bias and a residual; every output is written (it starts as NaN)."""
     o = ops_fast["wmma16"]
     if not o.gemm.mma:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
+    smem = dict((t[0], t[3]) for t in MMA_TILES)[tile]
+    if smem > o.max_smem_optin:
+        pytest.skip(f"{tile} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
+    monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one
     cp = o.cp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
     a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))

@@ -19,7 +19,10 @@ from .elementwise import ELEM_THREADS, NULL, rowdot_k
 log = logging.getLogger("clefcore.cuda")
 
 _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
-MMA_SMEM = 3 * (128 + 128) * 40 * 2   # gemm_mma.cu's pipeline: stages x (A + W tile rows) x padded row x 2 bytes
+# gemm_mma.cu's tiles, the larger first: (kernel, block rows, block columns, dynamic shared memory = 3 stages x
+# (A + W tile rows) x padded row x 2 bytes). A GPU takes the first whose shared memory it has per block.
+MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
+             ("gemm_mma_f16a", 128, 128, 3 * (128 + 128) * 40 * 2))
 
 
 # gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
@@ -179,10 +182,11 @@ class MatmulOps:
         N = w16.shape[0]
         if w16.data.ptr % 16:
             raise errors.DeviceError(f"gemm_mma: weight at {w16.data.ptr:#x} is not 16-byte aligned")
-        fn = self.kernel("gemm_mma.cu", "gemm_mma_f16a", MMA_SMEM)
-        fn((-(-N // 128), -(-M // 128)), (256,), (a16, w16, NULL if bias is None else bias,
-                                                 NULL if res is None else res, out, np.int32(M), np.int32(N),
-                                                 np.int32(K)), shared_mem=MMA_SMEM)
+        name, bm, bn, smem = next(tile for tile in MMA_TILES if tile[3] <= self.max_smem_optin)
+        fn = self.kernel("gemm_mma.cu", name, smem)
+        fn((-(-N // bn), -(-M // bm)), (256,), (a16, w16, NULL if bias is None else bias,
+                                              NULL if res is None else res, out, np.int32(M), np.int32(N),
+                                              np.int32(K)), shared_mem=smem)
         return out
 
     def _wmma(self, a, w16, out, bias=None, res=None):

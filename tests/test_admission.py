@@ -245,6 +245,13 @@ def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
     sizer.observe(6_000, 1_000)
     assert sizer.estimates(8_000) == (800, 1_600, 3_200)     # the median of 4 and 6 bytes per token
     assert sizer.estimates(0) == ()
+    # the answers kept between samples: as many sizes as MEMO at most, each as a fresh sizer would give it
+    fresh = BodySizer()
+    fresh.observe(4_000, 1_000)
+    fresh.observe(6_000, 1_000)
+    for size in range(1_000, 1_000 + 3 * BodySizer.MEMO):
+        assert sizer.estimates(size) == fresh._estimate(size)
+    assert len(sizer._memo) <= BodySizer.MEMO
 
 
 def test_body_sizer_narrows_its_span_to_the_spread_of_bodies_of_a_similar_size():

@@ -49,8 +49,9 @@ for name, (bm, bn, bk, st, wm, wn) in V.items():
     rec = {"tile": [bm, bn, bk, st, wm, wn], "smem": smem, "threads": threads,
            "compile_s": round(time.time() - t0, 1), "check": {}, "shapes": {}}
     def run(a, w, c, M, N, K):
-        fn(((N + bn - 1) // bn, (M + bm - 1) // bm), (threads,), (a, w, np.uint64(0), np.uint64(0), c, np.int32(M), np.int32(N), np.int32(K)),
-           shared_mem=smem)
+        null = np.uint64(0)
+        fn(((N + bn - 1) // bn, (M + bm - 1) // bm), (threads,),
+           (a, w, null, null, c, np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
     ok = True
     for M, N, K in CHECK + SHAPES[:2]:
         a, w = data[(M, N, K)]

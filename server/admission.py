@@ -16,6 +16,10 @@ long prompt whose expected answer moves past its budget is refused then (evicted
 keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
 alone exceeds what the device does.
 
+The first check, before a body is read, takes the body's size as tokens (BodySizer) and adds the bodies that
+passed it earlier and are still being read and tokenized, those no larger in bytes, as work ahead (the
+batcher's holds): they will be queued before it.
+
 N lanes (a Service on N devices, server/batcher.py): one queue, N devices that each take the next step when
 free, one measured rate r per device. The work ahead of a request is counted over all lanes and drains at N r;
 its own run is on one device, at r. For a whole prompt: (what is left of each lane's running step + the queued

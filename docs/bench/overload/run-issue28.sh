@@ -31,8 +31,17 @@
 # the requests still in flight (in the CPU dry run the baseline's took up to 29 s more), so up to ~9 min: keep
 # DUR <= 30 in a 10-minute call, or split it, TREES=b0f26886 in one call and TREES=new in the next (the checkpoint
 # is written again if /tmp did not survive).
+#
+# VARIANTS runs this tree again with extra server flags, each as "label=flags", separated by ";", e.g.
+#   VARIANTS="mbt4096=--max-batch-tokens 4096;mqw08=--min-queue-wait 0.8"
+# writes issue28-new-mbt4096-<behaviour>.json and so on (more than 8 files: tar $OUT in the calling script).
+# A dry run without wheels (SITE: where this tree is installed; PY: a python with its dependencies):
+#   SITE=/tmp/site PY=venv/bin/python TREES=new PRESET=tiny SERVE_ARGS="--device cpu" DUR=3 OUT=/tmp/o \
+#     bash docs/bench/overload/run-issue28.sh
 set -euo pipefail
 DUR=${DUR:-30}
+VARIANTS=${VARIANTS:-}
+PY=${PY:-python3}
 OUT=${OUT:-/tmp/issue28-out}
 TREES=${TREES:-"b0f26886 new"}   # each a wheel folder under .whl/; "new" is this tree
 BEHAVIOURS=${BEHAVIOURS:-"polite open storm"}   # a subset, to fit one 10-minute call
@@ -49,55 +58,69 @@ stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
 
 install() {  # install <name>: .whl/<name>/clefcore-*.whl (built on the development machine) into /tmp/site-<name>
   rm -rf "/tmp/site-$1"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$1" "$ROOT"/.whl/"$1"/clefcore-*.whl
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$1" "$ROOT"/.whl/"$1"/clefcore-*.whl
+}
+site() {  # site <tree>: its PYTHONPATH
+  if [ "$1" = new ] && [ -n "${SITE:-}" ]; then echo "$SITE"; else echo "/tmp/site-$1:/tmp/site-deps"; fi
 }
 stamp "installing"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deps "$ROOT"/.whl/deps/*.whl
-install new
+if [ -z "${SITE:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deps "$ROOT"/.whl/deps/*.whl
+  install new
+fi
 for tree in $TREES; do [ "$tree" = new ] || install "$tree"; done
 
 cd /tmp  # never import the source tree
 if [ ! -f "$MODEL/config.json" ]; then
   stamp "synthesizing the $PRESET checkpoint"
-  PYTHONPATH=/tmp/site-new:/tmp/site-deps python3 -m clefcore.cli synth --preset "$PRESET" --out "$MODEL" >/dev/null
+  PYTHONPATH=$(site new) $PY -m clefcore.cli synth --preset "$PRESET" --out "$MODEL" >/dev/null
 fi
 
-python3 - "$OUT/issue28-meta.json" "$DUR" "$PRESET" "$SERVE_ARGS" <<'EOF'
+$PY - "$OUT/issue28-meta.json" "$DUR" "$PRESET" "$SERVE_ARGS" "$VARIANTS" <<'EOF'
 import json, shutil, subprocess, sys, time
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else None
 json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpu": gpu,
            "duration_s": float(sys.argv[2]), "model": f"synthetic {sys.argv[3]}",
-           "server": f"{sys.argv[4]}, defaults otherwise", "mix": "the loadtest's default (80/15/5)"},
+           "server": f"{sys.argv[4]}, defaults otherwise", "variants of this tree": sys.argv[5],
+           "mix": "the loadtest's default (80/15/5)"},
           open(sys.argv[1], "w"), indent=1)
 EOF
 
-loadtest() {  # loadtest <tree> <behaviour> <args...>
-  local tree=$1 name=$2; shift 2
-  stamp "$tree: $name"
-  PYTHONPATH=/tmp/site-new:/tmp/site-deps python3 -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
-    --json "$OUT/issue28-$tree-$name.json" "$@" | tee -a "/tmp/loadtest-$tree.txt"
+loadtest() {  # loadtest <label> <behaviour> <args...>
+  local label=$1 name=$2; shift 2
+  stamp "$label: $name"
+  PYTHONPATH=$(site new) $PY -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
+    --json "$OUT/issue28-$label-$name.json" "$@" | tee -a "/tmp/loadtest-$label.txt"
 }
 
-for tree in $TREES; do
-  log=/tmp/server-$tree.log
+run_server() {  # run_server <label> <tree> <extra serve flags...>: start it, run the behaviours, stop it
+  local label=$1 tree=$2; shift 2
+  local log=/tmp/server-$label.log
   # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
-  PYTHONPATH=/tmp/site-$tree:/tmp/site-deps python3 -m clefcore.cli serve --model "$MODEL" $SERVE_ARGS --port "$PORT" 2>"$log" &
+  PYTHONPATH=$(site "$tree") $PY -m clefcore.cli serve --model "$MODEL" $SERVE_ARGS "$@" --port "$PORT" 2>"$log" &
   pid=$!
-  stamp "$tree: loading (pid $pid)"
-  until python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health').status != 200)" 2>/dev/null; do
+  stamp "$label: loading (pid $pid)"
+  until $PY -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health').status != 200)" 2>/dev/null; do
     kill -0 "$pid" 2>/dev/null || { tail -30 "$log"; exit 1; }
     sleep 1
   done
-  stamp "$tree: ready"
-  [[ " $BEHAVIOURS " != *" polite "* ]] || loadtest "$tree" polite --clients 64
-  [[ " $BEHAVIOURS " != *" open "* ]] || loadtest "$tree" open --rate 15 --clients 256
-  [[ " $BEHAVIOURS " != *" storm "* ]] || loadtest "$tree" storm --clients 64 --no-backoff
+  stamp "$label: ready"
+  [[ " $BEHAVIOURS " != *" polite "* ]] || loadtest "$label" polite --clients 64
+  [[ " $BEHAVIOURS " != *" open "* ]] || loadtest "$label" open --rate 15 --clients 256
+  [[ " $BEHAVIOURS " != *" storm "* ]] || loadtest "$label" storm --clients 64 --no-backoff
   kill -TERM "$pid"
   code=0; wait "$pid" || code=$?
-  stamp "$tree: exit $code"
+  stamp "$label: exit $code"
   { grep -E '"event": "(listening|ready|draining|drained|drain_timeout|exit|load_failed|unhandled)"' "$log" || true
     grep '"event": "refused"' "$log" | tail -20 || true
-    echo "exit code $code"; } | sed "s/^/$tree: /" >>"$OUT/issue28-servers.log"
+    echo "exit code $code"; } | sed "s/^/$label: /" >>"$OUT/issue28-servers.log"
+}
+
+for tree in $TREES; do run_server "$tree" "$tree"; done
+IFS=';' read -r -a variants <<<"$VARIANTS"
+for variant in "${variants[@]}"; do
+  # shellcheck disable=SC2086  # the variant's flags are a list
+  [ -z "$variant" ] || run_server "new-${variant%%=*}" new ${variant#*=}
 done
 stamp "done"

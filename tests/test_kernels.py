@@ -167,7 +167,7 @@ def test_linear(ops, request, ops_fast, M, N, K, path):
     check(f"linear+bias {path}", o.linear(o.asarray(x), W, o.asarray(b)), cpu.linear(x, w, b), tol, o)
 
 
-@pytest.mark.parametrize("tile", [t[0] for t in MMA_TILES])
+@pytest.mark.parametrize("tile", MMA_TILES, ids=[t[0] for t in MMA_TILES])
 @pytest.mark.parametrize("M", [1, 63, 65, 300])
 @pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000), (129, 8), (7, 4104)])
 def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
@@ -178,9 +178,9 @@ def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
     o = ops_fast["wmma16"]
     if not o.gemm.mma:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
-    smem = dict((t[0], t[3]) for t in MMA_TILES)[tile]
+    name, _, _, smem = tile
     if smem > o.max_smem_optin:
-        pytest.skip(f"{tile} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
+        pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
     monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one
     cp = o.cp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)

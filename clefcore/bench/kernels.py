@@ -99,18 +99,18 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
                 rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                              f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
             ops.twins.drop(w)
+
+        def rate(t):                                          # clefcore's own kernels' rows
+            return f"{fl / t / 1e9:.0f} TFLOP/s" + ("" if tc is None else f" ({tc / t:.0%} of cuBLAS)")
         for path in ("fp16", "split"):
             ops.plan = replace(plan, path=path)
             tw = gemm(f"wmma {path} {M}x{N}x{K}", "wmma", x, w, o, ref,
                       TOL_FP16 if path == "fp16" else tol_k(TOL_SPLIT, K), inner=10)
-            rows.append((f"wmma GEMM {path} {M}x{N}x{K}", tw,
-                         f"{fl / tw / 1e9:.0f} TFLOP/s" + ("" if tc is None else f" ({tc / tw:.0%} of cuBLAS)")))
+            rows.append((f"wmma GEMM {path} {M}x{N}x{K}", tw, rate(tw)))
         ops.plan = plan
         if ops.gemm.mma and K % 8 == 0:      # sm_80+: on the fp16 operand, as the cuBLAS ceiling above
             tm = gemm(f"mma fp16 {M}x{N}x{K}", "mma", x16, w, o, ref, TOL_FP16, inner=10)
-            rows.append((f"mma GEMM fp16 {M}x{N}x{K} (fp16 operand)", tm,
-                         f"{fl / tm / 1e9:.0f} TFLOP/s" + ("" if tc is None else f" ({tc / tm:.0%} of cuBLAS)")))
-    ops.plan = plan
+            rows.append((f"mma GEMM fp16 {M}x{N}x{K} (fp16 operand)", tm, rate(tm)))
     M, N, K = head_gemm
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
     w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)

@@ -13,29 +13,40 @@ age_rate seconds before it, and never more, so a long prompt is not starved by a
 ``age_rate = inf`` is first-in first-out. A batch is the longest run of the heap's order that fits the token
 budget and the request count; the head entry always goes, even alone over the budget, because it cannot get any
 smaller by waiting.
+
+Answer times: an entry may carry the time its answer was promised by (``answer_by``: admission judged it against
+its budget, counting only its own run after the work ahead). Every entry of a batch is answered when the whole
+batch ends, so a batch grows only while, at the device rate, it still ends by the promise of each entry in it that
+could keep it. An entry that would be late in any batch (its promise is past even where it joins) still goes,
+and does not shrink the batch: waiting would only make it later.
 """
 
 import heapq
+from libc.math cimport INFINITY
 
 
 cdef class Entry:
     """One queued request. ``payload`` is opaque to the scheduler (the batcher keeps its prepared request
-    and future there); ``tokens`` is the prompt length; ``deadline`` is on the caller's monotonic clock."""
+    and future there); ``tokens`` is the prompt length; ``deadline`` (given up) and ``answer_by`` (promised,
+    inf: no promise) are on the caller's monotonic clock."""
 
     cdef public object payload
     cdef public long tokens
     cdef public double deadline
     cdef public double enqueued_at
+    cdef public double answer_by
     cdef readonly bint cancelled
     cdef readonly bint queued
 
-    def __init__(self, object payload, long tokens, double deadline, double enqueued_at):
+    def __init__(self, object payload, long tokens, double deadline, double enqueued_at,
+                 double answer_by=INFINITY):
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         self.payload = payload
         self.tokens = tokens
         self.deadline = deadline
         self.enqueued_at = enqueued_at
+        self.answer_by = answer_by
         self.cancelled = False
         self.queued = False
 
@@ -148,13 +159,15 @@ cdef class Scheduler:
                 total += entry.tokens
         return total
 
-    cpdef Batch take(self, long max_tokens, long max_requests, double now):
+    cpdef Batch take(self, long max_tokens, long max_requests, double now, double rate=INFINITY):
         """Remove and return the next batch: the longest run of the queue's order with at most ``max_requests``
-        entries and at most ``max_tokens`` prompt tokens (the first entry always goes). Cancelled and expired
-        entries met on the way are removed and reported, never run."""
+        entries and at most ``max_tokens`` prompt tokens (the first entry always goes) that, run at ``rate``
+        tokens per second from ``now``, ends by every kept promise in it (module doc; inf: promises are not
+        weighed). Cancelled and expired entries met on the way are removed and reported, never run."""
         cdef Batch batch = Batch()
         cdef Entry entry
         cdef list heap = self._heap
+        cdef double ends, answer_by = INFINITY   # the batch's end if it takes this entry; its earliest kept promise
         while heap:
             entry = <Entry>heap[0][2]
             if entry.cancelled:
@@ -173,6 +186,11 @@ cdef class Scheduler:
                 break
             if batch.entries and batch.tokens + entry.tokens > max_tokens:
                 break
+            ends = now + (batch.tokens + entry.tokens) / rate
+            if batch.entries and ends > answer_by:
+                break
+            if ends <= entry.answer_by:
+                answer_by = min(answer_by, entry.answer_by)
             heapq.heappop(heap)
             entry.queued = False
             self.live -= 1

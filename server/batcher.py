@@ -5,7 +5,9 @@ Requests are queued in the Cython scheduler (``clefcore.scheduler``). Each devic
 chunked. A lane's dispatcher takes the next packed batch (or chunk step) from the shared queues whenever its
 device is free and has its device process run it, so the event loop never waits on the model and no device
 idles while work waits. Batching is continuous: whatever queued up while one forward ran is packed into the
-next one, so under load batches grow by themselves and an idle server adds no delay. One device is one lane,
+next one, so under load batches grow by themselves and an idle server adds no delay; a batch stops growing
+where it would end past the answer time promised to a request in it (the end of its budget, set at admission).
+One device is one lane,
 and everything below then reads as it did before lanes existed.
 
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
@@ -225,15 +227,19 @@ class Batcher:
         victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
         return victim if victim is not None and victim.tokens > tokens else None
 
+    def _admission_budget(self, tokens: int) -> float:
+        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one while the
+        rate is still a guess."""
+        budget = self.budget(tokens)
+        return budget if self._rate.samples else max(budget, self._budgets.max_s)
+
     def refusal(self, tokens: int, now: float | None = None, held: float = 0.0) -> Refusal | None:
         """Why a request of ``tokens`` prompt tokens would not be admitted now, or None (``held``: as in
         expected_wait). Until the first step is measured the rate is a guess per device kind, so the work is
         judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
         admitted without bound)."""
         now = time.monotonic() if now is None else now
-        budget = self.budget(tokens)
-        if not self._rate.samples:
-            budget = max(budget, self._budgets.max_s)
+        budget = self._admission_budget(tokens)
         wait = self.expected_wait(tokens, now, held)
         if self.full() and self._evictable(tokens) is None:
             return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
@@ -329,7 +335,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
-        entry = Entry((prepared, future), prepared.num_tokens, deadline, now)
+        # promised by the end of its budget: the batch it rides is cut to keep that (pyx/scheduler.pyx)
+        tokens = prepared.num_tokens
+        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens))
         refused = self.refusal(entry.tokens, now)
         if refused is not None:
             self._count_refusal(refused.reason, entry.tokens)
@@ -424,7 +432,9 @@ class Batcher:
                 future.set_exception(DeadlineExceeded())
 
     async def _short_batch(self, lane: _Lane) -> None:
-        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic())
+        # promises are weighed once the rate is measured (a guess would cut batches for nothing)
+        rate = self._rate.rate if self._rate.samples else math.inf
+        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic(), rate)
         if len(self._scheduler) == 0:
             self._whole_waiting_since = None
         self._expire(batch.expired)

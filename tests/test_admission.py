@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
 from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
                                       retry_after, size_class)
@@ -349,3 +350,50 @@ def test_a_refusal_for_work_answers_429_with_its_own_reason(reason, says):
     body = error.bare_body()["error"]
     assert error.status == 429 and error.headers["Retry-After"] == "3"
     assert body["reason"] == reason and body["expected_wait_s"] == 4.5 and says in body["message"]
+
+
+class HeldDevice:
+    """A device whose forwards end when the test says (``release``), reporting them at 1,000 tokens/s."""
+
+    def __init__(self):
+        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.batches: list[list[str]] = []
+        self.go = asyncio.Event()
+
+    async def infer(self, prepared):
+        self.batches.append([p.name for p in prepared])
+        await self.go.wait()
+        return [({"prompt": p.name}, None) for p in prepared], sum(p.num_tokens for p in prepared) / 1_000
+
+
+def test_a_batch_is_cut_where_it_would_end_past_a_kept_promise(monkeypatch):
+    """Each admitted request is promised its answer by the end of its budget (1 s here). Requests that queued
+    behind a running step go in a batch that still ends by every promise it can keep, at the measured rate; one
+    already late joins without cutting it."""
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr("clefcore.server.batcher.time", SimpleNamespace(monotonic=lambda: clock.t))
+    device = HeldDevice()
+
+    async def main():
+        b = batcher(max_batch_tokens=10_000, chunk_tokens=0)
+        b._lanes[0].device = device
+        b.start()
+
+        def send(name):
+            return asyncio.ensure_future(b.submit(Prepared(num_tokens=100 if name == "first" else 300, name=name),
+                                                  clock.t + 60))
+
+        first = send("first")
+        await asyncio.sleep(0.01)        # "first" is on the device, held there
+        a = send("a")                    # t 0: 100 left of the step + 300: 0.4 s, promised by 1.0
+        await asyncio.sleep(0)
+        clock.t = 0.5
+        rest = [send("b"), send("c")]    # t 0.5: 0.6 s and 0.9 s, promised by 1.5
+        await asyncio.sleep(0.01)
+        clock.t = 0.8
+        device.go.set()                  # the next batch starts at 0.8: a ends at 1.1 (late anyway), b at 1.4,
+        await asyncio.gather(first, a, *rest)   # c would end at 1.7, past b's 1.5: cut before c
+        await b.stop()
+
+    asyncio.run(main())
+    assert device.batches == [["first"], ["a", "b"], ["c"]]

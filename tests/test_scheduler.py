@@ -171,3 +171,35 @@ def test_head_is_the_next_live_entry():
     assert s.head() is b
     s.cancel(b)
     assert s.head() is a and len(s) == 1
+
+
+def test_batch_ends_by_every_kept_promise():
+    # rate 1000 tokens/s from t = 10: entries of 100 tokens end at 10.1, 10.2, 10.3, ... in one batch
+    s = Scheduler(10)
+    for i, by in enumerate([10.25, 20.0, 20.0, 20.0]):
+        s.push(Entry(i, 100, FAR, 0.0, by))
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == [0, 1]     # a third would end at 10.3, past entry 0's 10.25
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == [2, 3]     # the rest promised 20.0: no cut
+    # without a rate (inf) promises are not weighed
+    for i in range(3):
+        s.push(Entry(i, 100, FAR, 0.0, 10.0))
+    assert ids(s.take(10_000, 10, 10.0)) == [0, 1, 2]
+
+
+def test_promise_cut_keeps_the_head_and_ignores_the_late():
+    s = Scheduler(10)
+    # the head alone ends past its own promise (late anyway): it goes and does not cut the batch
+    s.push(Entry("late", 500, FAR, 0.0, 10.1))
+    s.push(Entry("a", 100, FAR, 0.0, 20.0))
+    s.push(Entry("b", 100, FAR, 0.0, 20.0))
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == ["late", "a", "b"]
+    # a later entry that would be late even joining now joins; one that can keep its promise cuts what follows
+    s.push(Entry("head", 100, FAR, 0.0, 20.0))
+    s.push(Entry("tight", 100, FAR, 0.0, 10.2))      # ends at 10.2 with the head: kept
+    s.push(Entry("next", 100, FAR, 0.0, 20.0))       # would end at 10.3, past "tight"'s promise
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == ["head", "tight"]
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == ["next"]
+    s.push(Entry("head", 100, FAR, 0.0, 20.0))
+    s.push(Entry("hopeless", 100, FAR, 0.0, 10.15))  # 10.2 > 10.15: late wherever it runs, joins without a cut
+    s.push(Entry("tail", 100, FAR, 0.0, 20.0))
+    assert ids(s.take(10_000, 10, 10.0, 1000.0)) == ["head", "hopeless", "tail"]

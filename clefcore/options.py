@@ -76,7 +76,7 @@ class ServiceConfig:
     gemm: str | None = None
     token_block: int | None = None
     graph_tokens: int | None = None
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = 4096
     max_batch_requests: int = 32
     max_queue: int = 256
     request_timeout: float = 30.0

@@ -13,8 +13,10 @@
 # Run (device tool, repository root as cwd; carry [".whl"]):
 #   bash docs/bench/overload/run-issue28.sh
 # It writes to $OUT: issue28-{b0f26886,new}-{polite,open,storm}.json (clefcore loadtest reports), issue28-servers.log
-# (per tree: lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json: 8 files, as many
-# as a device call returns.
+# (per tree: lifecycle lines, the refusal lines' last 20 and the exit code), issue28-meta.json, issue28-traces.jsonl
+# (per server and behaviour: where the answered short requests' time went, trace_summary.py): 9 files with
+# both trees and all behaviours, one more than a device call returns: tar $OUT in the calling script, or run a
+# subset (BEHAVIOURS) per call.
 #
 # Needs: python3 with numpy, cupy and aiohttp (the device image has them); nothing fetched. Each tree is installed
 # from its wheel into a folder of its own and put on PYTHONPATH. The client is this tree's loadtest for both servers (the
@@ -89,9 +91,14 @@ EOF
 
 loadtest() {  # loadtest <label> <behaviour> <args...>
   local label=$1 name=$2; shift 2
+  local log=/tmp/server-$label.log from
+  from=$(wc -l <"$log")
   stamp "$label: $name"
   PYTHONPATH=$(site new) $PY -m clefcore.cli loadtest --url "http://127.0.0.1:$PORT" --duration "$DUR" \
     --json "$OUT/issue28-$label-$name.json" "$@" | tee -a "/tmp/loadtest-$label.txt"
+  # where the answered short requests' time went, from the server's request lines of this behaviour
+  tail -n +"$((from + 1))" "$log" | $PY "$ROOT/docs/bench/overload/trace_summary.py" "$label" "$name" \
+    >>"$OUT/issue28-traces.jsonl" || true
 }
 
 run_server() {  # run_server <label> <tree> <extra serve flags...>: start it, run the behaviours, stop it

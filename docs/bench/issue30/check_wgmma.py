@@ -2,8 +2,10 @@
 product of the same fp16 operands (awkward sizes, bias and residual, every output written: C starts as NaN),
 then timed against cuBLAS (cupy.matmul, fp16 in and out) and gemm_mma.cu's big tile on the model's shapes.
 Needs only cupy and numpy. Usage: check_wgmma.py DIR OUT.json, DIR holding gemm_wgmma.cu, gemm_mma.cu,
-variants.cu (other tiles of the same template) and gemm_wgmma.cubin, the sm_90a cubin of the first plus the
-third made offline by the pip NVRTC 12 (clefcore.backends.cuda.compile.Nvrtc)."""
+and gemm_wgmma.cubin: the sm_90a cubin of gemm_wgmma.cu followed by wgmma/variants.cu (other tiles of the
+same template, and a warp-specialized form), made offline by the pip NVRTC 12 (compile.Nvrtc().compile(text,
+"gemm_wgmma.cu", "sm_90a")). "runtime_build" is gemm_wgmma.cu built by CuPy's NVRTC as compile.load_module
+does. Results of the 2026-12-05 H100 run: wgmma/check-wgmma.json (and .txt)."""
 import json
 import sys
 import time
@@ -17,8 +19,9 @@ SHAPES = [(2048, 12288, 4096), (2048, 4096, 12288), (8192, 8192, 4096), (8192, 2
           (346, 12288, 4096), (4096, 1024, 4096), (512, 12288, 4096), (8192, 4096, 12288)]
 CHECK = [(M, N, K) for M in (1, 63, 65, 346) for N, K in ((16, 64), (65, 40), (1000, 256), (130, 1000), (129, 8),
                                                         (7, 4104), (300, 520))] + [(129, 257, 64), (1000, 777, 96)]
-# kernel -> (block rows, block columns, stages)
-WG = {"gemm_wgmma_f16a": (128, 256, 4), "v256x128s4": (256, 128, 4), "v128x128s6": (128, 128, 6)}
+# kernel -> (block rows, block columns, stages, threads)
+WG = {"gemm_wgmma_f16a": (128, 256, 4, 256), "v256x128s4": (256, 128, 4, 256), "v128x128s6": (128, 128, 6, 256),
+      "ws128x256s4": (128, 256, 4, 384), "ws256x128s4": (256, 128, 4, 384), "ws128x128s6": (128, 128, 6, 384)}
 TOL = 2e-3
 
 rng = cp.random.default_rng(int(time.time()))
@@ -61,20 +64,21 @@ log("compile", out["compile"])
 mma_mod = cp.RawModule(code=(DIR / "gemm_mma.cu").read_text(), options=("-std=c++17",))
 
 kernels = {}
-for name, (bm, bn, st) in WG.items():
-    kernels[name] = (cubin_mod.get_function(name), bm, bn, st * (bm + bn) * 128 + 1024)
+for name, (bm, bn, st, th) in WG.items():
+    kernels[name] = (cubin_mod.get_function(name), bm, bn, st * (bm + bn) * 128 + 1024, th)
 if rt_mod is not None:
-    kernels["runtime_build"] = (rt_mod.get_function("gemm_wgmma_f16a"), 128, 256, 4 * 384 * 128 + 1024)
-kernels["gemm_mma_f16a_big"] = (mma_mod.get_function("gemm_mma_f16a_big"), 256, 128, 3 * (256 + 128) * 72 * 2)
-for fn, _, _, smem in kernels.values():
+    kernels["runtime_build"] = (rt_mod.get_function("gemm_wgmma_f16a"), 128, 256, 4 * 384 * 128 + 1024, 256)
+kernels["gemm_mma_f16a_big"] = (mma_mod.get_function("gemm_mma_f16a_big"), 256, 128, 3 * (256 + 128) * 72 * 2,
+                                256)
+for fn, _, _, smem, _ in kernels.values():
     fn.max_dynamic_shared_size_bytes = smem
 
 
 def launch(name, a, w, c, bias=None, res=None):
-    fn, bm, bn, smem = kernels[name]
+    fn, bm, bn, smem, th = kernels[name]
     M, K = a.shape
     N = w.shape[0]
-    fn(((N + bn - 1) // bn, (M + bm - 1) // bm), (256,),
+    fn(((N + bn - 1) // bn, (M + bm - 1) // bm), (th,),
        (a, w, bias if bias is not None else np.uint64(0), res if res is not None else np.uint64(0), c,
         np.int32(M), np.int32(N), np.int32(K)), shared_mem=smem)
 
@@ -91,7 +95,14 @@ for M, N, K in CHECK + SHAPES:
     w = (rng.standard_normal((N, K), dtype=cp.float32) * K ** -0.5).astype(cp.float16)
     data[(M, N, K)] = (a, w, rng.standard_normal(N, dtype=cp.float32), rng.standard_normal((M, N), dtype=cp.float32))
 
-for name in kernels:
+for M, N, K in SHAPES:
+    a, w = data[(M, N, K)][:2]
+    ms = timeit(lambda: cp.matmul(a, w.T))
+    out["cublas"][f"{M}x{N}x{K}"] = {"ms": ms, "tflops": 2 * M * N * K / ms / 1e9}
+log("cublas", " ".join(f"{k}:{v['tflops']:.0f}" for k, v in out["cublas"].items()))
+
+# gemm_mma.cu first (the baseline of of_mma), the warp-specialized variants last: a hang there loses only them
+for name in sorted(kernels, key=lambda n: (n != "gemm_mma_f16a_big", n.startswith("ws"))):
     rec = out["kernels"][name] = {"check": {}, "shapes": {}}
     worst = 0.0
     for M, N, K in CHECK + SHAPES:
@@ -106,32 +117,22 @@ for name in kernels:
         rec["check"][f"{M}x{N}x{K}"] = [e1, e2]
         worst = max(worst, e1, e2) if e1 == e1 and e2 == e2 else float("inf")
         del ref, c
+    cp.get_default_memory_pool().free_all_blocks()
     rec["worst_err"] = worst
     rec["ok"] = worst <= TOL
+    if rec["ok"]:
+        for M, N, K in SHAPES:
+            a, w = data[(M, N, K)][:2]
+            key = f"{M}x{N}x{K}"
+            c = cp.empty((M, N), cp.float32)
+            t = timeit(lambda: launch(name, a, w, c))
+            s = rec["shapes"][key] = {"ms": t, "tflops": 2 * M * N * K / t / 1e9,
+                                      "of_cublas": out["cublas"][key]["ms"] / t}
+            m = out["kernels"]["gemm_mma_f16a_big"]["shapes"].get(key)
+            if m:
+                s["of_mma"] = m["ms"] / t
     log(name, "ok" if rec["ok"] else "WRONG", f"worst {worst:.2e}",
-        [k for k, v in rec["check"].items() if not (max(v) <= TOL)][:12])
+        [k for k, v in rec["check"].items() if not (max(v) <= TOL)][:12],
+        " ".join(f"{k}:{v['tflops']:.0f}/{v['of_cublas']:.2f}/{v.get('of_mma', 0):.2f}"
+                 for k, v in rec["shapes"].items()))
     json.dump(out, open(OUT, "w"), indent=1)
-cp.get_default_memory_pool().free_all_blocks()
-
-for M, N, K in SHAPES:
-    a, w, b, res = data[(M, N, K)]
-    key = f"{M}x{N}x{K}"
-    ms = timeit(lambda: cp.matmul(a, w.T))
-    out["cublas"][key] = {"ms": ms, "tflops": 2 * M * N * K / ms / 1e9}
-    c = cp.empty((M, N), cp.float32)
-    row = [f"{key:>18} cublas {2 * M * N * K / ms / 1e9:5.0f}"]
-    for name in kernels:
-        rec = out["kernels"][name]
-        if not rec["ok"]:
-            continue
-        t = timeit(lambda: launch(name, a, w, c))
-        rec["shapes"][key] = {"ms": t, "tflops": 2 * M * N * K / t / 1e9, "of_cublas": ms / t}
-        row.append(f"{name} {2 * M * N * K / t / 1e9:5.0f} ({ms / t:.2f})")
-    for name in kernels:
-        s = out["kernels"][name]["shapes"].get(key)
-        m = out["kernels"]["gemm_mma_f16a_big"]["shapes"].get(key)
-        if s and m:
-            s["of_mma"] = m["ms"] / s["ms"]
-    log(" | ".join(row))
-    json.dump(out, open(OUT, "w"), indent=1)
-json.dump(out, open(OUT, "w"), indent=1)

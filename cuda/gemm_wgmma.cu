@@ -8,7 +8,9 @@
 // in 128 fp32 registers a thread, grown by 4 wgmma m64n256k16 per k-tile that read A and W straight from shared
 // memory through 64-bit matrix descriptors (no ldmatrix, no register copies of the operands). Why: mma.sync
 // (gemm_mma.cu) reached 0.41-0.46 of cuBLAS on an H100; Hopper's tensor cores run at full rate only through
-// wgmma, which is what cuBLAS issues there.
+// wgmma, which is what cuBLAS issues there. On the H100 this kernel runs at 0.70-0.89 of cuBLAS from 512 rows up
+// (0.49 at 346: 144 blocks for 132 SMs), 1.8-2.0x gemm_mma.cu's big tile; 256 x 128, 128 x 128 (6 stages) and a
+// warp-specialized form (a copying warpgroup signalling mbarriers) measured slower (docs/benchmarks.md, issue 30).
 //
 // Layout: each stage holds the A tile (128 rows) then the W tile (256 rows), every row 64 halves = 128 bytes,
 // with the 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8), in
@@ -49,7 +51,8 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// d (64 x n, fp32, this thread's share) += A (64 x 16) @ B (n x 16)^T, both from shared memory
+// d (64 x n, fp32, this thread's share) += A (64 x 16) @ B (n x 16)^T, both from shared memory; n = 128 serves the
+// 128-column tiles of the sweep (docs/bench/issue30/wgmma/variants.cu, appended to this file)
 __device__ __forceinline__ void wg_mma_n128(float (&d)[64], unsigned long long da,
                                            unsigned long long db) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"

@@ -1,5 +1,6 @@
 // Tensor-core GEMM for sm_80+: C[M, N] (fp32) = A[M, K] @ W[N, K]^T (+ bias[N]) (+ res[M, N]), fp16 operands,
-// fp32 accumulation. The fast plan's route on Ampere and Hopper ("mma", matmul.py); sm_70 keeps gemm.cu's wmma.
+// fp32 accumulation. The fast plan's "mma" route (matmul.py) on Ampere and Ada; Hopper takes gemm_wgmma.cu on it,
+// sm_70 keeps gemm.cu's wmma.
 //
 // numpy twin: clefcore/backends/cpu.py::linear (plain, + bias, + residual).
 //

@@ -57,6 +57,14 @@ def test_cubin_and_spills(name, target):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{k} spills on {target}: {r}"
 
 
+def test_wgmma_builds_for_sm_90a():
+    """gemm_wgmma.cu's body exists only for sm_90a (the other targets above build it empty): its kernel must
+    compile there, with its 128 accumulators a thread in registers and nothing spilled."""
+    rep = C.ptxas_report(NV.compile(C.source("gemm_wgmma.cu"), "gemm_wgmma.cu", "sm_90a").log)
+    r = rep["gemm_wgmma_f16a"]
+    assert r["registers"] >= 128 and r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+
+
 def test_attention_entry_points_match_the_host():
     """attention.cu defines exactly the kernels attention.py launches: attn_fwd_d{D} for CAUSAL_DIMS, attn_bidir_d{D}
     for BIDIR_DIMS (the vision tower's 72 among them) and attn_launch_d{D} for both."""

@@ -182,6 +182,7 @@ def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
     if smem > o.max_smem_optin:
         pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
     monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one
+    monkeypatch.setattr(o.gemm, "wgmma", False)      # gemm_mma.cu itself on Hopper too
     cp = o.cp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
     a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
@@ -191,6 +192,27 @@ def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
     check(f"gemm_mma+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
           cpu.linear(x, w, b) + res, 4e-3, o)
     assert o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)).shape == (M, N)
+
+
+@pytest.mark.parametrize("M", [1, 63, 65, 346])
+@pytest.mark.parametrize("N,K", [(16, 64), (65, 40), (1000, 256), (130, 1000), (129, 8), (7, 4104), (300, 520)])
+def test_gemm_wgmma(ops_fast, M, N, K):
+    """gemm_wgmma.cu, the "mma" route on Hopper (sm_90a, native code only), as test_gemm_mma: rows and columns
+    past its 128 x 256 tile, K past a 64-deep k-tile (zero-filled copies into the swizzled stages), an odd N,
+    bias and a residual, every output written."""
+    o = ops_fast["wmma16"]
+    if not o.gemm.wgmma:
+        pytest.skip("gemm_wgmma.cu runs on compute capability 9.0 (native code) only")
+    cp = o.cp
+    x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
+    a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
+    out = cp.full((M, N), np.nan, dtype=cp.float32)
+    check(f"gemm_wgmma {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
+    out[...] = np.nan
+    check(f"gemm_wgmma+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
+          cpu.linear(x, w, b) + res, 4e-3, o)
+    check(f"gemm_with mma {M}x{N}x{K}", o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)),
+          cpu.linear(x, w), 4e-3, o)
 
 
 @pytest.mark.parametrize("path", ["wmma", "cublas"])

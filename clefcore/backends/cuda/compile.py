@@ -215,6 +215,9 @@ def ptx70_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 # ----------------------------------------------------------------------------------------------- run time
 
 _MODULES: dict[tuple[str, bool], object] = {}
+# Files built for sm_90a, the Hopper target that has wgmma (plain sm_90 does not). CuPy appends its own
+# -arch=sm_90 after these options; NVRTC then builds sm_90a code (seen with NVRTC 12.9 here and 13.0 on an H100).
+_SM90A = frozenset({"gemm_wgmma.cu"})
 
 
 def load_module(name: str, ptx70: bool = False):
@@ -227,6 +230,7 @@ def load_module(name: str, ptx70: bool = False):
         if ptx70:
             mod = cupy.RawModule(path=str(ptx70_path(name)))
         else:
-            mod = cupy.RawModule(code=source(name), options=("-std=c++17",))
+            arch = ("-arch=sm_90a",) if name in _SM90A else ()
+            mod = cupy.RawModule(code=source(name), options=("-std=c++17",) + arch)
         _MODULES[key] = mod
     return mod

@@ -23,11 +23,16 @@ _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (a
 # (A + W tile rows) x padded row x 2 bytes). A GPU takes the first whose shared memory it has per block.
 MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
              ("gemm_mma_f16a", 128, 128, 3 * (128 + 128) * 40 * 2))
+# The same route on Hopper (sm_90): gemm_wgmma.cu, 1.8-2.0x gemm_mma.cu's big tile on the H100 (0.70-0.89 of
+# cuBLAS from 512 rows up; docs/bench/issue30/wgmma/). Dynamic shared memory = 4 stages x (A + W tile rows) x
+# 128-byte rows, + 1024 to align the swizzle atoms.
+WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
 
 
 # gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
 # hi + lo halves, split8 (lo in fp8 against the weight's fp8 twin, cuBLASLt), gemm.cu's WMMA kernels (fp16 or
-# split as the plan says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands)
+# split as the plan says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands; on sm_90
+# gemm_wgmma.cu's)
 ROUTES = ("cublas", "split", "split8", "wmma", "rows", "mma")
 
 
@@ -171,19 +176,23 @@ class MatmulOps:
         return out
 
     def _mma_runs(self, K) -> bool:
-        """gemm_mma.cu can take a GEMM over K here: an sm_80+ GPU running native code, K a multiple of 8 (its
-        16-byte copies never straddle a row's end). Its operands are fp16: the fast plan only."""
+        """gemm_mma.cu (gemm_wgmma.cu on sm_90) can take a GEMM over K here: an sm_80+ GPU running native code, K
+        a multiple of 8 (its 16-byte copies never straddle a row's end). Its operands are fp16: the fast plan
+        only."""
         return self.gemm.mma and K % 8 == 0 and self.plan.fp16
 
     def _mma(self, a16, w16, out, bias=None, res=None):
-        """gemm_mma.cu: out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both operands fp16 and
-        16-byte aligned (``_half``; weights are)."""
+        """gemm_mma.cu (gemm_wgmma.cu on sm_90): out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both
+        operands fp16 and 16-byte aligned (``_half``; weights are)."""
         M, K = a16.shape
         N = w16.shape[0]
         if w16.data.ptr % 16:
             raise errors.DeviceError(f"gemm_mma: weight at {w16.data.ptr:#x} is not 16-byte aligned")
-        name, bm, bn, smem = next(tile for tile in MMA_TILES if tile[3] <= self.max_smem_optin)
-        fn = self.kernel("gemm_mma.cu", name, smem)
+        if self.gemm.wgmma:
+            module, (name, bm, bn, smem) = "gemm_wgmma.cu", WGMMA_TILE
+        else:
+            module, (name, bm, bn, smem) = "gemm_mma.cu", next(t for t in MMA_TILES if t[3] <= self.max_smem_optin)
+        fn = self.kernel(module, name, smem)
         fn((-(-N // bn), -(-M // bm)), (256,), (a16, w16, NULL if bias is None else bias,
                                               NULL if res is None else res, out, np.int32(M), np.int32(N),
                                               np.int32(K)), shared_mem=smem)

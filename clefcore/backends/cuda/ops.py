@@ -28,7 +28,7 @@ from .delta_rule import DeltaRuleOps
 from .elementwise import ELEM_THREADS, sigmoid_k, silu_k
 from .graphs import GraphCache
 from .head import HeadOps
-from .matmul import MatmulOps
+from .matmul import WGMMA_TILE, MatmulOps
 from .norms import NormOps
 from .state import Caches, Fp8Twins, GemmChoices
 from .vision import VisionOps
@@ -150,6 +150,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self.tables = tables
         self.ptx70 = bool(ptx70)
         self.gemm.mma = self.cc >= (8, 0) and not self.ptx70   # the compute_70 PTX has no mma.sync m16n8k16
+        self.gemm.wgmma = self.gemm.mma and self.cc == (9, 0) and self.max_smem_optin >= WGMMA_TILE[3]
         # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
         # activations beyond the residual stream and the K/V cache are [token_block, *]; 0 = whole stream
         self.token_block = int(token_block)

@@ -13,6 +13,7 @@ class GemmChoices:
 
     pin: str = "auto"            # --gemm: auto (timed per shape the first time it is seen), wmma or cublas
     mma: bool = False            # gemm_mma.cu runs here (sm_80+, compiled for this GPU): a candidate of auto
+    wgmma: bool = False          # ... and the "mma" route takes gemm_wgmma.cu instead (sm_90: Hopper's wgmma)
     chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> "wmma", "cublas" or "rows"
     seen: dict | None = None     # while a gemm_paths() block runs: shape_key -> the path each GEMM took
 

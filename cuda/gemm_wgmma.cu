@@ -1,0 +1,252 @@
+// Hopper GEMM (sm_90a): C[M, N] (fp32) = A[M, K] @ W[N, K]^T (+ bias[N]) (+ res[M, N]), fp16 operands, fp32
+// accumulation, with warpgroup MMAs (wgmma.mma_async). The "mma" route on sm_90 (matmul.py); gemm_mma.cu keeps
+// sm_80-89. Same arguments, launch preconditions and results as gemm_mma.cu's kernels.
+//
+// numpy twin: clefcore/backends/cpu.py::linear (plain, + bias, + residual).
+//
+// gemm_wgmma_f16a: block tile 128 x 256 x 64, 256 threads = 2 warpgroups, each 64 rows x 256 columns of C held
+// in 128 fp32 registers a thread, grown by 4 wgmma m64n256k16 per k-tile that read A and W straight from shared
+// memory through 64-bit matrix descriptors (no ldmatrix, no register copies of the operands). Why: mma.sync
+// (gemm_mma.cu) reached 0.41-0.46 of cuBLAS on an H100; Hopper's tensor cores run at full rate only through
+// wgmma, which is what cuBLAS issues there. On the H100 this kernel runs at 0.70-0.89 of cuBLAS from 512 rows up
+// (0.49 at 346: 144 blocks for 132 SMs), 1.8-2.0x gemm_mma.cu's big tile; 256 x 128, 128 x 128 (6 stages) and a
+// warp-specialized form (a copying warpgroup signalling mbarriers) measured slower (docs/benchmarks.md, issue 30).
+//
+// Layout: each stage holds the A tile (128 rows) then the W tile (256 rows), every row 64 halves = 128 bytes,
+// with the 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8), in
+// 1024-byte atoms of 8 rows (the stride-dimension offset); both operands are K-major, as the hardware's default.
+// A k-step of 16 advances a descriptor's start address by 32 bytes; the hardware applies the XOR on the address.
+//
+// Pipeline: 4 stages (196,608 bytes + 1,024 for alignment) filled by cp.async from all 256 threads (16 bytes a
+// copy, written straight to the swizzled place; rows past M or N and chunks past K are zero-filled through
+// src-size 0). Per k-tile: wait for its copies, fence.proxy.async (cp.async writes through the generic proxy,
+// wgmma reads through the async one), barrier, issue the wgmmas, then the copies of the tile two ahead into the
+// stage read two tiles ago, then wait until only this k-tile's wgmmas are in flight: the tensor cores always
+// have the next k-tile queued while the barrier and the copies run. 4 stages is the least for this order
+// (copies of k+1 and k+2, wgmmas of k-1 and k, in four distinct stages).
+//
+// Needs K % 8 == 0 and 16-byte aligned A and W (the caller checks), as gemm_mma.cu: every 16-byte chunk is
+// wholly inside or outside a row. The epilogue writes straight from the accumulators (two adjacent columns per
+// register pair, the layout of mma.sync's m16n8 tiles repeated). Blocks walk the output in groups of 8 block
+// rows, as gemm_mma.cu.
+//
+// Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
+// sm_90 included, compile to empty kernels, and the backend never routes to it there.
+
+typedef unsigned short wg_half;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned wg_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, asynchronously; ok = false writes zeros and reads nothing
+__device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// a K-major operand of 128-byte rows in 128-byte swizzle: leading offset unused (1), 1024 bytes between
+// 8-row groups, swizzle mode 1 (bits 62-63)
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+// d (64 x n, fp32, this thread's share) += A (64 x 16) @ B (n x 16)^T, both from shared memory; n = 128 serves the
+// 128-column tiles of the sweep (docs/bench/issue30/wgmma/variants.cu, appended to this file)
+__device__ __forceinline__ void wg_mma_n128(float (&d)[64], unsigned long long da,
+                                           unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+                   "+f"(d[63])
+                 : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long da,
+                                           unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                 "}, %128, %129, 1, 1, 1, 0, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+                   "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+                   "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+                   "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+                   "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+                   "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+                   "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+                   "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+                   "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+                   "+f"(d[126]), "+f"(d[127])
+                 : "l"(da), "l"(db));
+}
+
+// keeps the compiler from moving accesses of the accumulators across the asynchronous MMAs
+template <int R>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// one k-tile of A (rows m0..) and W (rows n0..) into a stage, in 16-byte chunks: thread t copies chunk t % 8 of
+// rows t / 8 + 32 i, whose r % 8, and so the swizzled chunk, is the same for every i
+template <int BM, int BN>
+__device__ __forceinline__ void wg_load_stage(unsigned sA, unsigned sB, const wg_half* __restrict__ A,
+                                              const wg_half* __restrict__ W, int M, int N, int K, int m0, int n0,
+                                              int k0) {
+    const int c = threadIdx.x & 7, r0 = threadIdx.x >> 3, gk = k0 + c * 8;
+    const unsigned sw = (unsigned)((c ^ (r0 & 7)) << 4);
+    const bool kok = gk < K;
+#pragma unroll
+    for (int i = 0; i < BM / 32; ++i) {
+        const int r = r0 + 32 * i, gr = m0 + r;
+        const bool ok = kok && gr < M;
+        wg_cp16(sA + r * 128 + sw, A + (ok ? (size_t)gr * K + gk : 0), ok);
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) {
+        const int r = r0 + 32 * i, gn = n0 + r;
+        const bool ok = kok && gn < N;
+        wg_cp16(sB + r * 128 + sw, W + (ok ? (size_t)gn * K + gk : 0), ok);
+    }
+}
+
+template <int BN>
+__device__ __forceinline__ void wg_mma(float (&d)[BN / 2], unsigned long long da, unsigned long long db);
+template <>
+__device__ __forceinline__ void wg_mma<128>(float (&d)[64], unsigned long long da, unsigned long long db) {
+    wg_mma_n128(d, da, db);
+}
+template <>
+__device__ __forceinline__ void wg_mma<256>(float (&d)[128], unsigned long long da, unsigned long long db) {
+    wg_mma_n256(d, da, db);
+}
+
+template <int BM, int BN, int STAGES>
+__device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_half* __restrict__ W,
+                                        const float* __restrict__ bias, const float* __restrict__ res,
+                                        float* __restrict__ C, int M, int N, int K) {
+    constexpr int BK = 64, WM = BM / 2, MI = WM / 64, NA = BN / 2;   // per warpgroup: WM rows, MI m64 blocks
+    constexpr unsigned SA = BM * 128, STAGE = (BM + BN) * 128;       // bytes
+    static_assert(WM % 64 == 0 && (BN == 128 || BN == 256) && STAGES >= 4, "tile shape");
+    extern __shared__ unsigned char wg_buf[];
+    const unsigned base = (wg_smem(wg_buf) + 1023u) & ~1023u;        // swizzle atoms are 1024-byte aligned
+    const int t = threadIdx.x, wg = t >> 7, warp = (t >> 5) & 3, lane = t & 31;
+    // Blocks are launched in order of blockIdx.x fastest; handing them out down groups of 8 block rows (then
+    // across) makes 8 consecutive blocks share one W tile column while it is in L2.
+    int bm, bn;
+    {
+        const int grid_m = gridDim.y, pid = blockIdx.y * gridDim.x + blockIdx.x, width = 8 * gridDim.x;
+        const int first = (pid / width) * 8, rows = min(grid_m - first, 8);
+        bm = first + (pid % width) % rows;
+        bn = (pid % width) / rows;
+    }
+    const int m0 = bm * BM, n0 = bn * BN;
+    const int KT = (K + BK - 1) / BK;
+
+    float acc[MI][NA];
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+        for (int j = 0; j < NA; ++j) acc[i][j] = 0.f;
+        wg_fence_acc(acc[i]);
+    }
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < KT) wg_load_stage<BM, BN>(base + s * STAGE, base + s * STAGE + SA, A, W, M, N, K, m0, n0, s * BK);
+        asm volatile("cp.async.commit_group;\n" ::);             // empty groups keep the count uniform
+    }
+
+    for (int kt = 0; kt < KT; ++kt) {
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 3));   // k-tile kt has landed (this thread's part)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();                                  // ... every thread's; the wgmmas of kt - 2 are done
+        const unsigned sA = base + (kt % STAGES) * STAGE + wg * WM * 128, sB = base + (kt % STAGES) * STAGE + SA;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+#pragma unroll
+            for (int i = 0; i < MI; ++i)
+                wg_mma<BN>(acc[i], wg_desc(sA + i * 64 * 128 + ks * 32), wg_desc(sB + ks * 32));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        {
+            const int pf = kt + STAGES - 2;               // into the stage of kt - 2
+            if (pf < KT) {
+                const unsigned st = base + (pf % STAGES) * STAGE;
+                wg_load_stage<BM, BN>(st, st + SA, A, W, M, N, K, m0, n0, pf * BK);
+            }
+            asm volatile("cp.async.commit_group;\n" ::);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // kt - 1's are done
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::);
+#pragma unroll
+    for (int i = 0; i < MI; ++i) wg_fence_acc(acc[i]);
+
+    // accumulator (i, 4 j + e): row wg*WM + i*64 + warp*16 + lane/4 (+ 8 for e >= 2), column 8 j + (lane % 4) * 2
+    // (+ 1 for odd e)
+    const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
+            if (gr >= M) continue;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int gc = n0 + j * 8 + (lane & 3) * 2;
+                float v0 = acc[i][j * 4 + h * 2], v1 = acc[i][j * 4 + h * 2 + 1];
+                const size_t o = (size_t)gr * N + gc;
+                if (pair && gc + 1 < N) {
+                    if (bias) { v0 += bias[gc]; v1 += bias[gc + 1]; }
+                    if (res) { const float2 r = *(const float2*)(res + o); v0 += r.x; v1 += r.y; }
+                    *(float2*)(C + o) = make_float2(v0, v1);
+                } else {
+                    if (gc < N) C[o] = v0 + (bias ? bias[gc] : 0.f) + (res ? res[o] : 0.f);
+                    if (gc + 1 < N) C[o + 1] = v1 + (bias ? bias[gc + 1] : 0.f) + (res ? res[o + 1] : 0.f);
+                }
+            }
+        }
+    }
+}
+#endif
+
+// The launch: grid (ceil(N / 256), ceil(M / 128)), 256 threads, 197,632 bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_f16a(const wg_half* __restrict__ A,
+                                                                     const wg_half* __restrict__ W,
+                                                                     const float* __restrict__ bias,
+                                                                     const float* __restrict__ res,
+                                                                     float* __restrict__ C, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_gemm<128, 256, 4>(A, W, bias, res, C, M, N, K);
+#endif
+}

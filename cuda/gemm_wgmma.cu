@@ -51,29 +51,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// d (64 x n, fp32, this thread's share) += A (64 x 16) @ B (n x 16)^T, both from shared memory; n = 128 serves the
-// 128-column tiles of the sweep (docs/bench/issue30/wgmma/variants.cu, appended to this file)
-__device__ __forceinline__ void wg_mma_n128(float (&d)[64], unsigned long long da,
-                                           unsigned long long db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, 1, 1, 1, 0, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-                   "+f"(d[63])
-                 : "l"(da), "l"(db));
-}
-
+// d (64 x 256, fp32, this thread's share) += A (64 x 16) @ B (256 x 16)^T, both from shared memory
 __device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long da,
                                            unsigned long long db) {
     asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
@@ -138,12 +116,9 @@ __device__ __forceinline__ void wg_load_stage(unsigned sA, unsigned sB, const wg
     }
 }
 
+// one k-step of the warpgroup's BN columns (the sweep's 128-column tiles add wg_mma<128>: wgmma/variants.cu)
 template <int BN>
 __device__ __forceinline__ void wg_mma(float (&d)[BN / 2], unsigned long long da, unsigned long long db);
-template <>
-__device__ __forceinline__ void wg_mma<128>(float (&d)[64], unsigned long long da, unsigned long long db) {
-    wg_mma_n128(d, da, db);
-}
 template <>
 __device__ __forceinline__ void wg_mma<256>(float (&d)[128], unsigned long long da, unsigned long long db) {
     wg_mma_n256(d, da, db);

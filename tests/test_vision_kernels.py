@@ -100,8 +100,16 @@ def ops(request):
 @gpu
 @pytest.mark.parametrize("shape", [(1,), (63,), (65,), (1000, 77)])
 def test_gelu_tanh(ops, shape):
+    # Below x ~ -3 the result is 0.5 x (1 + tanh(u)) with tanh(u) near -1: the sum cancels, and one ulp of
+    # tanhf (CUDA's is within 2 ulp, numpy's another) moves the result by ~3e-8 |x|, i.e. 1.1e-4 of the
+    # -9.1e-4 at x = -3.4 that a one-element draw once was. So the error is measured against the inputs' scale
+    # (where gelu(x) ~ x), not against an output that cancellation made tiny.
     x = r(*shape, scale=3.0)
-    check(f"gelu_tanh {shape}", ops.to_host(ops.gelu_tanh(ops.asarray(x))), cpu.gelu_tanh(x), 1e-6)
+    got = ops.to_host(ops.gelu_tanh(ops.asarray(x))).astype(np.float64)
+    ref = cpu.gelu_tanh(x).astype(np.float64)
+    assert got.shape == ref.shape and np.all(np.isfinite(got))
+    e = np.max(np.abs(got - ref)) / np.max(np.abs(x))
+    assert e <= 1e-6, f"gelu_tanh {shape}: max error {e:.3e} of the inputs' scale > 1e-6"
 
 
 @gpu

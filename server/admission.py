@@ -7,9 +7,9 @@ never refused for the step that happens to be running).
 
 A request is admitted when its expected time to its answer fits its budget, and is then promised its answer by
 the end of that budget: the batch it rides is cut where it would end later (pyx/scheduler.pyx, ``take``). That
-time counts only the work that runs before it in the scheduler's order, at the measured device rate. For a prompt that runs whole
-(shortest first): what is left of the running step, the queued prompts ahead of it and at most one chunk of
-the long prompt being run. Long queued prompts start only when no whole prompt waits, so they never count
+time counts only the work that runs before it in the scheduler's order, at the measured device rate. For a
+prompt that runs whole (shortest first): what is left of the running step, the queued prompts ahead of it and at
+most one chunk of the long prompt being run. Long queued prompts start only when no whole prompt waits, so they never count
 against a short one. For a chunked prompt: all of that plus the long prompts ahead of it, over the share of
 recent time in which no whole prompt was waiting (only then can it start; whole prompts keep arriving and pass
 it), then its own run. A queued

@@ -183,15 +183,22 @@ def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
         pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
     monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one
     monkeypatch.setattr(o.gemm, "wgmma", False)      # gemm_mma.cu itself on Hopper too
+    check_mma_route(o, "gemm_mma", M, N, K)
+
+
+def check_mma_route(o, name, M, N, K):
+    """The "mma" route's kernel (``_mma``) against numpy: plain, with bias and residual, and through gemm_with;
+    every output is written (it starts as NaN)."""
     cp = o.cp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
     a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
     out = cp.full((M, N), np.nan, dtype=cp.float32)
-    check(f"gemm_mma {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
+    check(f"{name} {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
     out[...] = np.nan
-    check(f"gemm_mma+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
+    check(f"{name}+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
           cpu.linear(x, w, b) + res, 4e-3, o)
-    assert o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)).shape == (M, N)
+    check(f"{name} gemm_with {M}x{N}x{K}", o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)),
+          cpu.linear(x, w), 4e-3, o)
 
 
 @pytest.mark.parametrize("M", [1, 63, 65, 346])
@@ -203,16 +210,7 @@ def test_gemm_wgmma(ops_fast, M, N, K):
     o = ops_fast["wmma16"]
     if not o.gemm.wgmma:
         pytest.skip("gemm_wgmma.cu runs on compute capability 9.0 (native code) only")
-    cp = o.cp
-    x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
-    a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
-    out = cp.full((M, N), np.nan, dtype=cp.float32)
-    check(f"gemm_wgmma {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
-    out[...] = np.nan
-    check(f"gemm_wgmma+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
-          cpu.linear(x, w, b) + res, 4e-3, o)
-    check(f"gemm_with mma {M}x{N}x{K}", o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)),
-          cpu.linear(x, w), 4e-3, o)
+    check_mma_route(o, "gemm_wgmma", M, N, K)
 
 
 @pytest.mark.parametrize("path", ["wmma", "cublas"])

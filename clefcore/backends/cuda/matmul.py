@@ -330,7 +330,7 @@ class MatmulOps:
                 else:
                     self._split_gemm(self._split(gb), w_down, ob)
 
-            def run_m():                              # gate and up on gemm_mma.cu, SwiGLU in one pass, down
+            def run_m():                              # gate and up on the mma route, SwiGLU in one pass, down
                 a16 = self._half(xb)
                 gb = self._mma(a16, w_gate, cp.empty((M, I), dtype=cp.float32))
                 ub = self._mma(a16, w_up, cp.empty((M, I), dtype=cp.float32))

@@ -12,7 +12,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from . import precision
+from . import precision, switches
 from .answers import CONFIDENCE_MODES
 
 VALIDATIONS = ("cloudflare", "reference")
@@ -49,11 +49,22 @@ def gpu_options(p: argparse.ArgumentParser) -> None:
                    help="GPU: prompts of up to this many tokens, and the vision tower (fast mode) over images of up "
                         "to this many image tokens, replay a CUDA graph (default 1024; 0 = off); each cached graph "
                         "holds its own activations (at most 4 graphs)")
+    p.add_argument("--kernels", type=_kernels, default=None, metavar="NAME[=on|off],...",
+                   help="GPU kernel switches (default: each switch's environment variable, else its default): "
+                        + switches.describe())
+
+
+def _kernels(text: str) -> str:
+    try:
+        switches.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def backend_options(args) -> dict:
     pairs = (("precision", args.precision), ("gemm", args.gemm), ("token_block", args.token_block),
-             ("graph_tokens", args.graph_tokens))
+             ("graph_tokens", args.graph_tokens), ("kernels", args.kernels))
     return {k: v for k, v in pairs if v is not None}
 
 
@@ -76,6 +87,7 @@ class ServiceConfig:
     gemm: str | None = None
     token_block: int | None = None
     graph_tokens: int | None = None
+    kernels: str | None = None              # GPU kernel switches (clefcore/switches.py); None: environment
     max_batch_tokens: int = 4096
     max_batch_requests: int = 32
     max_queue: int = 256
@@ -100,6 +112,8 @@ class ServiceConfig:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
             raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
+        if self.kernels:
+            switches.parse(self.kernels)
         for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES),
                               ("on_overflow", ON_OVERFLOW)):
             if getattr(self, name) not in allowed:

@@ -5,6 +5,9 @@ CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)`
 
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import pytest
 
 
@@ -34,3 +37,11 @@ HAVE_MMA = HAVE_GPU and _cc() >= 80
 HAVE_CUBLAS = HAVE_GPU and _have_cublas()
 NEEDS_CUBLAS = pytest.mark.skipif(not HAVE_CUBLAS, reason="cuBLAS cannot be loaded here")
 MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")]
+
+
+def reseed(rng: np.random.Generator, request) -> None:
+    """Reseed a module's generator from the test's id: every run of one test draws the same inputs, whatever ran
+    before it, and a failure reruns as it failed (the seed is printed)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    print(f"seed {seed} for {request.node.nodeid}")
+    rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state

@@ -22,12 +22,17 @@ from clefcore.backends.cuda.matmul import MMA_TILES
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS, reseed  # noqa: E402
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    reseed(RNG, request)
 
 
 def _have_nvrtc12():

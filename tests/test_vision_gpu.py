@@ -120,7 +120,7 @@ def test_tower_graph_replays_as_eager_with_fresh_inputs(engine):
     the caller's (the next replay does not rewrite it). The exact modes stay eager."""
     from clefcore.preprocess import pixels
     ops, vp = engine.ops, engine.vision
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     imgs = [pixels(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)) for _ in range(2)]
 
     def tower(px, keep=None):

@@ -25,9 +25,14 @@ from clefcore.backends.cuda import compile as C
 from clefcore.backends.cuda.attention import BIDIR_DIMS, attention_tiles
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import MARKS, reseed  # noqa: E402
 
 RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    reseed(RNG, request)
 MODES = ["native"] + (["ptx70"] if C.ptx70_available() else [])
 ATTN_TOL = 4e-3
 # packed images: one patch, under / over one 16-row warp and one 64-row block, several of different sizes

@@ -30,7 +30,7 @@ import json
 import platform
 import time
 
-from .. import precision
+from .. import precision, switches
 from . import end_to_end, image, kernels, provenance
 from .peers import transformers_image_side, transformers_side
 from .weights import random_params
@@ -52,6 +52,9 @@ def add_arguments(parser):
     parser.add_argument("--graph-tokens", type=int, default=1024,
                         help="CudaOps graph_tokens: single prompts up to this length, and the fast tower over "
                              "images of up to this many image tokens, replay a CUDA graph (0 = off)")
+    parser.add_argument("--kernels", default=None, metavar="NAME[=on|off],...",
+                        help="GPU kernel switches (clefcore/switches.py; default: the environment, else each "
+                             "switch's default); the JSON records those in effect")
     parser.add_argument("--image", default=None, metavar="WxH",
                         help="also time one request with a WxH PNG (1024x1024: 1,024 image tokens) end to end "
                              "against a text-only request of the same length, per precision")
@@ -88,6 +91,8 @@ def run(args) -> int:
     from ..config import HeadConfig, TextConfig
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     precisions = [p for p in args.precision.split(",") if p]
+    if args.kernels:
+        switches.parse(args.kernels)     # an unknown switch fails here, before any load
     for p in precisions:
         precision.resolve(p, False)      # an unknown name fails here, before any load
     lengths = [int(v) for v in args.lengths.split(",") if v]
@@ -101,8 +106,9 @@ def run(args) -> int:
     text_cfg = vision_cfg = section = ck = None
     for i, prec in enumerate(precisions):
         ops = CudaOps(dev, precision=prec, tables="device", token_block=args.token_block,
-                      graph_tokens=args.graph_tokens)
+                      graph_tokens=args.graph_tokens, kernels=args.kernels)
         out["device"] = ops.device_name
+        out["kernel_switches"] = sorted(ops.switches)
         out["paths"][prec] = ops.plan.path
         print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
               f"{out['sources']}, commit {out['commit']}; precision {prec} ({ops.plan.path}), token block "

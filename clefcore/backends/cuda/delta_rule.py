@@ -81,10 +81,13 @@ class DeltaRuleOps:
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade
+        # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade. With the
+        # gdn_split_scan switch the fast plan's state recurrence takes the three-pass scan: both modules share
+        # the workspace layout, and the fast prep writes the lo halves the three-pass scan reads.
         module = "gated_delta_fast.cu" if self.plan.fp16 else "gated_delta.cu"
+        scan_module = "gated_delta.cu" if "gdn_split_scan" in self.switches else module
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
-        scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
+        scan = self.kernel(scan_module, "gdn_scan" + sfx, scan_smem)
         outk = self.kernel(module, "gdn_out" + sfx, out_smem)
         # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
         # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ... import errors
+from ... import errors, switches
 from ... import precision as precision_modes
 from ...precision import RANGE_SAFE, Plan
 from . import cublas
@@ -105,7 +105,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
                  ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128,
-                 precision: str = precision_modes.DEFAULT, graph_tokens: int = 1024, graphs: int = 4):
+                 precision: str = precision_modes.DEFAULT, graph_tokens: int = 1024, graphs: int = 4,
+                 kernels: str | None = None):
         import cupy
         self.cp = cupy
         self.xp = cupy
@@ -147,6 +148,10 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         if self.plan.fp8:
             from . import cublaslt
             self.twins.gemm = cublaslt.Fp8Gemm(cupy)
+        # the kernel switches in effect (clefcore/switches.py): the kernels option, else the environment
+        self.switches = switches.resolve(kernels)
+        if self.switches:
+            log.info("kernel switches on: %s", ", ".join(sorted(self.switches)))
         self.tables = tables
         self.ptx70 = bool(ptx70)
         self.gemm.mma = self.cc >= (8, 0) and not self.ptx70   # the compute_70 PTX has no mma.sync m16n8k16

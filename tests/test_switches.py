@@ -1,0 +1,58 @@
+"""The kernel switches (clefcore/switches.py): one definition, set by the kernels option, the environment or the
+default, in that order; unknown names and values refused, naming the choices; every command that loads an engine
+takes --kernels, and the server's config carries it."""
+
+import argparse
+
+import pytest
+
+from clefcore import switches
+from clefcore.options import ServiceConfig, backend_options, gpu_options
+
+NAME = switches.SWITCHES[0].name
+ENV = switches.SWITCHES[0].env
+
+
+def test_defaults_env_and_option_in_order():
+    default_on = {s.name for s in switches.SWITCHES if s.default}
+    assert switches.resolve(None, environ={}) == default_on
+    assert NAME in switches.resolve(None, environ={ENV: "1"})
+    assert NAME not in switches.resolve(None, environ={ENV: "off"})
+    assert NAME in switches.resolve(NAME, environ={ENV: "0"})               # the option beats the environment
+    assert NAME not in switches.resolve(f"{NAME}=off", environ={ENV: "1"})
+
+
+def test_every_switch_has_an_env_name_and_help():
+    assert len({s.env for s in switches.SWITCHES}) == len(switches.SWITCHES)
+    for s in switches.SWITCHES:
+        assert s.env == "CLEFCORE_" + s.name.upper() and s.help
+        assert s.name in switches.describe()
+
+
+@pytest.mark.parametrize("spec,words", [("nope", ["unknown switch 'nope'", NAME]),
+                                        (f"{NAME}=maybe", ["'maybe' is not on or off"])])
+def test_bad_specs_name_the_choices(spec, words):
+    with pytest.raises(ValueError) as e:
+        switches.parse(spec)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match=ENV):
+        switches.resolve(None, environ={ENV: "sometimes"})
+
+
+def test_flag_reaches_load_options_and_is_checked_at_parse_time():
+    p = argparse.ArgumentParser()
+    gpu_options(p)
+    assert backend_options(p.parse_args(["--kernels", NAME]))["kernels"] == NAME
+    assert "kernels" not in backend_options(p.parse_args([]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kernels", "nope"])
+
+
+def test_service_config_refuses_an_unknown_switch():
+    assert ServiceConfig(model="m", kernels=NAME).kernels == NAME
+    with pytest.raises(ValueError, match="unknown switch"):
+        ServiceConfig(model="m", kernels="nope")

@@ -1,0 +1,74 @@
+"""The error model of the fast plan's delta rule (cuda/gated_delta_fast.cu): the chunked rule in the kernels'
+folded form (S' = S + N + M' S, O = O' + Q' S; cuda/gated_delta.cu's header), in numpy, rounding each tensor-core
+product's two operands to fp16 once where the kernels do, and nowhere else (the solve, the state and every sum
+stay fp32). Its distance from the fp32 reference is the size of error the kernels' rounding points produce on
+these very inputs, so the GPU tests bound the kernels by a multiple of it instead of by a constant read off one
+draw. ``split_scan``: the state recurrence's product M' S in three passes (the gdn_split_scan switch), which
+leaves only fp32 rounding there.
+
+Why the recurrence dominates when one-pass: M' = (gamma - 1) I - Kd^T W is close to -I where the chunk decays
+strongly, so S + M' S cancels S almost entirely, and the fp16 rounding of S inside M' S (2^-11 of S) survives
+the cancellation against a small result."""
+
+from __future__ import annotations
+
+import numpy as np
+
+C = 64   # GDN_CHUNK
+
+
+def _h(x):
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _mm(a, b, one_pass=True):
+    return (_h(a) @ _h(b)) if one_pass else (a @ b)
+
+
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None, split_scan=False):
+    """As clefcore.backends.cpu.gated_delta_rule (same arguments, state updated in place), with the fast
+    kernels' fp16 operand roundings."""
+    T, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    r = hv // hk
+    out = np.empty((T, hv, dv), np.float32)
+    ti = np.tril(np.ones((C, C), bool))
+    ts = np.tril(np.ones((C, C), bool), -1)
+    eye = np.eye(dk, dtype=np.float32)
+    for b, (s0, s1) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        L = int(s1 - s0)
+        if L == 0:
+            continue
+        n = -(-L // C)
+        pad = n * C - L
+
+        def chunks(a, heads):
+            a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], np.float32)])
+            return a.reshape(n, C, heads, -1).transpose(2, 0, 1, 3)
+
+        Q = np.repeat(chunks(q[s0:s1], hk), r, axis=0)
+        K = np.repeat(chunks(k[s0:s1], hk), r, axis=0)
+        V = chunks(v[s0:s1], hv)
+        B = chunks(beta[s0:s1, :, None], hv)[..., 0]
+        G = np.cumsum(chunks(g[s0:s1, :, None], hv)[..., 0], axis=-1)
+        D = np.exp(np.where(ti, G[..., :, None] - G[..., None, :], -np.inf))
+        A = np.where(ts, B[..., :, None] * _mm(K, K.transpose(0, 1, 3, 2)) * D, 0.0)
+        rhs = np.concatenate([B[..., None] * V, (B * np.exp(G))[..., None] * K], axis=-1)
+        sol = np.linalg.solve(np.eye(C) + A, rhs).astype(np.float32)
+        Un, W = sol[..., :dv], sol[..., dv:]
+        QKD = _mm(Q, K.transpose(0, 1, 3, 2)) * D
+        Kd = K * np.exp(G[..., -1:] - G)[..., None]
+        KdT = Kd.transpose(0, 1, 3, 2)
+        N = _mm(KdT, Un)
+        M = (np.exp(G[..., -1]) - 1)[..., None, None] * eye - _mm(KdT, W)
+        Qp = Q * np.exp(G)[..., None] - _mm(QKD, W)
+        Op = _mm(QKD, Un)
+        S = np.zeros((hv, dk, dv), np.float32) if state is None else state[b].astype(np.float32)
+        O = np.empty((hv, n, C, dv), np.float32)
+        for c in range(n):
+            O[:, c] = Op[:, c] + _mm(Qp[:, c], S)
+            S = S + N[:, c] + _mm(M[:, c], S, one_pass=not split_scan)
+        out[s0:s1] = O.transpose(1, 2, 0, 3).reshape(n * C, hv, dv)[:L]
+        if state is not None:
+            state[b] = S
+    return out

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the fast plan's delta rule with and without the gdn_split_scan switch (clefcore/switches.py).
+#  0. the delta rule's GPU kernel tests (tests/test_kernels.py -k gated_delta);
 #  1. docs/studies/gdn_fast_state.py: output and state errors over seeded draws, both variants;
 #  2. the golden sets (text and images) in fast mode, native and compute_70 PTX, both variants: worst |dp|;
 #  3. `clefcore bench` (fast, cuBLAS as the image ships, no transformers) with the switch off and on;
@@ -10,10 +11,10 @@
 #     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
 #   the compute_70 PTX of every kernel file into .whl/ptx70 (CLEFCORE_KERNEL_CACHE), made with the pip NVRTC 12
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gdn-state.sh
-# Writes to $OUT as it goes: gdn-state.json, golden.txt, bench-off.json, bench-on.json, bench.txt, suite.txt.
+# Writes to $OUT as it goes: kernels.txt, gdn-state.json, golden.txt, bench-off.json, bench-on.json, bench.txt, suite.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/gdn-state-out}
-STEPS=${STEPS:-"study golden bench"}
+STEPS=${STEPS:-"kernels study golden bench"}
 DRAWS=${DRAWS:-300}
 mkdir -p "$OUT"
 ROOT=$(pwd)
@@ -21,6 +22,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
   "$ROOT"/.whl/new/clefcore-*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/device.txt" 2>&1
+if [[ " $STEPS " == *" kernels "* ]]; then
+  # the delta rule's kernel tests, both variants (their ERR lines: each check's error and the state's model)
+  timeout 150 pytest -q -s -p no:cacheprovider -m gpu tests/test_kernels.py -k gated_delta 2>&1 \
+    | grep -E "^ERR gdn|passed|failed|Error" >"$OUT/kernels.txt"
+fi
 if [[ " $STEPS " == *" study "* ]]; then
   (cd /tmp && timeout 200 python3 "$ROOT/docs/studies/gdn_fast_state.py" "$OUT/gdn-state.json" "$DRAWS") \
     2>&1 | tee "$OUT/study.txt"

@@ -10,6 +10,10 @@ scraping).
   that is a Kubernetes type (the pod spec, the deployment strategy, metadata) is validated strictly as that
   type.
 - The container arguments are parsed by clefcore's own command-line parser, so every flag is real.
+- PrometheusRule (deploy/monitoring/alerts.yaml): kubernetes-validate has no schema for the Prometheus
+  Operator's CRD either, so it accepts the file with only a warning. Its spec is held here to the fields the
+  monitoring.coreos.com/v1 CRD defines for a rule group and a rule, each duration to Prometheus' duration syntax,
+  and its metadata is validated strictly as ObjectMeta. (tests/test_monitoring.py checks the expressions.)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+ALERTS = K8S.parent / "monitoring" / "alerts.yaml"
 NAMESPACE = "llm-serving"
 PORT = 8080
 MODEL_DIR = "/mnt/models/clef-flash"
@@ -41,6 +46,10 @@ COMPONENT_EXTENSION_FIELDS = {
 }
 MODEL_FORMAT_FIELDS = {"sklearn", "xgboost", "tensorflow", "pytorch", "triton", "onnx", "huggingface", "pmml",
                        "lightgbm", "paddle", "model", "workerSpec"}
+# Prometheus Operator's monitoring.coreos.com/v1 PrometheusRule, as its CRD defines a RuleGroup and a Rule.
+RULE_GROUP_FIELDS = {"name", "interval", "rules", "limit", "partial_response_strategy", "query_offset", "labels"}
+RULE_FIELDS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
+DURATION = re.compile(r"0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?")
 
 
 def manifests() -> dict[str, list[dict]]:
@@ -113,6 +122,13 @@ def test_the_validation_can_fail():
     isvc["spec"]["predictor"]["podMetadata"] = {"annotations": {"prometheus.io/scrape": "true"}}
     with pytest.raises(AssertionError, match="podMetadata"):
         check_inference_service(isvc)
+    for change, named in ((lambda r: r.update(fro="10m"), "fro"), (lambda r: r.update({"for": "10 min"}), "for"),
+                          (lambda r: r["labels"].update(severity=2), "labels"),
+                          (lambda r: r.update(record="clef:ready"), "exactly one")):
+        rule = copy.deepcopy(prometheus_rule())
+        change(rule["spec"]["groups"][0]["rules"][0])
+        with pytest.raises(AssertionError, match=named):
+            check_prometheus_rule(rule)
 
 
 def check_inference_service(isvc: dict) -> None:
@@ -145,6 +161,51 @@ def check_inference_service(isvc: dict) -> None:
 
 def test_inference_service_holds_to_the_crd_fields():
     check_inference_service(one("InferenceService"))
+
+
+def prometheus_rule() -> dict:
+    (rule,) = [d for d in yaml.safe_load_all(ALERTS.read_text()) if d]
+    return rule
+
+
+def string_map(value, where: str) -> None:
+    assert isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()), \
+        f"{where}: a map of strings"
+
+
+def check_prometheus_rule(rule: dict) -> None:
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"}, set(rule)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    validate_strict({"apiVersion": "v1", "kind": "ConfigMap", "metadata": rule["metadata"]})
+    assert set(rule["spec"]) == {"groups"}, set(rule["spec"])
+    names = [group.get("name") for group in rule["spec"]["groups"]]
+    assert len(names) == len(set(names)), names
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= RULE_GROUP_FIELDS, f"not RuleGroup fields: {set(group) - RULE_GROUP_FIELDS}"
+        assert isinstance(group.get("name"), str) and group["name"], "a rule group needs a name"
+        for key in ("interval", "query_offset"):
+            assert DURATION.fullmatch(str(group.get(key, "0"))), f"{group['name']}.{key}: {group[key]!r}"
+        for r in group["rules"]:
+            where = f"{group['name']}.{r.get('alert') or r.get('record')}"
+            assert set(r) <= RULE_FIELDS, f"{where}: not Rule fields: {set(r) - RULE_FIELDS}"
+            assert ("alert" in r) != ("record" in r), f"{where}: exactly one of alert and record"
+            assert isinstance(r.get("expr"), str) and r["expr"].strip(), f"{where}: expr"
+            for key in ("for", "keep_firing_for"):
+                assert DURATION.fullmatch(str(r.get(key, "0"))), f"{where}.{key}: {r[key]!r}"
+            for key in ("labels", "annotations"):
+                string_map(r.get(key, {}), f"{where}.{key}")
+            if "record" in r:   # Prometheus refuses these on a recording rule
+                assert not {"for", "keep_firing_for", "annotations"} & set(r), where
+
+
+def test_the_prometheus_rule_holds_to_the_crd_fields():
+    rule = prometheus_rule()
+    for version in k8s_versions():
+        # What `kubernetes-validate alerts.yaml` does: no schema for the CRD, a warning, exit 0.
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(rule, version, strict=True)
+        assert kv_utils.validate_resource(rule, str(ALERTS), version, strict=True, quiet=True, no_warn=True) == 0
+    check_prometheus_rule(rule)
 
 
 # --- the homelab's conventions ------------------------------------------------------------------------------
@@ -202,6 +263,13 @@ def test_probes_budget_a_first_load(variant):
     args = serve_args(container)
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert args.shutdown_timeout + pause < spec["terminationGracePeriodSeconds"]
+
+
+def test_the_rules_sit_beside_the_server():
+    meta = prometheus_rule()["metadata"]
+    assert meta["namespace"] == NAMESPACE
+    # the Deployment's own labels: a ruleSelector that picks the llm-serving apps picks these rules too
+    assert one("Deployment")["metadata"]["labels"].items() <= meta["labels"].items()
 
 
 @pytest.mark.parametrize("variant", ["deployment", "kserve"])

@@ -1,9 +1,10 @@
 """deploy/k8s: CI has no cluster, so every manifest is validated offline and held to what the homelab relies
 on (../shared/homelab: namespace, model PVC, node, runtime class, the gateway's Service, probe budgets,
-scraping).
+scraping) and to defaults that fail closed (the API key required, ingress only from the gateway's namespace
+and Prometheus, the runtime's seccomp filter, no service-account token).
 
-- Deployment and Service: strict JSON-schema validation (unknown fields refused) against the Kubernetes
-  schemas that kubernetes-validate ships, for every Kubernetes version it ships.
+- Deployment, Service and NetworkPolicy: strict JSON-schema validation (unknown fields refused) against the
+  Kubernetes schemas that kubernetes-validate ships, for every Kubernetes version it ships.
 - InferenceService: kubernetes-validate has no schema for KServe's CRD, so the check is written here from the
   fields KServe's v1beta1 API documents for InferenceServiceSpec and PredictorSpec (a PodSpec inlined, plus
   its ComponentExtensionSpec and the model-format specs). Every key must be one of those, and every part
@@ -36,6 +37,10 @@ MODEL_DIR = "/mnt/models/clef-flash"
 FIRST_LOAD_S = 30 * 60            # the homelab's startup budget for a first load (its SGLang predictor)
 MEMORY_REQUEST_MAX = 8 * 2**30    # 16Gi left a predictor Pending on worker-1; 8Gi schedules beside the others
 CPU_REQUEST_MAX = 4               # what clef-candle requests and is scheduled with today
+# Who may connect: the gateway, which calls the Service by its short name clef-serve:80 and so runs in the
+# same namespace, and Prometheus (its namespace and pod label as the Prometheus charts and operator set them).
+GATEWAY_NAMESPACE = NAMESPACE
+PROMETHEUS_NAMESPACE, PROMETHEUS_POD = "monitoring", {"app.kubernetes.io/name": "prometheus"}
 
 # KServe v1beta1 (serving.kserve.io), as its API reference documents them.
 ISVC_SPEC_FIELDS = {"predictor", "transformer", "explainer"}
@@ -102,13 +107,13 @@ def serve_args(container: dict):
 def test_every_manifest_is_known_and_namespaced():
     found = {name: [d["kind"] for d in docs] for name, docs in manifests().items()}
     assert found == {"deployment.yaml": ["Deployment"], "inferenceservice.yaml": ["InferenceService"],
-                     "service.yaml": ["Service"]}, found
+                     "networkpolicy.yaml": ["NetworkPolicy"], "service.yaml": ["Service"]}, found
     for docs in manifests().values():
         for resource in docs:
             assert resource["metadata"]["namespace"] == NAMESPACE
 
 
-@pytest.mark.parametrize("kind", ["Deployment", "Service"])
+@pytest.mark.parametrize("kind", ["Deployment", "Service", "NetworkPolicy"])
 def test_builtin_resources_validate_against_the_kubernetes_schemas(kind):
     validate_strict(one(kind))
 
@@ -313,3 +318,100 @@ def test_the_gateways_service_reaches_either_variant(variant):
     assert port["port"] == 80 and port["targetPort"] == PORT
     (_, meta) = next((s, m) for v, s, m in pods() if v == variant)
     assert service["spec"]["selector"].items() <= meta["labels"].items()
+
+
+# --- defaults that fail closed ------------------------------------------------------------------------------
+
+def check_api_key_required(container: dict) -> None:
+    """$CLEFCORE_API_KEY comes from the secret clef-serve's api-key, explicitly not optional: a missing or
+    misnamed secret stops the pod from starting instead of serving without a key."""
+    (env,) = [e for e in container.get("env", []) if e["name"] == "CLEFCORE_API_KEY"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("clef-serve", "api-key")
+    assert ref.get("optional") is False, f"secretKeyRef.optional is {ref.get('optional')!r}, not false"
+
+
+def check_pod_hardening(spec: dict) -> None:
+    """No service-account token, the runtime's seccomp filter, user 10001, and a container that cannot gain
+    privileges, has no capabilities and a read-only root."""
+    assert spec.get("automountServiceAccountToken") is False, "automountServiceAccountToken is not false"
+    pod = spec["securityContext"]
+    assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, pod.get("seccompProfile")
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 10001
+    (container,) = spec["containers"]
+    own = container["securityContext"]
+    assert own.get("seccompProfile", {"type": "RuntimeDefault"}) == {"type": "RuntimeDefault"}
+    assert own["allowPrivilegeEscalation"] is False and own["readOnlyRootFilesystem"] is True
+    assert own["capabilities"] == {"drop": ["ALL"]}
+    assert own.get("runAsUser", 10001) != 0 and not own.get("privileged", False)
+
+
+@pytest.mark.parametrize("variant", ["deployment", "kserve"])
+def test_the_api_key_secret_is_required(variant):
+    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    check_api_key_required(spec["containers"][0])
+
+
+@pytest.mark.parametrize("variant", ["deployment", "kserve"])
+def test_pod_is_hardened(variant):
+    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    check_pod_hardening(spec)
+
+
+def check_network_policy(policy: dict, pod_labels: list[dict]) -> None:
+    """The policy selects the pods of both variants and, for Ingress, lets in exactly two peers on PORT/TCP
+    only: every pod of the gateway's namespace, and Prometheus's pods (namespace AND label, one peer). No
+    ipBlock, no rule without ports or peers (either would admit everyone)."""
+    spec = policy["spec"]
+    for labels in pod_labels:
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["podSelector"].keys() == {"matchLabels"}
+    assert "Ingress" in spec["policyTypes"]
+    peers = []
+    for rule in spec["ingress"]:
+        assert rule.get("ports") == [{"port": PORT, "protocol": "TCP"}], rule.get("ports")
+        assert rule.get("from"), f"an ingress rule without peers admits everyone: {rule}"
+        peers += rule["from"]
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": GATEWAY_NAMESPACE}}}
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": PROMETHEUS_NAMESPACE}},
+                  "podSelector": {"matchLabels": PROMETHEUS_POD}}
+    assert sorted(map(repr, peers)) == sorted(map(repr, [gateway, prometheus])), peers
+
+
+def test_network_policy_admits_only_the_gateway_and_prometheus():
+    policy = one("NetworkPolicy")
+    assert policy["metadata"]["name"] == "clef-serve"
+    check_network_policy(policy, [meta["labels"] for _, _, meta in pods()])
+    # the port a NetworkPolicy names is the pod's, the one the Service forwards to
+    (port,) = one("Service")["spec"]["ports"]
+    assert port["targetPort"] == PORT
+
+
+def test_the_fail_closed_checks_can_fail():
+    deployment = copy.deepcopy(one("Deployment"))
+    spec = deployment["spec"]["template"]["spec"]
+    spec["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["optional"] = True
+    with pytest.raises(AssertionError, match="optional is True"):
+        check_api_key_required(spec["containers"][0])
+    # Kubernetes' default is false too, but the manifest says so where a reader looks
+    del spec["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["optional"]
+    with pytest.raises(AssertionError, match="optional is None"):
+        check_api_key_required(spec["containers"][0])
+    del spec["automountServiceAccountToken"]
+    with pytest.raises(AssertionError, match="automountServiceAccountToken"):
+        check_pod_hardening(spec)
+    labels = [meta["labels"] for _, _, meta in pods()]
+    policy = one("NetworkPolicy")
+    split = copy.deepcopy(policy)           # namespace OR label: any pod of monitoring, or any "prometheus"
+    prometheus = split["spec"]["ingress"][1]["from"][0]
+    split["spec"]["ingress"][1]["from"] = [{"namespaceSelector": prometheus["namespaceSelector"]},
+                                           {"podSelector": prometheus["podSelector"]}]
+    portless = copy.deepcopy(policy)
+    del portless["spec"]["ingress"][0]["ports"]
+    open_rule = copy.deepcopy(policy)
+    open_rule["spec"]["ingress"].append({"ports": [{"port": PORT, "protocol": "TCP"}]})
+    elsewhere = copy.deepcopy(policy)
+    elsewhere["spec"]["podSelector"]["matchLabels"] = {"app": "clef-candle"}
+    for broken in (split, portless, open_rule, elsewhere):
+        with pytest.raises(AssertionError):
+            check_network_policy(broken, labels)

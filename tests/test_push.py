@@ -1,9 +1,11 @@
-"""deploy/image/push.py against a registry made here: an in-process HTTP server speaking the OCI
+"""deploy/image/push.py against a registry made here: an in-process HTTP(S) server speaking the OCI
 distribution API (HEAD blob, POST/PATCH/GET/PUT uploads, PUT manifest) that refuses any request body over its
 limit with 413, asks for the Bearer token flow (or Basic), hands out Locations with a query string that must
 come back, checks each PATCH's Content-Range against what it holds, and fails a chosen request the ways a
-registry behind a proxy does. No network, no GPU. The push runs as a subprocess where the command line
-matters, in-process (main()) where the test replaces the backoff's sleep."""
+registry behind a proxy does. A hostile one sends uploads to a second host or from https to http, names a
+plain-http or non-http token realm, answers with a 1 GB body, or takes one byte per PATCH. No network, no GPU.
+The push runs as a subprocess where the command line matters, in-process (main()) where the test replaces the
+backoff's sleep."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import json
 import os
 import random
 import re
+import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,6 +37,8 @@ MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CHUNK = 64_000
 PUSH_ENV = ("REGISTRY_AUTH_FILE", "XDG_RUNTIME_DIR", "CLEFCORE_IMAGE_PUSH_CHUNK", "CLEFCORE_IMAGE_PUSH_TLS",
             "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+PLAIN_HTTP_WARNING = "push.py: warning: plain HTTP: the credentials from"
+FLOOD = 10**9              # bytes of a hostile answer's body, generated as it is sent
 
 
 def sha256(data: bytes) -> str:
@@ -47,20 +53,31 @@ class Registry:
     503: keeps nothing, answers 503 (a proxy that never reached the registry);
     forget: as drop, and the upload is gone from then on (404), as in docker's registry, whose Location's
     _state no longer matches what it holds;
-    short: keeps the first half and answers 202 with a Range that says so.
+    short: keeps the first half and answers 202 with a Range that says so;
+    trickle: keeps one byte and answers 202 with a Range that says so.
     `faults` maps (kind, n), the n-th authorized request of a kind ("HEAD", "POST", "PUT blob",
     "PUT manifest"; "token": the n-th token request), to a failure:
     drop: the connection closes without an answer, nothing done (a reset on the way to the registry);
     lost: the request is done (a blob committed, a token issued), then the connection closes without its
     answer;
     forget ("PUT blob"): the upload is gone, nothing committed, no answer;
-    "503", "429", ...: that status, nothing done, with `Retry-After: retry_after` when that is set.
+    "503", "429", ...: that status, nothing done, with `Retry-After: retry_after` when that is set;
+    flood, flood-stream: answers 200 with a FLOOD-byte body, its Content-Length said (flood) or not (streamed
+    until the connection closes), sent until the client hangs up; entry["sent"]: the bytes that went out.
     `counts_bytes`: GET <upload> answers Range 0-<bytes held> as Forgejo does, else the spec's 0-<last byte>
-    (0-0 when empty, as docker's registry)."""
+    (0-0 when empty, as docker's registry).
+    `tls`: (certificate, key) to serve HTTPS with. `location`: the scheme://host[:port] its Locations name,
+    "{host}" standing for its own (absolute: its own scheme and host; default: relative Locations). `realm`:
+    the Bearer challenge's token realm (default its own /token). `upload_host`: "open" or "locked" starts a
+    second server on another port (`upload_host` becomes its host) that Locations send the uploads to, sharing
+    this one's state: "open" takes them without credentials (as a storage host behind pre-signed URLs does),
+    "locked" answers every request 401. Each log entry names the host that received it."""
 
     def __init__(self, limit: int, auth: str = "bearer", counts_bytes: bool = False, absolute: bool = False,
-                 token_uses: int | None = None, lie_digest: bool = False):
-        self.limit, self.auth, self.counts_bytes, self.absolute = limit, auth, counts_bytes, absolute
+                 token_uses: int | None = None, lie_digest: bool = False,
+                 tls: tuple[Path, Path] | None = None, location: str | None = None, realm: str | None = None,
+                 upload_host: str | None = None):
+        self.limit, self.auth, self.counts_bytes = limit, auth, counts_bytes
         self.token_uses, self.lie_digest = token_uses, lie_digest
         self.blobs: dict[str, bytes] = {}
         self.uploads: dict[str, bytearray] = {}
@@ -88,22 +105,40 @@ class Registry:
 
             do_GET = do_POST = do_PATCH = do_PUT = do_HEAD
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
+        self.servers = [self.serve(Handler, tls)]
+        self.host = f"127.0.0.1:{self.servers[0].server_address[1]}"
+        self.scheme = "https" if tls else "http"
+        self.upload_lock, self.upload_host = upload_host, None
+        if upload_host:
+            self.servers.append(self.serve(Handler, None))
+            self.upload_host = f"127.0.0.1:{self.servers[1].server_address[1]}"
+            location = f"http://{self.upload_host}"
+        self.base = (location or (f"{self.scheme}://{{host}}" if absolute else "")).format(host=self.host)
+        self.realm = (realm or f"{self.scheme}://{{host}}/token").format(host=self.host)
+
+    @staticmethod
+    def serve(handler, tls: tuple[Path, Path] | None) -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+        return server
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
 
     # -- plumbing
     def answer(self, h, status: int, headers: dict | None = None, body: bytes = b"", *, entry: dict):
         entry["status"] = status
         h.send_response(status)
-        for k, v in (headers or {}).items():
+        headers = {"Content-Length": str(len(body)), **(headers or {})}
+        for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(body)
@@ -114,8 +149,7 @@ class Registry:
 
     def location(self, upload: str) -> str:
         self.states[upload] += 1
-        path = f"/v2/{NAME}/blobs/uploads/{upload}?_state={self.states[upload]}"
-        return f"http://{self.host}{path}" if self.absolute else path
+        return f"{self.base}/v2/{NAME}/blobs/uploads/{upload}?_state={self.states[upload]}"
 
     def authorized(self, h) -> bool:
         got = h.headers.get("Authorization", "")
@@ -151,8 +185,10 @@ class Registry:
         query = parse_qs(url.query)
         length = int(h.headers.get("Content-Length", 0))
         entry = {"method": h.command, "path": url.path, "length": length,
-                 "range": h.headers.get("Content-Range"), "auth": h.headers.get("Authorization")}
+                 "range": h.headers.get("Content-Range"), "auth": h.headers.get("Authorization"),
+                 "host": f"127.0.0.1:{h.server.server_address[1]}"}
         self.log.append(entry)
+        on_upload_host = entry["host"] == self.upload_host
         if length > self.limit:      # as the proxy does: decided on the header, the body is never read
             h.close_connection = True
             return self.error(h, 413, "TOO_LARGE", f"body over {self.limit} bytes", entry,
@@ -166,10 +202,12 @@ class Registry:
             self.patches += 1
             failure = self.fail.get(self.patches)
         body = h.rfile.read(length // 2 if failure in ("drop", "forget") else length)
-        if not self.authorized(h):
+        if on_upload_host and self.upload_lock == "locked":
+            return self.error(h, 401, "UNAUTHORIZED", "authentication required", entry,
+                              {"WWW-Authenticate": 'Basic realm="upload"'})
+        if not on_upload_host and not self.authorized(h):
             challenge = 'Basic realm="fake"' if self.auth == "basic" else (
-                f'Bearer realm="http://{self.host}/token",service="fake-registry",'
-                f'scope="repository:{NAME}:pull,push"')
+                f'Bearer realm="{self.realm}",service="fake-registry",scope="repository:{NAME}:pull,push"')
             return self.error(h, 401, "UNAUTHORIZED", "authentication required", entry,
                               {"WWW-Authenticate": challenge})
         kind = {"HEAD": "HEAD", "POST": "POST"}.get(h.command) or \
@@ -184,7 +222,9 @@ class Registry:
             blob = self.blobs.get(rest[len("blobs/"):])
             if blob is None:
                 return self.answer(h, 404, entry=entry)
-            return self.answer(h, 200, {"Docker-Content-Digest": rest[len("blobs/"):]}, entry=entry)
+            # the blob's size, as registries answer a HEAD: no body follows, however large it says
+            return self.answer(h, 200, {"Docker-Content-Digest": rest[len("blobs/"):],
+                                        "Content-Length": str(len(blob))}, entry=entry)
         if h.command == "POST" and rest == "blobs/uploads/":
             upload = f"u{len(self.states)}"
             self.uploads[upload], self.states[upload] = bytearray(), 0
@@ -215,9 +255,28 @@ class Registry:
                 del self.uploads[path.rsplit("/", 1)[1]]
             entry["status"] = "dropped"
             return True
+        if fault.startswith("flood"):
+            self.flood(h, fault == "flood", entry)
+            return True
         self.error(h, int(fault), "UNAVAILABLE", f"injected {fault}", entry,
                    {"Retry-After": self.retry_after} if self.retry_after is not None else None)
         return True
+
+    @staticmethod
+    def flood(h, said: bool, entry: dict):
+        """200 with a FLOOD-byte body, one 64 KiB block sent again and again until the client hangs up."""
+        entry["status"], entry["sent"] = 200, 0
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header(*(("Content-Length", str(FLOOD)) if said else ("Connection", "close")))
+        h.end_headers()
+        block = b" " * 65536
+        try:
+            while entry["sent"] < FLOOD:
+                h.wfile.write(block)
+                entry["sent"] += len(block)
+        except OSError:
+            pass
 
     def upload(self, h, upload: str, query: dict, body: bytes, failure: str | None, entry: dict):
         held = self.uploads[upload]
@@ -241,8 +300,8 @@ class Registry:
             if end - start + 1 != len(body):
                 return self.error(h, 400, "BLOB_UPLOAD_INVALID", "Content-Range and body disagree", entry)
             held += {None: body, "500": body[:len(body) // 2], "502": body, "503": b"",
-                     "short": body[:len(body) // 2]}[failure]
-            if failure and failure != "short":
+                     "short": body[:len(body) // 2], "trickle": body[:1]}[failure]
+            if failure and failure not in ("short", "trickle"):
                 return self.error(h, int(failure), "UNAVAILABLE", f"injected {failure}", entry)
             return self.answer(h, 202, {"Location": self.location(upload), "Range": f"0-{len(held) - 1}"},
                                entry=entry)
@@ -334,6 +393,14 @@ def patches_of(reg: Registry) -> list[dict]:
     return [e for e in reg.log if e["method"] == "PATCH"]
 
 
+def failure_lines(err: str, plain_http_login: bool = True) -> list[str]:
+    """stderr's lines without the warning a push with credentials over plain HTTP prints (asserted present,
+    and only then)."""
+    lines = err.strip().splitlines()
+    assert any(line.startswith(PLAIN_HTTP_WARNING) for line in lines) == plain_http_login, err
+    return [line for line in lines if not line.startswith(PLAIN_HTTP_WARNING)]
+
+
 # ---- the whole push ---------------------------------------------------------------------------------------
 
 def test_push_in_chunks_with_bearer_token(registry, tmp_path):
@@ -383,7 +450,7 @@ def test_chunk_over_the_proxy_limit_gets_413_and_a_smaller_one_passes(registry, 
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--chunk-bytes", 20_000_000, env=env)
     assert out.returncode == 1
     assert "413: request body too large - lower --chunk-bytes" in out.stderr
-    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in out.stderr and len(failure_lines(out.stderr)) == 1
     assert not reg.manifests
     ok = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test",
                   env={**env, "CLEFCORE_IMAGE_PUSH_CHUNK": "1000000"})
@@ -412,11 +479,15 @@ def inproc(tmp_path, monkeypatch):
     return push
 
 
-def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr."""
+def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args,
+              ca: Path | None = None) -> tuple[int, str, str]:
+    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr. Over
+    HTTPS trusting the certificate `ca` when that is given, else --plain-http."""
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+    if ca:
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
     rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      "--plain-http", *args])
+                      *([] if ca else ["--plain-http"]), *args])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -604,7 +675,7 @@ def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, c
     reg.faults.update({(kind, n): fault for n in range(1, 50)})
     image = make_layout(tmp_path / "oci")
     rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
-    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert rc == 1 and "Traceback" not in err and len(failure_lines(err)) == 1
     assert message.format(config=image["order"][0], host=reg.host) in err
     assert inproc.waits == [1, 2]
     assert sum(e.get("fault") == fault for e in reg.log) == 3
@@ -763,5 +834,161 @@ def test_https_is_the_default(registry, tmp_path, inproc, capsys, monkeypatch):
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
     assert inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test"]) == 1
     err = capsys.readouterr().err
-    assert "SSL" in err and len(err.strip().splitlines()) == 1
+    assert "SSL" in err and len(failure_lines(err, plain_http_login=False)) == 1
     assert not reg.manifests
+
+
+# ---- hostile registries ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tls_cert(tmp_path_factory) -> tuple[Path, Path]:
+    """(certificate, key): self-signed for 127.0.0.1 by openssl; the certificate is the push's CA bundle."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run([shutil.which("openssl") or "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.parametrize("auth", ["bearer", "basic"])
+def test_uploads_sent_to_another_host_get_no_credentials(registry, tmp_path, inproc, capsys, monkeypatch,
+                                                         auth):
+    """The registry's Locations send every upload to a second host (another port: another origin), which takes
+    them without credentials: the push completes, and not one request to that host carries Authorization."""
+    reg = registry(auth=auth, upload_host="open")
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
+    assert_pushed(reg, image)
+    elsewhere = [e for e in reg.log if e["host"] == reg.upload_host]
+    assert [e for e in elsewhere if e["method"] == "PATCH"] == patches_of(reg)
+    assert len(elsewhere) > chunks(image)
+    assert {e["method"] for e in elsewhere} == {"PATCH", "GET", "PUT"}
+    assert [e["auth"] for e in elsewhere] == [None] * len(elsewhere)
+    home = [e for e in reg.log if e["host"] == reg.host and e["status"] != 401]
+    assert home and all(e["auth"] for e in home)       # the registry itself got them on every request
+
+
+def test_another_hosts_401_is_an_error_not_a_login(registry, tmp_path, inproc, capsys, monkeypatch):
+    """The host the uploads are sent to asks for credentials: it gets none, and the push stops saying why."""
+    reg = registry(upload_host="locked")
+    make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 1 and "Traceback" not in err
+    (line,) = failure_lines(err)
+    assert f"push.py sends the credentials for {reg.host} to no other host" in line and "401" in line
+    elsewhere = [e for e in reg.log if e["host"] == reg.upload_host]
+    assert [(e["method"], e["auth"]) for e in elsewhere] == [("PATCH", None)]
+    assert not reg.manifests
+
+
+@pytest.mark.parametrize("location", ["https://{host}", "http://{host}"], ids=["https", "down-to-http"])
+def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, tmp_path, inproc, capsys,
+                                                           monkeypatch, location):
+    """Over HTTPS (no --plain-http), with the token flow: absolute https Locations push the image; a Location
+    that goes down to plain http is refused before anything is sent there, naming it. No plain-HTTP
+    warning."""
+    reg = registry(tls=tls_cert, location=location)
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, ca=tls_cert[0])
+    if location.startswith("https"):
+        assert rc == 0, out + err
+        assert_pushed(reg, image)
+        assert reg.token_requests >= 1 and PLAIN_HTTP_WARNING not in err
+        return
+    assert rc == 1 and "Traceback" not in err
+    (line,) = failure_lines(err, plain_http_login=False)
+    assert f"Location http://{reg.host}/v2/{NAME}/blobs/uploads/u0?_state=1 goes from https down to plain " \
+           "http: refused" in line
+    assert not patches_of(reg) and not reg.manifests
+
+
+@pytest.mark.parametrize("realm, plain", [("http://{plain}/token", False), ("ftp://{host}/token", True),
+                                          ("file:///etc/passwd", True)], ids=["http", "ftp", "file"])
+def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path, inproc, capsys, monkeypatch,
+                                                    realm, plain):
+    """An https registry whose challenge names a plain-http realm (a recording server here): refused, and the
+    password never goes there. Under --plain-http an http realm is allowed (every push above), but any other
+    scheme is refused all the same."""
+    listener = registry()
+    realm = realm.format(plain=listener.host, host="{host}")
+    reg = registry(realm=realm, **({} if plain else {"tls": tls_cert}))
+    make_layout(tmp_path / "oci", sizes=(1000,))
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, ca=None if plain else tls_cert[0])
+    assert rc == 1 and "Traceback" not in err
+    (line,) = failure_lines(err, plain_http_login=False)
+    assert f"the token realm {reg.realm!r} is not https: refused" in line
+    assert reg.token_requests == 0 and listener.log == []
+    assert all(e["auth"] is None for e in reg.log)
+
+
+@pytest.mark.parametrize("fault", ["flood", "flood-stream"], ids=["content-length", "streamed"])
+@pytest.mark.parametrize("kind", ["token", "POST"])
+def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, capsys, monkeypatch, kind, fault):
+    """The token request or the upload's start is answered with a 1 GB body, generated as it is sent: with its
+    Content-Length said, the push refuses it unread; streamed without one, it stops after MAX_ANSWER bytes and
+    hangs up. Either way one line names the limit, and the server sent a sliver of the gigabyte (what the
+    sockets' buffers hold)."""
+    reg = registry()
+    reg.faults[(kind, 1)] = fault
+    make_layout(tmp_path / "oci", sizes=(1000,))
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 1 and "Traceback" not in err
+    (line,) = failure_lines(err)
+    said = f"the answer's body is {FLOOD} bytes, over the {inproc.MAX_ANSWER} push.py reads"
+    streamed = f"the answer's body goes on past the {inproc.MAX_ANSWER} bytes push.py reads"
+    assert (said if fault == "flood" else streamed) in line
+    with reg.lock:                                     # the flood's handler holds it until it stops sending
+        (flooded,) = [e for e in reg.log if e.get("fault") == fault]
+    assert inproc.MAX_ANSWER == 2**20 and flooded["sent"] < 64 * 2**20 < FLOOD
+    assert not reg.manifests
+
+
+def test_a_head_saying_a_large_blob_size_is_no_large_answer(registry, tmp_path, inproc, capsys, monkeypatch):
+    """A HEAD's Content-Length is the blob's size (3 MB here, over MAX_ANSWER) and no body follows: the blobs
+    the registry holds are skipped, and the manifest goes."""
+    reg = registry()
+    image = make_layout(tmp_path / "oci", sizes=(3_000_000,))
+    reg.blobs.update(image["blobs"])
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    assert rc == 0, out + err
+    assert_pushed(reg, image)
+    assert not patches_of(reg) and out.count("already in the registry, skipped") == 2
+
+
+def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, tmp_path, inproc, capsys, monkeypatch):
+    """Every PATCH is answered 202 with one byte taken: after --retries 2, three in a row, the push stops
+    naming the blob, the offset and the bytes taken."""
+    reg = registry()
+    reg.fail.update({n: "trickle" for n in range(1, 100)})
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
+    assert rc == 1 and "Traceback" not in err
+    (line,) = failure_lines(err)
+    config = image["order"][0]
+    size = len(image["blobs"][config])
+    assert f"config {config}: the registry took 1 of the {size - 2} bytes sent at offset 2, under 1/4 of a " \
+           "chunk 3 times in a row" in line
+    ranges = [(p["status"], p["range"]) for p in patches_of(reg)]
+    assert ranges == [(202, f"{n}-{size - 1}") for n in range(3)]
+    assert not reg.manifests and not inproc.waits
+
+
+@pytest.mark.parametrize("retries, pushed", [("2", True), ("1", False)])
+def test_stalls_count_in_a_row(registry, tmp_path, inproc, capsys, monkeypatch, retries, pushed):
+    """Two PATCHes in a row take one byte each (the first layer's second chunk, then its rest), then the
+    registry takes whole chunks again: --retries 2 rides it out, --retries 1 gives up at the second."""
+    reg = registry()
+    reg.fail.update({3: "trickle", 4: "trickle"})
+    image = make_layout(tmp_path / "oci")
+    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", retries)
+    starts = [int(p["range"].split("-")[0]) for p in patches_of(reg)]
+    if pushed:
+        assert rc == 0, out + err
+        assert_pushed(reg, image)
+        assert starts[1:5] == [0, CHUNK, CHUNK + 1, CHUNK + 2]
+    else:
+        assert rc == 1 and "under 1/4 of a chunk 2 times in a row" in err
+        assert starts == [0, 0, CHUNK, CHUNK + 1]

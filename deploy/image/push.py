@@ -22,6 +22,13 @@ Credentials: what `buildah login`, `podman login` or `docker login` stored, from
 $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, /run/containers/UID/auth.json,
 ~/.config/containers/auth.json, ~/.docker/config.json that names the host (credHelpers/credsStore through
 docker-credential-NAME); anonymous when none. The registry's 401 picks Basic or the Bearer token flow.
+They go only where they belong, as docker and containerd send them: the Authorization header only to the
+registry's own scheme, host and port; the password (Basic) to the Bearer challenge's token realm only when
+that is https (or http under --plain-http, which also prints a warning once credentials are used). An
+upload's Location on another host is followed without credentials; one from https down to http is refused,
+and so is any scheme but http(s). An answer's body is read up to MAX_ANSWER bytes (1 MiB; a registry's are a
+few KB); a longer one stops the push. A registry that takes less than a quarter of a chunk's bytes, --retries
++ 1 PATCH requests in a row, is given up on: at that pace an image would take ever more requests.
 Environment: CLEFCORE_IMAGE_PUSH_CHUNK (--chunk-bytes' default, else 95000000), CLEFCORE_IMAGE_PUSH_TLS=0
 (as --plain-http), SSL_CERT_FILE or REQUESTS_CA_BUNDLE (CA bundle). Prints `pushed REF@DIGEST`; on failure one
 line saying what and why, exit status 1. Standard library only: the build host runs it with its python3.
@@ -58,6 +65,9 @@ PATCH_RETRY = TRANSIENT | {404, 416}
 MAX_BACKOFF = 30          # seconds, the longest wait of our own
 MAX_RETRY_AFTER = 300     # seconds, the longest Retry-After obeyed
 NETWORK_ERRORS = (OSError, http.client.HTTPException)
+MAX_ANSWER = 1 << 20      # bytes of an answer's body read at most: registries' JSON, proxies' pages are KBs
+MIN_TAKEN = 4             # a PATCH whose bytes the registry took less than 1/MIN_TAKEN of is no progress
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class PushError(Exception):
@@ -154,6 +164,33 @@ def credentials(host: str, name: str) -> tuple[tuple[str, str], str] | None:
 
 # ---- the registry ----------------------------------------------------------------------------------------
 
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of an http(s) URL, the port made explicit: what credentials are bound to."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise PushError(f"{url!r}: not a valid port") from None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname:
+        raise PushError(f"{url!r}: not an http(s) URL with a host")
+    return parts.scheme, parts.hostname, port or DEFAULT_PORTS[parts.scheme]
+
+
+def read_answer(r: http.client.HTTPResponse, what: str) -> bytes:
+    """The answer's body, refused (PushError) when it is over MAX_ANSWER bytes: by its Content-Length before
+    reading any of it, else (chunked, or up to the connection's end) after MAX_ANSWER + 1 bytes."""
+    if r.length is not None:            # 0 for HEAD, whose Content-Length is the blob's, not this body's
+        if r.length > MAX_ANSWER:
+            raise PushError(f"{what}: the answer's body is {r.length} bytes, over the {MAX_ANSWER} push.py "
+                            "reads (a registry answers in a few KB)")
+        return r.read()
+    body = r.read(MAX_ANSWER + 1)
+    if len(body) > MAX_ANSWER:
+        raise PushError(f"{what}: the answer's body goes on past the {MAX_ANSWER} bytes push.py reads (a "
+                        "registry answers in a few KB)")
+    return body
+
+
 class Response:
     def __init__(self, status: int, reason: str, headers: http.client.HTTPMessage, body: bytes):
         self.status, self.reason, self.headers, self.body = status, reason, headers, body
@@ -187,7 +224,7 @@ def backoff(failures: int, r: Response | None) -> int:
 @dataclass
 class Upload:
     """One blob's upload under way: its Location, the next byte to send, the other offsets the registry's last
-    Range may mean (tried on 416), failed chunks in a row, PATCH requests answered 202."""
+    Range may mean (tried on 416), failed chunks in a row, PATCH requests answered 202, stalls."""
     label: str
     digest: str
     size: int
@@ -197,6 +234,7 @@ class Upload:
     alternatives: list[int] = field(default_factory=list)
     failures: int = 0
     patches: int = 0
+    stalls: int = 0      # PATCHes in a row answered 202 with less than 1/MIN_TAKEN of their bytes taken
 
     @property
     def what(self) -> str:
@@ -206,7 +244,10 @@ class Upload:
 class Registry:
     def __init__(self, host: str, name: str, plain_http: bool, timeout: float, retries: int):
         self.base = f"{'http' if plain_http else 'https'}://{host}/v2/{name}/"
+        self.origin = origin(self.base)
         self.host, self.name, self.timeout, self.retries = host, name, timeout, retries
+        self.plain_http = plain_http
+        self.warned = False
         cafile = os.environ.get("SSL_CERT_FILE") or os.environ.get("REQUESTS_CA_BUNDLE") or None
         try:
             self.tls = ssl.create_default_context(cafile=cafile)
@@ -245,20 +286,26 @@ class Registry:
                     raise sending from None
             else:
                 r = conn.getresponse()
-            return Response(r.status, r.reason, r.headers, r.read())
+            return Response(r.status, r.reason, r.headers, read_answer(r, f"{method} {url}"))
         finally:
             conn.close()
 
     def call(self, method: str, url: str, body: bytes = b"", headers: dict | None = None) -> Response:
-        """send() with authentication: on 401, log in as the challenge asks (again when a token expired)."""
+        """send() with authentication: on 401, log in as the challenge asks (again when a token expired).
+        Only a URL of the registry's own origin gets the Authorization header; another host's 401 is an
+        error."""
         headers = dict(headers or {})
+        ours = origin(url) == self.origin
         for attempt in (1, 2):
-            if self.authorization:
+            if self.authorization and ours:
                 headers["Authorization"] = self.authorization
             r = self.send(method, url, body, headers)
-            if r.status != 401 or attempt == 2:
+            if r.status != 401 or attempt == 2 or not ours:
                 break
             self.authenticate(r)
+        if r.status == 401 and not ours:
+            raise PushError(f"{method} {url}: {r}; the registry sent the upload to another host, and push.py "
+                            f"sends the credentials for {self.host} to no other host")
         if r.status == 401:
             who = f"the credentials from {self.login[1]}" if self.login else "anonymous access"
             raise PushError(f"{method} {url}: {r}; {who} refused - {self.hint}")
@@ -298,6 +345,7 @@ class Registry:
         if bearer is None:
             if not basic:
                 raise PushError(f"{self.host} asks for credentials ({r}), none are stored - {self.hint}")
+            self.warn_plain_http()
             self.authorization = f"Basic {basic}"
             return
         params = dict(re.findall(r'(\w+)="([^"]*)"', bearer))
@@ -307,6 +355,13 @@ class Registry:
         if "service" in params:
             query["service"] = params["service"]
         realm = params["realm"]
+        scheme = urllib.parse.urlsplit(realm).scheme
+        if scheme != "https" and not (scheme == "http" and self.plain_http):
+            raise PushError(f"{self.host}: the token realm {realm!r} is not https: refused, the credentials "
+                            "would cross the network readable (--plain-http allows an http realm)")
+        origin(realm)       # a host to ask
+        if basic:
+            self.warn_plain_http()
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
         headers = {"Authorization": f"Basic {basic}"} if basic else {}
         t = self.retrying(f"token from {realm}", lambda: self.send("GET", url, headers=headers))
@@ -319,6 +374,23 @@ class Registry:
         except (ValueError, KeyError, AttributeError):
             raise PushError(f"token from {realm}: no token in the answer: {t.body[:200]!r}") from None
         self.authorization = f"Bearer {token}"
+
+    def warn_plain_http(self) -> None:
+        """Once, as stored credentials are first used under --plain-http: they (or the token they buy)
+        cross the network readable."""
+        if self.plain_http and self.login and not self.warned:
+            self.warned = True
+            print(f"push.py: warning: plain HTTP: the credentials from {self.login[1]} go to {self.host} "
+                  "unencrypted", file=sys.stderr, flush=True)
+
+    def follow(self, what: str, current: str, location: str) -> str:
+        """Where an upload's Location sends it, resolved against the URL whose answer named it. Another host
+        is followed (call() gives it no credentials); a step from https down to http is refused."""
+        url = urllib.parse.urljoin(current, location)
+        if origin(url)[0] == "http" and origin(current)[0] == "https":
+            raise PushError(f"{what}: the registry's Location {url} goes from https down to plain http: "
+                            "refused")
+        return url
 
     def failure(self, what: str, r: Response, body_bytes: int = 0) -> PushError:
         if r.status == 413:
@@ -366,7 +438,7 @@ class Registry:
         r = self.request(f"{what}: starting an upload", "POST", self.base + "blobs/uploads/")
         if r.status != 202 or not r.headers.get("Location"):
             raise self.failure(f"{what}: starting an upload", r)
-        return urllib.parse.urljoin(self.base, r.headers["Location"])
+        return self.follow(f"{what}: starting an upload", self.base, r.headers["Location"])
 
     def upload(self, label: str, desc: dict, path: Path, chunk: int) -> int:
         """The blob in a new upload, a PATCH per chunk, then completed; all again from byte 0 when the
@@ -397,12 +469,14 @@ class Registry:
             self.resume(up, end, None, f"{type(e).__name__}: {e}")
             return
         if r.status == 202:
-            up.location = urllib.parse.urljoin(up.location, r.headers.get("Location") or up.location)
+            up.location = self.follow(f"{up.what}: bytes {up.offset}-{end}", up.location,
+                                      r.headers.get("Location") or up.location)
             m = re.fullmatch(r"0-(\d+)", r.headers.get("Range", ""))
             held = int(m.group(1)) + 1 if m else end + 1
             if not up.offset < held <= end + 1:
                 raise PushError(f"{up.what}: after bytes {up.offset}-{end} the registry reports Range "
                                 f"{r.headers['Range']}")
+            self.check_progress(up, held - up.offset, len(data))
             self.learn_status_reading(up.location, held)
             up.offset, up.failures, up.alternatives, up.patches = held, 0, [], up.patches + 1
             if up.size > chunk:
@@ -413,6 +487,15 @@ class Registry:
             up.offset = up.alternatives.pop(0)
         else:
             self.resume(up, end, r, str(r))
+
+    def check_progress(self, up: Upload, taken: int, sent: int) -> None:
+        """A 202 that took less than 1/MIN_TAKEN of the chunk is a stall; give up after --retries + 1 in a row
+        (a registry taking a byte per request would need a request per byte)."""
+        up.stalls = up.stalls + 1 if taken * MIN_TAKEN < sent else 0
+        if up.stalls > self.retries:
+            raise PushError(f"{up.what}: the registry took {taken} of the {sent} bytes sent at offset "
+                            f"{up.offset}, under 1/{MIN_TAKEN} of a chunk {up.stalls} times in a row - it is "
+                            "not taking the upload; giving up")
 
     def resume(self, up: Upload, end: int, r: Response | None, answer: str) -> None:
         """After the chunk up.offset-end failed (`r`: the answer, None when there was none): give up after
@@ -520,9 +603,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", metavar="N",
                    help=f"largest request body (default: $CLEFCORE_IMAGE_PUSH_CHUNK or {DEFAULT_CHUNK})")
     p.add_argument("--digestfile", type=Path, help="write the manifest digest the registry returned here")
-    p.add_argument("--plain-http", action="store_true", help="plain HTTP (as CLEFCORE_IMAGE_PUSH_TLS=0)")
+    p.add_argument("--plain-http", action="store_true",
+                   help="plain HTTP (as CLEFCORE_IMAGE_PUSH_TLS=0), an http token realm allowed; warns when "
+                        "credentials are used (default: HTTPS only)")
     p.add_argument("--retries", type=int, default=5,
-                   help="how often a failed request goes again, in a row (default 5)")
+                   help="how often a failed request goes again, in a row, and how many PATCH requests in a "
+                        "row may have under a quarter of their bytes taken (default 5)")
     p.add_argument("--timeout", type=float, default=300,
                    help="seconds without progress on a socket (default 300)")
     args = p.parse_args(argv)

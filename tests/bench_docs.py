@@ -72,17 +72,17 @@ def figures(text: str, e_notation_in_tables_only: bool) -> list[Figure]:
     return sorted(found, key=lambda f: f.start)
 
 
-def _expand(path: str) -> list[str]:
+def expand_braces(path: str) -> list[str]:
     """a/{x,y}.md -> a/x.md, a/y.md"""
     m = re.search(r"\{([^{}]*)\}", path)
     if not m:
         return [path]
-    return [p for part in m.group(1).split(",") for p in _expand(path[:m.start()] + part + path[m.end():])]
+    return [p for part in m.group(1).split(",") for p in expand_braces(path[:m.start()] + part + path[m.end():])]
 
 
 def cited_paths(text: str) -> list[str]:
     """The docs/bench/ paths a text names, braces expanded, trailing punctuation dropped."""
-    return [p for m in CITATION.finditer(text) for p in _expand(m.group(0).rstrip(".,"))]
+    return [p for m in CITATION.finditer(text) for p in expand_braces(m.group(0).rstrip(".,"))]
 
 
 def _cited_jsons(paragraph: str) -> list[Path]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_docs import BENCHMARKS, ROOT, cited_paths  # noqa: E402
+from bench_docs import BENCHMARKS, ROOT, cited_paths, expand_braces  # noqa: E402
 
 BENCH = ROOT / "docs" / "bench"
 RECORD = re.compile(r"\d{4}-\d{2}-\d{2}-[a-z0-9]+(?:-[a-z0-9]+)*")
@@ -70,4 +70,13 @@ def test_every_named_bench_path_exists():
         for rel in cited_paths(text):
             if not any(ROOT.glob(rel)):
                 missing.append(f"{path.relative_to(ROOT)}: {rel}")
+    assert missing == []
+
+
+def test_every_record_path_on_the_page_exists():
+    """benchmarks.md and the records' READMEs name records relative to docs/bench/: `<date>-<what>/file`."""
+    missing = []
+    for path in [BENCHMARKS, *sorted(BENCH.glob("*/README.md"))]:
+        for named in re.findall(r"`(\d{4}-\d{2}-\d{2}-[^`\s]+)`", path.read_text()):
+            missing += [f"{path.name}: {rel}" for rel in expand_braces(named) if not any(BENCH.glob(rel))]
     assert missing == []

@@ -37,7 +37,7 @@
 // per block): 128 query rows share each 64-key tile, 198 KB, one block per SM; measured on the H200 at 8192 /
 // 24,576 tokens 165 / 190 TFLOP/s against 156 / 177 for 4 warps x 32 keys (which 8 x 32 and 4 x 64 did not
 // beat: every variant holds 239 registers per thread, the O accumulator alone 128); 257 / 265 since the exp2
-// softmax and the heads-first grid (docs/benchmarks.md). Elsewhere 4 x 32: 81 KB in
+// softmax and the heads-first grid (H200, 4bb0b08). Elsewhere 4 x 32: 81 KB in
 // the wmma body (under sm_70's 96 KB), 99 KB in the mma.sync body (sm_86/89's limit; two blocks per SM on sm_80).
 #if __CUDA_ARCH__ >= 900
 #define ATTN_NW256 8
@@ -442,7 +442,7 @@ CLEF_ATTN(128, 64, 4)
 CLEF_ATTN(256, ATTN_BC256, ATTN_NW256)
 // the vision tower's head dim (clef-flash: 1152 / 16 heads): bidirectional only. 8 warps (128 query rows) share
 // each K/V tile on sm_80+: on the H200 at one 4,096-patch image x 16 heads, 0.317 ms (244 TFLOP/s) against 0.363
-// ms for 4 warps; 64 x 128 and 32-key tiles were slower (docs/benchmarks.md). The wmma body keeps 4.
+// ms for 4 warps; 64 x 128 and 32-key tiles were slower (H200, ad38630). The wmma body keeps 4.
 #if __CUDA_ARCH__ >= 800
 #define ATTN_NW72 8
 #else

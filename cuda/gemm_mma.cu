@@ -9,7 +9,7 @@
 //   gemm_mma_f16a_big  256 x 128 x 64, 3 stages, 8 warps of 64 x 64: 165,888 bytes (A100, H100)
 //   gemm_mma_f16a      128 x 128 x 32, 3 stages, 8 warps of 64 x 32:  61,440 bytes (every sm_80+, incl. the
 //                      99 KiB of sm_86 / sm_89)
-// A tile sweep on an H100 (docs/benchmarks.md, issue 30) put the first at 0.41-0.46 of cuBLAS on the model's
+// A tile sweep on an H100 (docs/bench/2026-12-05-h100-mma-gemm/) put the first at 0.41-0.46 of cuBLAS on the model's
 // shapes and the second at 0.35-0.39. Per 16-deep k step a warp loads its A rows (one ldmatrix.x4 per 16) and
 // W rows (one per 16) and issues (rows / 16) x (columns / 8) mma.sync m16n8k16. Tiles reach shared memory through
 // a 3-stage cp.async pipeline (global -> shared without registers, the next tiles in flight while the tensor

@@ -10,7 +10,8 @@
 // (gemm_mma.cu) reached 0.41-0.46 of cuBLAS on an H100; Hopper's tensor cores run at full rate only through
 // wgmma, which is what cuBLAS issues there. On the H100 this kernel runs at 0.70-0.89 of cuBLAS from 512 rows up
 // (0.49 at 346: 144 blocks for 132 SMs), 1.8-2.0x gemm_mma.cu's big tile; 256 x 128, 128 x 128 (6 stages) and a
-// warp-specialized form (a copying warpgroup signalling mbarriers) measured slower (docs/benchmarks.md, issue 30).
+// warp-specialized form (a copying warpgroup signalling mbarriers) measured slower
+// (docs/bench/2026-12-05-h100-wgmma-gemm/).
 //
 // Layout: each stage holds the A tile (128 rows) then the W tile (256 rows), every row 64 halves = 128 bytes,
 // with the 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8), in
@@ -116,7 +117,8 @@ __device__ __forceinline__ void wg_load_stage(unsigned sA, unsigned sB, const wg
     }
 }
 
-// one k-step of the warpgroup's BN columns (the sweep's 128-column tiles add wg_mma<128>: wgmma/variants.cu)
+// one k-step of the warpgroup's BN columns (the sweep's 128-column tiles add wg_mma<128>:
+// docs/bench/2026-12-05-h100-wgmma-gemm/variants.cu)
 template <int BN>
 __device__ __forceinline__ void wg_mma(float (&d)[BN / 2], unsigned long long da, unsigned long long db);
 template <>

@@ -3,7 +3,7 @@
 Why a process and not a thread: the event loop (HTTP parsing, admission, every 429) and the device loop (a
 forward launches hundreds of kernels from Python) would share one GIL. Under a storm of clients that resend at
 once after a 429, the loop held it ~14x as long as the device thread did, and the device sat idle between
-launches (docs/benchmarks.md, "Overload, second round"). Here the device process has a GIL of its own; the
+launches (docs/bench/2026-12-04-h200-overload-three-behaviours/). Here the device process has a GIL of its own; the
 server's process keeps the HTTP side, the tokenizer (clefcore/preparer.py) and the scheduling (batcher.py).
 
 The two talk over one pipe. The server sends ``(op, args)``; the device process runs the calls one at a time,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29, item 5: `clefcore serve` on a 16 GB V100's memory. A ballast process holds all of the GPU's memory but
+# `clefcore serve` on a 16 GB V100's memory. A ballast process holds all of the GPU's memory but
 # CAP_GIB (default 15.2: a V100-16GB's 15.78 GiB less a CUDA context), then the server starts text-only with its
 # defaults (fast, --context-length 24576, --max-batch-tokens 16384 over 32 requests, --chunk-tokens 4096, CUDA
 # graphs up to 1024 tokens) and reserves its activation arena at load (Engine.reserve). Limits that do not fit
@@ -7,7 +7,7 @@
 # until one starts, and serves the loadtest's default mix with it (80/15/5 of ~1.2k/7.8k/24.6k tokens: the long
 # ones run chunked beside batches).
 #
-# Prepare as for docs/bench/overload/run-issue28.sh (.whl/new, .whl/deps; carry [".whl"]); reuses its checkpoint
+# Prepare as for docs/bench/run-overload.sh (.whl/new, .whl/deps; carry [".whl"]); reuses its checkpoint
 # (/tmp/clef-flash-synth) when the machine still has it. Run: bash docs/bench/arena-cap.sh
 # Writes to $OUT: arena-cap-health.json (/health when ready and after the load), arena-cap-loadtest.json,
 # arena-cap.log (memory figures, the refused starts' errors, the server's lifecycle and memory lines).

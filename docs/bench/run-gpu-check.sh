@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29's GPU acceptance in one device call: the GPU suite on this tree, then `clefcore bench` on the tree
-# before issue 29's backend interface and bench package (a89917a) and on this one: same GPU, same call.
+# A GPU check in one device call: the GPU suite on this tree, then `clefcore bench` on the tree before the
+# backend interface and the bench package (a89917a) and on this one: same GPU, same call.
 #
 # Prepare once, on the development machine, in the repository root (.whl/ is ignored by git; carry [".whl"]):
 #   py=python3.12   # the device's python3 is 3.12 and has no meson-python

@@ -24,8 +24,8 @@ _ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (a
 MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
              ("gemm_mma_f16a", 128, 128, 3 * (128 + 128) * 40 * 2))
 # The same route on Hopper (sm_90): gemm_wgmma.cu, 1.8-2.0x gemm_mma.cu's big tile on the H100 (0.70-0.89 of
-# cuBLAS from 512 rows up; docs/bench/issue30/wgmma/). Dynamic shared memory = 4 stages x (A + W tile rows) x
-# 128-byte rows, + 1024 to align the swizzle atoms.
+# cuBLAS from 512 rows up; docs/bench/2026-12-05-h100-wgmma-gemm/). Dynamic shared memory = 4 stages x
+# (A + W tile rows) x 128-byte rows, + 1024 to align the swizzle atoms.
 WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
 
 

@@ -29,6 +29,9 @@ SWITCHES = (
     Switch("gdn_split_scan", False,
            "fast precision: the delta rule's state recurrence (gdn_scan, S' = S + N + M' S) in three fp16 "
            "tensor-core passes (hi/lo halves, fp32-grade) instead of one; the per-chunk kernels stay one-pass"),
+    Switch("gdn_split", False,
+           "fast precision: the whole delta rule in three fp16 tensor-core passes per product (the exact plans' "
+           "kernels, cuda/gated_delta.cu) instead of one (cuda/gated_delta_fast.cu)"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

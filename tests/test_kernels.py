@@ -431,9 +431,10 @@ def test_gated_delta_rule(ops, cu, hk, hv, dk, dv):
 # row against the same bound
 GDN_FAST_BOUND = bench_kernels.TOL_GDN_FAST
 # The state is held to the error model (tests/gdn_fp16_model.py: the same roundings in numpy, on the same inputs):
-# the kernels' rounding errors are the model's in distribution, not in value (fp32 sums in another order flip a
-# few roundings), so their largest lands within a small factor of the model's; plus fp32's own.
-GDN_MODEL_FACTOR, GDN_FP32_FLOOR = 2.0, 1e-5
+# the kernels round the very operands the model rounds, so only fp32 sums in another order can flip a rounding.
+# On the H100 (29faa7f) the kernels' state error was 0.998x-1.001x the model's in all 36 cases; 1.25x leaves room
+# for another summation order and still fails a kernel that loses a quarter more than its roundings explain.
+GDN_MODEL_FACTOR, GDN_FP32_FLOOR = 1.25, 1e-5
 
 
 @pytest.mark.parametrize("split_scan", [False, True], ids=["one-pass-scan", "split-scan"])

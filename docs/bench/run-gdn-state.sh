@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call: the fast plan's delta rule with and without the gdn_split_scan switch (clefcore/switches.py).
+# One device call: the fast plan's delta rule as it ships and under the gdn_split_scan and gdn_split switches
+# (clefcore/switches.py).
 #  0. the delta rule's GPU kernel tests (tests/test_kernels.py -k gated_delta);
 #  1. docs/studies/gdn_fast_state.py: output and state errors over seeded draws, both variants;
-#  2. the golden sets (text and images) in fast mode, native and compute_70 PTX, both variants: worst |dp|;
-#  3. `clefcore bench` (fast, cuBLAS as the image ships, no transformers) with the switch off and on;
+#  2. the golden sets (text and images) in fast mode, native and compute_70 PTX, each variant: worst |dp|;
+#  3. `clefcore bench` (fast, cuBLAS as the image ships, no transformers) as it ships and with gdn_split;
 #  4. STEPS=suite adds the whole GPU suite at the defaults, with and without cuBLAS.
 # Prepare here, in the repository root (.whl/ is ignored by git; carry [".whl"]):
 #   PYENV_VERSION=3.12.1 python -m pip wheel --no-deps -w .whl/new .      # the device's python3 is 3.12
@@ -11,7 +12,7 @@
 #     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
 #   the compute_70 PTX of every kernel file into .whl/ptx70 (CLEFCORE_KERNEL_CACHE), made with the pip NVRTC 12
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gdn-state.sh
-# Writes to $OUT as it goes: kernels.txt, gdn-state.json, golden.txt, bench-off.json, bench-on.json, bench.txt, suite.txt.
+# Writes to $OUT as it goes: kernels.txt, gdn-state.json, golden.txt, bench-none.json, bench-gdn_split.json, bench.txt, suite.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/gdn-state-out}
 STEPS=${STEPS:-"kernels study golden bench"}
@@ -32,18 +33,18 @@ if [[ " $STEPS " == *" study "* ]]; then
     2>&1 | tee "$OUT/study.txt"
 fi
 if [[ " $STEPS " == *" golden "* ]]; then
-  for sw in 0 1; do
+  for sw in none gdn_split_scan gdn_split; do
     # `pytest`, not `python3 -m pytest`: the installed package, not the source tree
-    CLEFCORE_GDN_SPLIT_SCAN=$sw timeout 150 pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
+    env "CLEFCORE_${sw^^}=1" timeout 150 pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
       tests/test_vision_gpu.py -k "golden and fast" 2>&1 | grep -E "GOLDEN|passed|failed|Error" \
       | sed "s/^/switch=$sw: /" | tee -a "$OUT/golden.txt"
   done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   cd /tmp
-  for sw in off on; do
+  for sw in ${BENCH_SWITCHES:-none gdn_split}; do
     timeout 150 python3 -m clefcore.cli bench --precision fast --no-transformers --lengths 346,2048,8192 \
-      --packed 16x512 --reps 3 --kernels "gdn_split_scan=$sw" --json "$OUT/bench-$sw.json" 2>&1 \
+      --packed 16x512 --reps 3 --kernels "${sw/none/}" --json "$OUT/bench-$sw.json" 2>&1 \
       | sed "s/^/$sw: /" | tee -a "$OUT/bench.txt"
   done
   cd "$ROOT"

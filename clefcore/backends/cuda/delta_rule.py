@@ -83,8 +83,9 @@ class DeltaRuleOps:
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
         # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade. With the
         # gdn_split_scan switch the fast plan's state recurrence takes the three-pass scan: both modules share
-        # the workspace layout, and the fast prep writes the lo halves the three-pass scan reads.
-        module = "gated_delta_fast.cu" if self.plan.fp16 else "gated_delta.cu"
+        # the workspace layout, and the fast prep writes the lo halves the three-pass scan reads; with gdn_split the
+        # fast plan runs the three-pass kernels throughout.
+        module = "gated_delta_fast.cu" if self.plan.fp16 and "gdn_split" not in self.switches else "gated_delta.cu"
         scan_module = "gated_delta.cu" if "gdn_split_scan" in self.switches else module
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
         scan = self.kernel(scan_module, "gdn_scan" + sfx, scan_smem)

@@ -6,6 +6,7 @@ situation is produced on purpose instead of hoped for."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,6 +154,16 @@ def answered_but_one(replies: list, timeout: float) -> tuple[list, object]:
     return [r.result() for r in replies if r not in pending], pending.pop()
 
 
+@contextlib.contextmanager
+def continued(pid: int):
+    """kill -CONT ``pid`` on the way out, should a failed assertion leave it stopped (it would outlive the test)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_a_stalled_device_leaves_readiness_refuses_its_queue_and_recovers_or_is_given_up():
     """kill -STOP on the device process under load (a wedged GPU: it neither answers nor dies). Within the stall
     limit /health is 503 and the queued requests are answered 503 at once. kill -CONT within the grace: the
@@ -164,7 +175,7 @@ def test_a_stalled_device_leaves_readiness_refuses_its_queue_and_recovers_or_is_
         s.wait_ready()
         device = s.device_pid()
         assert s.decide(SUPPORT_TICKET).status == 200          # a forward measures the rate
-        with ThreadPoolExecutor(6) as pool:
+        with ThreadPoolExecutor(6) as pool, continued(device):
             # a stall that ends within the grace
             replies = load_with_four_queued(s, pool, "first")
             os.kill(device, signal.SIGSTOP)

@@ -96,12 +96,14 @@ class ServiceConfig:
     min_queue_wait: float = 1.0
     chunk_tokens: int = 4096
     age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
+    stall_timeout: float = 30.0             # a device call past max(this, 4x its expected time) is stalled
+    device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
                                             # worker's place in --device (set by the supervisor)
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_tokens", "max_batch_requests", "max_queue", "request_timeout",
-                     "min_queue_wait"):
+                     "min_queue_wait", "stall_timeout", "device_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
@@ -229,6 +231,14 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
                              "(first in, first out) or auto (default: auto, the measured device rate)")
+    parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
+                        help="seconds a call on the device may run, or 4x its expected time (its tokens at the "
+                             "measured rate) if longer, before the device counts as stalled: /health answers 503 "
+                             "and the queued requests 503 until it answers again (default: %(default)s)")
+    parser.add_argument("--device-grace", type=_positive(float), default=d.device_grace,
+                        help="seconds a device may stay stalled, or keep failing its self-check, before the server "
+                             "gives it up: its process is killed, its requests get 500 and the server exits 1 to be "
+                             "restarted (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish accepted requests after SIGTERM (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),

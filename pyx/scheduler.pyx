@@ -200,7 +200,7 @@ cdef class Scheduler:
         return batch
 
     cpdef list drain(self):
-        """Remove every live entry, in queue order (used when shutting down past the drain timeout)."""
+        """Remove every live entry, in queue order (past the drain timeout, or when the devices fail)."""
         cdef list out = []
         cdef Entry entry
         while self._heap:

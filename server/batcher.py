@@ -11,7 +11,10 @@ One device is one lane,
 and everything below then reads as it did before lanes existed.
 
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
-get a 500, the rest of the batch is answered normally.
+get a 500, the rest of the batch is answered normally. Then the device runs its self-check, which tells a failed
+request from a failed device; every call on a device is reported to the DeviceWatch (server/device_watch.py),
+which judges stalls and faults. While a device is in trouble the Service refuses the queued requests
+(``refuse_queued``): none of them has reached a device.
 
 Overload (issues 20, 28): a request is admitted while the work that runs before it plus its own fits the wait
 its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once. Prompts
@@ -35,9 +38,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from clefcore.engine import EngineStatus
 from clefcore.errors import DeviceError
@@ -46,6 +49,7 @@ from clefcore.scheduler import Entry, Scheduler
 from . import admission
 from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_process import DeviceProcess, Step
+from .device_watch import RECHECK_S, DeviceWatch
 from .logs import log
 from .metrics import Metrics
 
@@ -60,6 +64,18 @@ class QueueFull(Exception):
 
 class DeadlineExceeded(Exception):
     pass
+
+
+class DeviceUnavailable(Exception):
+    """Refused while queued, before it reached a device, because the devices are stalled, faulted or lost
+    (``reason``): another replica may answer it."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -113,10 +129,11 @@ class _Lane:
 
 
 class Batcher:
-    def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
+    def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, watch: DeviceWatch, max_queue: int,
                  max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int = 0, age_rate: float | None = None, first_lane: int = 0):
-        """``devices``: the device process of each lane.
+        """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
+        self-check's outcome.
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
         ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
@@ -124,6 +141,7 @@ class Batcher:
         rate; inf: first in, first out). ``first_lane``: the busy counter's label of the first device (its place
         in --device)."""
         self._metrics = metrics
+        self._watch = watch
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
         self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
@@ -329,6 +347,23 @@ class Batcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def refuse_queued(self, reason: str) -> None:
+        """Answer every queued request with DeviceUnavailable(``reason``): the devices are stalled, faulted or lost,
+        and none of these requests has reached one. The steps on the devices, and the chunked runs started, are
+        left to their devices."""
+        self._long_keys.clear()
+        self._whole_waiting_since = None
+        for entry in self._scheduler.drain() + self._long.drain():
+            _, future = entry.payload
+            if not future.done():
+                future.set_exception(DeviceUnavailable(reason))
+        self._publish()
+
+    def kill(self, lane: str, reason: str) -> None:
+        """End the device process of the lane labelled ``lane`` (given up: it stopped answering or fails every
+        call); the calls waiting on it fail with DeviceError(``reason``)."""
+        next(each for each in self._lanes if each.label == lane).device.kill(reason)
+
     async def submit(self, prepared: Any, deadline: float) -> Outcome:
         """Queue one prepared request and wait for its answer. Raises QueueFull at once when it is not
         admitted, DeadlineExceeded when ``deadline`` (time.monotonic) passes first, or the device's error."""
@@ -449,7 +484,7 @@ class Batcher:
         self._publish()
         self._metrics.running.inc(len(prepared))
         try:
-            results, prefill_s = await lane.device.infer(prepared)
+            results, prefill_s = await self._on_device(lane, "forward", batch.tokens, lane.device.infer(prepared))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             results, prefill_s = [(None, lost)] * len(prepared), 0.0
         finally:
@@ -473,6 +508,8 @@ class Batcher:
                 future.set_exception(error)
             else:
                 future.set_result(Outcome(response, wait_s, prefill_s, len(prepared), batch.tokens))
+        if any(error is not None for _, error in results):
+            await self._check(lane)
 
     def lane_statuses(self) -> dict[str, EngineStatus]:
         """Each device's engine status by its lane (the busy and memory series' label)."""
@@ -500,15 +537,16 @@ class Batcher:
                 future.set_exception(DeadlineExceeded())
             lane.active = None
             self._publish()
-            if active.begun:
-                await lane.device.drop()   # its state on the device goes now, not at the next long prompt
+            if active.begun:   # its state on the device goes now, not at the next long prompt
+                await self._on_device(lane, "drop", 0, lane.device.drop())
             return
         self._metrics.running.inc()
         lane.step_tokens = min(self._chunk, active.tokens_left)
         lane.step_started = now
         active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            step = await lane.device.step(None if active.begun else active.entry.payload[0])
+            step = await self._on_device(lane, "chunk step", lane.step_tokens,
+                                         lane.device.step(None if active.begun else active.entry.payload[0]))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
         finally:
@@ -531,6 +569,33 @@ class Batcher:
                     future.set_result(Outcome(step.response, active.started - active.entry.enqueued_at,
                                               active.device_s, 1, active.entry.tokens))
         self._publish()
+        if step.error is not None:
+            await self._check(lane)
+
+    async def _on_device(self, lane: _Lane, what: str, tokens: int, call: Awaitable[T]) -> T:
+        """Await ``call`` on the lane's device (``what`` of ``tokens`` prompt tokens), watched for a stall."""
+        self._watch.started(lane.label, what, tokens, self._rate.rate)
+        try:
+            return await call
+        finally:
+            self._watch.ended(lane.label)
+
+    async def _check(self, lane: _Lane) -> None:
+        """A call on the lane's device failed: the device runs its self-check (a built-in request) to tell whether
+        the request failed or the device did. Passing, only those requests failed. Failing, the device is faulted
+        (the watch makes the service unavailable, and gives the device up if it stays so) and checks again every
+        RECHECK_S until it passes; it takes no work meanwhile. A lost process is the Service's to handle."""
+        while lane.device.lost is None:
+            try:
+                await self._on_device(lane, "self-check", 0, lane.device.self_check())
+            except Exception as error:  # noqa: BLE001 - whatever it raised, the device failed its check
+                if lane.device.lost is not None:
+                    return
+                self._watch.faulted(lane.label, f"{type(error).__name__}: {error}")
+                await asyncio.sleep(RECHECK_S)
+            else:
+                self._watch.checked(lane.label)
+                return
 
 
 def _dispatch_ended(task: asyncio.Task) -> None:

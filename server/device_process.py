@@ -14,7 +14,8 @@ runs its next chunk.
 
 The device process ignores SIGINT and SIGTERM: the server drains on them and then sends ``stop``. It ends by
 itself when the pipe closes (the server is gone). If it dies (killed for memory, a crash), every
-waiting call fails with DeviceError and ``on_lost`` tells the server, which then exits non-zero.
+waiting call fails with DeviceError and ``on_lost`` tells the server, which then exits non-zero. ``kill`` ends one
+that no longer answers (server/device_watch.py gave it up) the same way, without ``on_lost``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ class DeviceProcess:
         """Free the chunked prompt's state (its client left)."""
         await self._call("drop")
 
+    @property
+    def lost(self) -> str | None:
+        """Why the process is gone (its calls fail with DeviceError), or None while it runs."""
+        return self._lost
+
+    def kill(self, reason: str) -> None:
+        """End the process now (it stopped answering, or fails every call) and fail the calls waiting on it with
+        DeviceError(``reason``). ``on_lost`` is not called: the caller knows."""
+        if self._lost is None:
+            self._process.kill()
+            self._fail_waiting(reason)
+
     async def stop(self) -> None:
         """Ask the process to end after the call it is running, and wait (killed after STOP_GRACE_S)."""
         self._closing = True
@@ -115,7 +128,13 @@ class DeviceProcess:
         if self._reader is None:
             self._reader = threading.Thread(target=self._read, args=(loop,), name="clef-device-replies", daemon=True)
             self._reader.start()
-        self._conn.send_bytes(message)
+        try:
+            self._conn.send_bytes(message)
+        except OSError as error:   # the process died since its last reply, before the reader saw the pipe's end
+            reason = f"the device process is gone ({type(error).__name__})"
+            self._fail(reason)
+            future.set_exception(DeviceError(reason))
+            return future
         self._waiting.append(future)
         return future
 
@@ -149,15 +168,19 @@ class DeviceProcess:
             future.set_exception(value)
 
     def _fail(self, reason: str) -> None:
-        if self._closing:      # stop() closed the pipe: an ending, not a loss
+        # stop() closed the pipe: an ending, not a loss; kill() ended it and failed the calls already
+        if self._closing or self._lost is not None:
             return
+        self._fail_waiting(reason)
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    def _fail_waiting(self, reason: str) -> None:
         self._lost = reason
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():
                 future.set_exception(DeviceError(reason))
-        if self.on_lost is not None:
-            self.on_lost(reason)
 
 
 # --- the device process ----------------------------------------------------------------------------------
@@ -170,6 +193,7 @@ class _Device:
         self.chunk = chunk_tokens
         self.engine: Engine | None = None
         self.run = None     # the chunked prompt's clefcore.engine.ChunkedRun
+        self.broken = False  # the sticky test fault has struck: every call fails
 
     def load(self, options: dict, reserve: dict) -> None:
         import clefcore
@@ -177,6 +201,7 @@ class _Device:
         self.engine.reserve(**reserve)
 
     def self_check(self) -> None:
+        self._broken()
         self.engine.self_check()
 
     def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
@@ -227,11 +252,17 @@ class _Device:
         hooks = self.hooks
         if hooks.batch_delay_s or hooks.token_delay_s:
             time.sleep(hooks.batch_delay_s + hooks.token_delay_s * tokens)
-        if hooks.fail_marker is not None:
-            for p in prepared:
-                state = p.request.get("state")
-                if isinstance(state, str) and hooks.fail_marker in state:
-                    raise DeviceError("injected device fault (test hook)")
+        states = [p.request.get("state") for p in prepared]
+        states = [state for state in states if isinstance(state, str)]
+        if hooks.sticky_marker is not None and any(hooks.sticky_marker in state for state in states):
+            self.broken = True
+        self._broken()
+        if hooks.fail_marker is not None and any(hooks.fail_marker in state for state in states):
+            raise DeviceError("injected device fault (test hook)")
+
+    def _broken(self) -> None:
+        if self.broken:
+            raise DeviceError("injected sticky device fault (test hook): every call fails")
 
 
 _OPS: dict[str, Callable] = {"load": _Device.load, "self_check": _Device.self_check, "infer": _Device.infer,

@@ -116,8 +116,16 @@ class Metrics:
         # that is close to full.
         self.device_memory = Gauge("clef_device_memory_bytes", "Device memory in use, by lane (the device's place "
                                    "in --device; 0 on the CPU)", ["lane"], registry=r, multiprocess_mode="liveall")
+        # Device trouble (server/device_watch.py). livemax: one stalled worker is enough to say so.
+        self.device_stalled = Gauge("clef_device_stalled", "1 while a call on a device has run past its stall "
+                                    "limit (--stall-timeout, or 4x its expected time if longer)", registry=r,
+                                    multiprocess_mode="livemax")
+        self.device_faults = Counter("clef_device_faults", "Device-level failures detected, by kind: stall (a "
+                                     "call past its stall limit), self_check (the self-check after a device "
+                                     "error failed), lost (the device process ended)", ["kind"], registry=r)
         # 1 only while every live worker is ready: one still loading makes the pod not ready.
-        self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed and self-checked", registry=r,
+        self.ready = Gauge("clef_ready", "1 when /health answers 200: the model is loaded, warmed and self-checked, "
+                           "and no device is stalled or faulted", registry=r,
                            multiprocess_mode="livemin")
         self.workers = Gauge("clef_workers", "Server processes alive (one per device with --spread workers)",
                              registry=r, multiprocess_mode="livesum")

@@ -195,8 +195,9 @@ _ERROR_STATUSES = {
            "allowed (--min-queue-wait, and --max-queue-wait for a prompt of --context-length tokens, shorter "
            "ones in proportion; reason queued_work; evicted when cheaper work admitted later displaced it from "
            "the queue), or the queue is full (queue_full); honour Retry-After",
-    "500": "the device failed this request",
-    "503": "loading, draining, or the request waited past --request-timeout; honour Retry-After",
+    "500": "the device failed this request, or failed while running it",
+    "503": "loading, draining, a device stalled, faulted or lost before the request reached it, or the request "
+           "waited past --request-timeout; honour Retry-After",
 }
 
 
@@ -246,11 +247,15 @@ def _operations(security: list) -> dict[str, dict]:
                      "content": _json_content({"$ref": "#/components/schemas/Error"})},
              "503": {"description": "loading",
                      "content": _json_content({"$ref": "#/components/schemas/Error"})}}},
-        {"summary": "Readiness: 200 once loaded, warmed and self-checked", "operationId": "health", "security": [],
+        {"summary": "Readiness: 200 once loaded, warmed and self-checked, while no device is stalled or faulted",
+         "operationId": "health", "security": [],
          "responses": {"200": {"description": "ready", "content": _json_content({"type": "object"})},
                        "503": plain_503}},
-        {"summary": "Liveness: the event loop answers", "operationId": "live", "security": [],
-         "responses": {"200": {"description": "alive", "content": _json_content({"type": "object"})}}},
+        {"summary": "Liveness: the event loop answers and the server has not failed", "operationId": "live",
+         "security": [],
+         "responses": {"200": {"description": "alive", "content": _json_content({"type": "object"})},
+                       "503": {"description": "failed (a device lost or given up): exiting",
+                               "content": _json_content({"type": "object"})}}},
         {"summary": "Prometheus metrics", "operationId": "metrics", "security": [],
          "responses": {"200": {"description": "Prometheus text format",
                                "content": {"text/plain": {"schema": {"type": "string"}}}}}},

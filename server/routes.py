@@ -32,7 +32,6 @@ from clefcore.options import MAX_BODY_BYTES
 from . import errors
 from .body import read_json
 from .engine_status import describe
-from .lifecycle import LOADING, READY
 from .logs import RefusalLog, log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .openapi import build_spec
@@ -246,21 +245,24 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    lifecycle = service.lifecycle
-    body = {"status": "ok" if lifecycle.phase == READY else lifecycle.phase, "reason": lifecycle.reason,
-            "uptime_s": round(time.time() - lifecycle.started_at, 1)}
+    health = service.health()
+    body = {"status": health.status, "reason": health.reason,
+            "uptime_s": round(time.time() - service.lifecycle.started_at, 1)}
     engine = service.status
     if engine is not None:
         body.update(model=engine.model_name, device=engine.device)
         body.update(describe(engine))
-    if lifecycle.phase != READY:
-        return _json(body, 503, {"Retry-After": "5" if lifecycle.phase == LOADING else "1"})
+    if not health.ready:
+        return _json(body, 503, {"Retry-After": str(health.retry_after_s)})
     return _json(body)
 
 
 async def _live(request: web.Request) -> web.Response:
-    # Liveness says only "the event loop answers": a full queue or a draining server is still alive, and
-    # restarting it would lose the queued requests (TGI #3241).
+    # Alive unless the service has failed (it is exiting): a full queue, a draining server or a device that may
+    # still recover is alive, and restarting it would lose the queued requests (TGI #3241).
+    health = request.app[SERVICE].health()
+    if not health.live:
+        return _json({"status": health.status, "reason": health.reason}, 503)
     return _json({"status": "alive"})
 
 

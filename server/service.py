@@ -16,6 +16,11 @@ program can do the same::
 
 ``decide`` raises ``clefcore.RequestError`` for a body the engine refuses (its ``field`` and ``limit``), and
 otherwise only the ``ServiceError`` kinds below.
+
+``health()`` says what ``/health`` and ``/live`` answer: ready only once started and while every device answers
+(server/device_watch.py: a stalled or faulted device makes the service unavailable, and its queued requests are
+refused at once); alive until the service has failed (a failed start, a lost device process, or a device that
+stayed stalled or faulted past ``device_grace``), when it asks to be stopped (``lifecycle.stop_requested``).
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from clefcore.preparer import Preparer
 
 from . import admission, gpus
 from .admission import Budgets, Refusal
-from .batcher import Batcher, DeadlineExceeded, Hold, QueueFull
+from .batcher import Batcher, DeadlineExceeded, DeviceUnavailable, Hold, QueueFull
 from .device_process import DeviceProcess
+from .device_watch import FAULTED, STALLED, DeviceWatch, Trouble
 from .engine_status import combined
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
@@ -47,7 +53,23 @@ from .prepare import PrepareGate
 from .testhooks import TestHooks
 
 __all__ = ["Service", "ServiceConfig", "ServiceError", "Unavailable", "Overloaded", "TimedOut",
-           "InferenceFailed"]
+           "InferenceFailed", "Health"]
+
+# Retry-After of the 503s while loading, or while a device is stalled, faulted or lost: it may take a while, and
+# another replica may answer meanwhile. A draining server's clients should go elsewhere at once.
+RETRY_AFTER_S = 5
+
+
+@dataclass(frozen=True)
+class Health:
+    """What ``/health`` (``ready``) and ``/live`` (``live``) answer: ``status`` is ok, loading, draining, failed,
+    stalled or faulted, ``reason`` says more, and a request refused now is told to retry after
+    ``retry_after_s``."""
+    ready: bool
+    live: bool
+    status: str
+    reason: str
+    retry_after_s: int
 
 
 @dataclass
@@ -61,7 +83,8 @@ class ServiceError(Exception):
 
 
 class Unavailable(ServiceError):
-    """Not taking requests: loading, draining or failed (``reason``); ask again after ``retry_after_s``."""
+    """Not taking requests: loading, draining, failed, or a device stalled or faulted (``reason``); or refused
+    while queued because of the device; ask again after ``retry_after_s``."""
 
     def __init__(self, reason: str, retry_after_s: int):
         super().__init__(f"service is {reason}")
@@ -111,6 +134,8 @@ class Service:
                 self.devices.append(DeviceProcess(self.hooks, config.chunk_tokens,
                                                   f"clef-device-{i}" if several else "clef-device"))
         self.metrics.devices.set(len(self.devices))
+        self.watch = DeviceWatch(self.metrics, config.stall_timeout, config.device_grace,
+                                 on_change=self._device_trouble, on_expired=self._device_expired)
         self.preparer: Preparer | None = None   # both set once the model is loaded and self-checked
         self.batcher: Batcher | None = None
         self._loop_lag: asyncio.Task | None = None   # metrics.watch_loop_lag, from ready to stop
@@ -155,7 +180,7 @@ class Service:
         for device in self.devices:
             device.on_lost = self._device_lost
         self.preparer = preparer
-        self.batcher = Batcher(self.devices, self.metrics, max_queue=cfg.max_queue,
+        self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
                                start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
@@ -164,17 +189,55 @@ class Service:
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
         self.lifecycle.set(READY, "ready")
-        self.metrics.ready.set(1)
+        self._publish_ready()
         log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
             images=engine.images_refused or "answered", device_memory_bytes=self.status.memory_in_use,
             reserved_bytes=self.status.backend.get("reserved_bytes", 0))
 
+    def health(self) -> Health:
+        """What /health and /live answer now (see the module doc)."""
+        lifecycle = self.lifecycle
+        trouble = self.watch.trouble
+        if lifecycle.phase == READY and trouble is not None:
+            return Health(False, True, trouble.kind, trouble.reason, RETRY_AFTER_S)
+        return Health(lifecycle.phase == READY, lifecycle.phase != FAILED,
+                      "ok" if lifecycle.phase == READY else lifecycle.phase, lifecycle.reason,
+                      1 if lifecycle.phase == DRAINING else RETRY_AFTER_S)
+
+    def _publish_ready(self) -> None:
+        self.metrics.ready.set(1 if self.health().ready else 0)
+
+    def _device_trouble(self, trouble: Trouble | None) -> None:
+        """A device's trouble began or ended (the watch says so): while any device is in trouble, no request is
+        taken and the queued ones are refused at once (503), none of them having reached a device."""
+        if trouble is not None and self.batcher is not None:
+            self.batcher.refuse_queued(trouble.reason)
+        self._publish_ready()
+
+    def _device_expired(self, trouble: Trouble) -> None:
+        """A device stayed stalled or faulted past the grace: its process is killed (the requests it was running
+        fail, 500) and the service fails, as on a lost device."""
+        if self.lifecycle.phase == FAILED:
+            return
+        reason = f"device {trouble.lane} was given up after {self.config.device_grace:g} s {trouble.kind}"
+        self.batcher.kill(trouble.lane, reason)
+        self._fail(reason)
+
     def _device_lost(self, reason: str) -> None:
-        """A device process died: the service fails and asks to be stopped (``clefcore serve`` then exits
-        non-zero and is restarted; on several devices, whole, as a pod missing a GPU should be)."""
-        self.lifecycle.set(FAILED, reason)
-        self.metrics.ready.set(0)
+        """A device process died: the requests it was running fail (500, its DeviceProcess does that) and the
+        service fails."""
+        self.watch.lost()
         log("device_lost", level="error", error=reason)
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        """The service cannot answer any more: the queued requests are refused (503: none reached a device) and the
+        service asks to be stopped (``clefcore serve`` then exits non-zero and is restarted; on several devices,
+        whole, as a pod missing a GPU should be)."""
+        self.lifecycle.set(FAILED, f"without a device: {reason}")
+        if self.batcher is not None:
+            self.batcher.refuse_queued(self.lifecycle.reason)
+        self._publish_ready()
         self.lifecycle.stop_requested.set()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -185,17 +248,19 @@ class Service:
         drained = lifecycle.phase != FAILED
         if drained:
             lifecycle.set(DRAINING, "shutting down")
+            self._publish_ready()
         if self.batcher is not None:
             if drained:
                 log("draining", queued=self.batcher.queued, in_flight=lifecycle.in_flight)
                 drained = await lifecycle.wait_drained(self.batcher.idle, timeout_s)
                 log("drained" if drained else "drain_timeout", in_flight=lifecycle.in_flight)
+            self.watch.close()   # what is cut off now is no stall, nor a recovery
             await self.batcher.stop()
-        self.metrics.ready.set(0)
         return drained
 
     async def stop(self) -> None:
         """End the device processes and the prepare threads (after ``drain``, or after a failed ``start``)."""
+        self.watch.close()
         if self.batcher is not None:
             await self.batcher.stop()
         if self._loop_lag is not None:
@@ -221,9 +286,8 @@ class Service:
         """A request from its arrival to its answer: refused with Unavailable unless the service is ready, and
         counted in flight meanwhile, so that ``drain`` waits for it. ``refuse_early`` and ``answer`` run in
         it, with the Arrival it yields."""
+        self._refuse_unless_ready()
         lifecycle = self.lifecycle
-        if lifecycle.phase != READY:
-            raise Unavailable(lifecycle.reason, retry_after_s=5 if lifecycle.phase == LOADING else 1)
         lifecycle.in_flight += 1
         arrival = Arrival()
         try:
@@ -231,6 +295,18 @@ class Service:
         finally:
             lifecycle.in_flight -= 1
             self.batcher.release(arrival.hold)   # a body given up before it was queued (bad, gone, failed)
+
+    def _refuse_unless_ready(self) -> None:
+        health = self.health()
+        if not health.ready:
+            raise Unavailable(health.reason, retry_after_s=health.retry_after_s)
+
+    def _refuse_without_device(self) -> None:
+        """Unavailable when a device failed while the request was read and prepared (a drain that began
+        meanwhile still answers it): the queue it would join is refused already, and nothing takes from it."""
+        health = self.health()
+        if health.status in (FAILED, STALLED, FAULTED):
+            raise Unavailable(health.reason, retry_after_s=health.retry_after_s)
 
     def refuse_early(self, arrival: Arrival, body_bytes: int | None) -> None:
         """Raise Overloaded, before the body is read and tokenized, when the queue is full or the work before a
@@ -256,11 +332,14 @@ class Service:
         batcher = self.batcher
         batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between
         batcher.sizer.observe(body_bytes, prepared.num_tokens)
+        self._refuse_without_device()
         deadline = time.monotonic() + cfg.request_timeout
         try:
             outcome = await batcher.submit(prepared, deadline)
         except QueueFull as full:
             raise Overloaded(full.refusal, batcher.capacity) from None
+        except DeviceUnavailable as refused:
+            raise Unavailable(refused.reason, retry_after_s=RETRY_AFTER_S) from None
         except DeadlineExceeded:
             raise TimedOut(cfg.request_timeout) from None
         except ClefError as error:

@@ -111,6 +111,14 @@ class Server:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         return sum(_rss(p) for p in [pid, *map(int, children)])
 
+    def device_pid(self) -> int:
+        """The pid of the server's device process (the model's own process, server/device_process.py)."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        # multiprocessing's resource tracker is a child too; the device process is the one spawned to serve
+        (device,) = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return device
+
     def events(self, name: str) -> list[dict]:
         return [e for e in map(_json_or_none, list(self.lines)) if e and e.get("event") == name]
 
@@ -159,6 +167,19 @@ class Server:
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def until(predicate, timeout: float, what: str = "the condition"):
+    """Poll ``predicate`` until it returns something true (returned) or ``timeout`` seconds pass (an assertion
+    fails): for states of another process, which sends no event here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.02)
 
 
 class Reply:

@@ -14,6 +14,7 @@ from clefcore.scheduler import Entry
 from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
                                       retry_after, size_class)
 from clefcore.server.batcher import Batcher, QueueFull
+from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 
 
@@ -102,7 +103,9 @@ def batcher(**kw) -> Batcher:
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
                    budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
     options.update(kw)
-    b = Batcher([None], Metrics(), **options)   # one lane, no device process: arithmetic only
+    metrics = Metrics()
+    watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+    b = Batcher([None], metrics, watch=watch, **options)   # one lane, no device process: arithmetic only
     b._rate.samples = 1  # as if measured: the start value stands
     return b
 

@@ -15,6 +15,7 @@ from clefcore.scheduler import Entry
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
+from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 
 
@@ -28,9 +29,15 @@ def batcher(lanes: int, **kw) -> Batcher:
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
                    budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
     options.update(kw)
-    b = Batcher([None] * lanes, Metrics(), **options)
+    metrics = Metrics()
+    b = Batcher([None] * lanes, metrics, watch=unwatched(metrics), **options)
     b._rate.samples = 1  # as if measured: the start value stands
     return b
+
+
+def unwatched(metrics: Metrics) -> DeviceWatch:
+    """A watch whose judgements go nowhere: these tests are about scheduling."""
+    return DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
 
 
 def entry(loop, tokens: int, at: float) -> Entry:
@@ -138,8 +145,10 @@ def test_a_chunked_run_stays_on_the_lane_that_started_it():
     devices = [FakeDevice("a"), FakeDevice("b")]
 
     async def main():
-        b = Batcher(devices, Metrics(), max_queue=64, max_batch_tokens=1_000, max_batch_requests=2,
-                    budgets=Budgets(100.0, 100.0, 10_000), start_rate=100_000.0, chunk_tokens=1_000)
+        metrics = Metrics()
+        b = Batcher(devices, metrics, watch=unwatched(metrics), max_queue=64, max_batch_tokens=1_000,
+                    max_batch_requests=2, budgets=Budgets(100.0, 100.0, 10_000), start_rate=100_000.0,
+                    chunk_tokens=1_000)
         b.start()
         deadline = time.monotonic() + 30
         longs = [asyncio.ensure_future(b.submit(Prepared(num_tokens=4_000, name=f"long{i}"), deadline))

@@ -130,6 +130,59 @@ def test_a_device_process_that_dies_fails_its_waiting_calls():
     assert later.message == first.message and lost == [first.message]
 
 
+def test_the_sticky_hook_breaks_every_later_call_as_a_dead_cuda_context_would():
+    hooks = TestHooks(fail_marker=None, batch_delay_s=0.0, load_delay_s=0.0, sticky_marker="XID")
+
+    async def main():
+        device = DeviceProcess(hooks, chunk_tokens=16)
+        try:
+            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            engine = clefcore.load(MODEL)
+            good, poison = (engine.prepare(support_ticket(state=s)) for s in ("Fine.", "Xid 13 on the card: XID"))
+            before, _ = await device.infer([good])
+            await device.self_check()
+            struck, _ = await device.infer([good, poison])
+            after, _ = await device.infer([good])
+            step = await device.step(good)
+            with pytest.raises(DeviceError) as check:
+                await device.self_check()
+            return before, struck, after, step, check.value
+        finally:
+            await device.stop()
+
+    before, struck, after, step, check = run(main())
+    assert before[0][1] is None
+    # the batch that carried it: retried request by request, and by then the good one fails too
+    assert [type(e) for _, e in struck + after] == [DeviceError] * 3 and isinstance(step.error, DeviceError)
+    assert "sticky" in check.message
+
+
+def test_kill_fails_the_waiting_calls_with_its_reason_without_calling_on_lost():
+    hooks = TestHooks(fail_marker=None, batch_delay_s=30.0, load_delay_s=0.0)   # every forward sleeps 30 s
+    lost: list[str] = []
+
+    async def main():
+        device = DeviceProcess(hooks)
+        device.on_lost = lost.append
+        try:
+            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            prepared = clefcore.load(MODEL).prepare(support_ticket())
+            waiting = asyncio.ensure_future(device.infer([prepared]))
+            await asyncio.sleep(0.5)
+            os.kill(device._process.pid, signal.SIGSTOP)     # it no longer answers, as a wedged device would not
+            assert device.lost is None
+            device.kill("given up")
+            with pytest.raises(DeviceError) as failed:
+                await waiting
+            await asyncio.sleep(0.5)                         # the pipe's EOF arrives meanwhile: no loss reported
+            return failed.value, device.lost, device._process.exitcode
+        finally:
+            await device.stop()
+
+    failed, reason, code = run(main())
+    assert failed.message == reason == "given up" and lost == [] and code == -signal.SIGKILL
+
+
 def test_the_device_process_ignores_sigint_and_ends_with_the_pipe():
     async def main():
         device = DeviceProcess(NO_HOOKS)
@@ -148,17 +201,29 @@ def test_the_device_process_ignores_sigint_and_ends_with_the_pipe():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the server's child")
-def test_a_server_whose_device_process_dies_exits_non_zero():
+def test_a_server_whose_device_process_dies_under_load_answers_everything_and_exits_non_zero():
+    """kill -KILL under load: the request on the device gets 500, the queued ones (they never reached it) 503
+    with Retry-After, no connection is dropped, and the server exits 1 so that it is restarted."""
+    from concurrent.futures import ThreadPoolExecutor
     sys.path.insert(0, str(Path(__file__).parent))
-    from server_harness import Server
+    from server_harness import Server, ticket, until
 
-    server = Server().wait_ready()
+    server = Server("--max-batch-requests", "1", "--min-queue-wait", "1000",
+                    env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.5"}).wait_ready()
     try:
-        children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
-        # multiprocessing's resource tracker is a child too; the device process is the one spawned to serve
-        (device,) = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        os.kill(device, signal.SIGKILL)
+        with ThreadPoolExecutor(5) as pool:
+            replies = [pool.submit(server.decide, ticket(f"under load {i}")) for i in range(5)]
+            until(lambda: server.metric("clef_queue_depth") == 4, 10, "four queued requests")
+            os.kill(server.device_pid(), signal.SIGKILL)
+            replies = [reply.result(30) for reply in replies]   # an OSError here: a dropped connection
         assert server.wait_exit(30) == 1
+        assert sorted(r.status for r in replies) == [500, 503, 503, 503, 503], replies
+        for reply in replies:
+            if reply.status == 500:
+                assert reply.json()["error"]["type"] == "device_error"
+            else:
+                assert reply.json()["error"]["type"] == "unavailable_error" and int(reply.headers["retry-after"]) >= 1
+                assert "device process exited" in reply.json()["error"]["message"]
         assert server.events("device_lost") and server.events("exit")[0]["code"] == 1
     finally:
         server.kill()

@@ -35,6 +35,7 @@ NAMESPACE = "llm-serving"
 PORT = 8080
 MODEL_DIR = "/mnt/models/clef-flash"
 FIRST_LOAD_S = 30 * 60            # the homelab's startup budget for a first load (its SGLang predictor)
+READY_LOSS_S = 10                 # from /health's 503 to the endpoint leaving the Service, at most
 MEMORY_REQUEST_MAX = 8 * 2**30    # 16Gi left a predictor Pending on worker-1; 8Gi schedules beside the others
 CPU_REQUEST_MAX = 4               # what clef-candle requests and is scheduled with today
 # Who may connect: the gateway, which calls the Service by its short name clef-serve:80 and so runs in the
@@ -260,6 +261,8 @@ def test_probes_budget_a_first_load(variant):
     assert startup["httpGet"]["path"] == ready["httpGet"]["path"] == "/health"
     assert live["httpGet"]["path"] == "/live"  # a busy or draining server must not be restarted
     assert startup["periodSeconds"] * startup["failureThreshold"] >= FIRST_LOAD_S
+    # a stalled or faulted device turns /health 503: the endpoint leaves the Service soon after
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= READY_LOSS_S
     for probe in (startup, ready, live):
         port = probe["httpGet"]["port"]
         named = {p.get("name"): p["containerPort"] for p in container["ports"]}

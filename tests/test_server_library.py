@@ -23,7 +23,7 @@ from clefcore import cli  # noqa: E402
 from clefcore.errors import RequestError  # noqa: E402
 from clefcore.server import routes  # noqa: E402
 from clefcore.server.openapi import build_spec  # noqa: E402
-from clefcore.server.service import Service, ServiceConfig, Unavailable  # noqa: E402
+from clefcore.server.service import InferenceFailed, Service, ServiceConfig, Unavailable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket  # noqa: E402
@@ -76,6 +76,49 @@ def test_concurrent_decides_are_packed_into_shared_forwards(monkeypatch, engine)
     for body, answer in zip(bodies, answers):
         check_client_rules(body, answer)
         assert same_answers(answer, engine.decide(body)), (answer, engine.decide(body))
+
+
+def test_an_embedded_service_reports_a_faulted_device_and_refuses_until_it_is_given_up(monkeypatch):
+    """The sticky test fault (every call of the device process fails from the request that carries XID on, as after
+    an illegal memory access): the request that struck it fails, the one queued behind it and every later call are
+    refused with Unavailable, health() says faulted; past the grace the service has failed and asks to be
+    stopped, as `clefcore serve` then does."""
+    monkeypatch.setenv("CLEFCORE_TEST_STICKY_MARKER", "XID")
+    monkeypatch.setenv("CLEFCORE_TEST_BATCH_DELAY_S", "0.3")
+
+    async def main():
+        service = Service(ServiceConfig(model=str(MODEL), max_batch_requests=1, min_queue_wait=1000,
+                                        device_grace=2.0))
+        try:
+            await service.start()
+            before = service.health()
+            # one on the device; the poisoned request (shorter) goes next, the other one waits behind it
+            occupied = asyncio.ensure_future(service.decide(ticket("The device is busy with this one.")))
+            while not service.metrics.registry.get_sample_value("clef_requests_running"):
+                await asyncio.sleep(0.01)
+            struck, behind = await asyncio.gather(
+                service.decide(ticket("XID 13")),
+                service.decide(ticket("A longer state that waits behind the poisoned one, in vain.")),
+                return_exceptions=True)
+            await occupied
+            faulted = service.health()
+            with pytest.raises(Unavailable) as later:
+                await service.decide(SUPPORT_TICKET)
+            await asyncio.wait_for(service.lifecycle.stop_requested.wait(), 2.0 + 10)
+            failed = service.health()
+            await service.drain(5.0)
+            return before, struck, behind, faulted, later.value, failed
+        finally:
+            await service.stop()
+
+    before, struck, behind, faulted, later, failed = asyncio.run(main())
+    assert (before.ready, before.live, before.status) == (True, True, "ok")
+    assert isinstance(struck, InferenceFailed) and "sticky" in str(struck)
+    assert isinstance(behind, Unavailable) and behind.retry_after_s == 5, behind
+    assert (faulted.ready, faulted.live, faulted.status) == (False, True, "faulted")
+    assert later.reason == faulted.reason and later.reason.startswith("faulted: device 0 failed its self-check")
+    assert (failed.ready, failed.live, failed.status) == (False, False, "failed")
+    assert "given up after 2 s faulted" in failed.reason
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -192,7 +235,10 @@ def test_service_config_is_the_serve_flags():
     assert ServiceConfig(model="m", device="cuda:0, cuda:1").devices == ("cuda:0", "cuda:1")
     with pytest.raises(ValueError, match="device must name at least one device"):
         ServiceConfig(model="m", device=" , ")
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--stall-timeout", "5", "--device-grace", "9"])
+    assert (ServiceConfig.from_args(args).stall_timeout, ServiceConfig.from_args(args).device_grace) == (5.0, 9.0)
     for field, value, limit in (("max_queue", 0, "> 0"), ("chunk_tokens", -1, ">= 0"), ("age_rate", 0.0, "> 0"),
+                                ("stall_timeout", 0.0, "> 0"), ("device_grace", -1.0, "> 0"),
                                 ("validation", "strict", "one of cloudflare, reference")):
         with pytest.raises(ValueError, match=f"{field} must be {limit}"):
             ServiceConfig(model="m", **{field: value})

@@ -6,18 +6,22 @@ situation is produced on purpose instead of hoped for."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
+from server_harness import (GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket,  # noqa: E402
+                            until)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,119 @@ def test_device_failure_fails_alone_and_the_server_keeps_serving(engine):
         assert s.decide(SUPPORT_TICKET).status == 200
         assert s.get("/health").status == 200
         assert s.metric("clef_request_failures_total", 'type="device_error"') == 2
+        # the self-check after each failure passed: a failed request, not a failed device
+        assert s.metric("clef_device_faults_total") == 0 and not s.events("device_faulted")
         assert s.proc.poll() is None
+
+
+def unavailable(reply, reason: str) -> bool:
+    """A 503 that says the device is in trouble, with a Retry-After."""
+    error = reply.json()["error"]
+    return (reply.status == 503 and error["type"] == "unavailable_error" and reason in error["message"]
+            and int(reply.headers["retry-after"]) >= 1)
+
+
+def load_with_four_queued(s: Server, pool: ThreadPoolExecutor, name: str) -> list:
+    """Five requests, one forward at a time: once four of them wait in the queue, the fifth is on the device."""
+    replies = [pool.submit(s.decide, ticket(f"{name} {i}")) for i in range(5)]
+    until(lambda: s.metric("clef_queue_depth") == 4, 10, "four queued requests")
+    return replies
+
+
+def answered_but_one(replies: list, timeout: float) -> tuple[list, object]:
+    """Wait until all of ``replies`` but one are answered; those answers and the one still waiting."""
+    pending = set(replies)
+    deadline = time.monotonic() + timeout
+    while len(pending) > 1 and time.monotonic() < deadline:
+        _, pending = wait(pending, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
+    assert len(pending) == 1, f"{len(pending)} requests still unanswered"
+    return [r.result() for r in replies if r not in pending], pending.pop()
+
+
+@contextlib.contextmanager
+def continued(pid: int):
+    """kill -CONT ``pid`` on the way out, should a failed assertion leave it stopped (it would outlive the test)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stalled_device_leaves_readiness_refuses_its_queue_and_recovers_or_is_given_up():
+    """kill -STOP on the device process under load (a wedged GPU: it neither answers nor dies). Within the stall
+    limit /health is 503 and the queued requests are answered 503 at once. kill -CONT within the grace: the
+    request it ran is answered and the server is ready again. Stopped past the grace: the request it ran gets
+    500 and the server exits 1, to be restarted."""
+    # a forward takes the hook's 0.2 s and a fraction of that for the tiny model: 4x that is under the floor
+    with Server("--stall-timeout", "2", "--device-grace", "4", "--max-batch-requests", "1",
+                "--min-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
+        s.wait_ready()
+        device = s.device_pid()
+        assert s.decide(SUPPORT_TICKET).status == 200          # a forward measures the rate
+        with ThreadPoolExecutor(6) as pool, continued(device):
+            # a stall that ends within the grace
+            replies = load_with_four_queued(s, pool, "first")
+            os.kill(device, signal.SIGSTOP)
+            stopped = time.monotonic()
+            health = until(lambda: (lambda h: h.status == 503 and h)(s.get("/health")), 2 + 2, "/health 503")
+            assert health.json()["status"] == "stalled" and health.headers["retry-after"] == "5"
+            queued, running = answered_but_one(replies, 3)
+            assert time.monotonic() - stopped < 2 + 2
+            assert all(unavailable(r, "stalled") for r in queued), queued
+            started = time.monotonic()
+            late = s.decide(ticket("sent during the stall"))
+            assert unavailable(late, "stalled") and time.monotonic() - started < 1, late
+            assert s.get("/live").status == 200                  # within the grace the server is alive
+            assert s.metric("clef_device_stalled") == 1 and s.metric("clef_ready") == 0
+            assert s.metric("clef_device_faults_total", 'kind="stall"') == 1 and len(s.events("device_stalled")) == 1
+            os.kill(device, signal.SIGCONT)
+            assert running.result(10).status == 200
+            until(lambda: s.get("/health").status == 200, 5, "/health 200 again")
+            assert s.decide(SUPPORT_TICKET).status == 200
+            assert s.metric("clef_device_stalled") == 0 and s.metric("clef_ready") == 1
+            assert s.wait_for_events("device_recovered", len)[0]["was"] == "stalled"
+
+            # a stall past the grace
+            replies = load_with_four_queued(s, pool, "second")
+            os.kill(device, signal.SIGSTOP)
+            queued, running = answered_but_one(replies, 2 + 2)
+            assert all(unavailable(r, "stalled") for r in queued), queued
+            assert s.wait_exit(4 + 10) == 1
+            failed = running.result(1)
+            assert failed.status == 500 and failed.json()["error"]["type"] == "device_error", failed
+            assert "given up after 4 s stalled" in failed.json()["error"]["message"]
+        assert len(s.events("device_stalled")) == 2 and len(s.events("device_given_up")) == 1
+        gave_up = s.events("device_given_up")[0]
+        assert gave_up["after_s"] == 4 and s.events("exit")[0]["code"] == 1
+
+
+def test_a_device_that_fails_every_call_leaves_readiness_within_seconds():
+    """After a sticky fault (the test hook: as after an illegal memory access, every call of the device process
+    fails) the request that struck it gets 500, the self-check that follows fails, and within seconds /health is
+    503 and the requests waiting are answered 503, not each failed in turn; the device stays faulted through its
+    checks and is given up after the grace."""
+    with Server("--device-grace", "5", "--max-batch-requests", "1", "--min-queue-wait", "1000",
+                env={"CLEFCORE_TEST_STICKY_MARKER": "XID", "CLEFCORE_TEST_BATCH_DELAY_S": "0.3"}) as s:
+        s.wait_ready()
+        assert s.decide(SUPPORT_TICKET).status == 200
+        with ThreadPoolExecutor(5) as pool:
+            struck = pool.submit(s.decide, ticket("the card logged XID 13"))
+            until(lambda: s.metric("clef_requests_running") == 1, 5, "the poisoned request on the device")
+            sent = time.monotonic()
+            waiting = [pool.submit(s.decide, ticket(f"waiting {i}")) for i in range(4)]
+            assert struck.result(10).status == 500
+            replies = [r.result(10) for r in waiting]
+            assert time.monotonic() - sent < 3, "the waiting requests were not refused at once"
+        assert all(unavailable(r, "faulted") for r in replies), replies
+        health = s.get("/health")
+        assert health.status == 503 and health.json()["status"] == "faulted", health
+        assert "failed its self-check" in health.json()["reason"]
+        assert s.get("/live").status == 200
+        assert s.metric("clef_device_faults_total", 'kind="self_check"') == 1 and s.metric("clef_ready") == 0
+        assert s.wait_exit(5 + 10) == 1
+        assert len(s.events("device_faulted")) == 1 and len(s.events("device_given_up")) == 1
+        assert not s.events("device_recovered")
 
 
 def test_client_disconnect_drops_the_queued_request():

@@ -316,6 +316,10 @@ SCENARIOS = [
                                     f'clef_devices{{instance="{B}"}}': "2x10 1x10",
                                     f'clef_ready{{instance="{B}"}}': "1x10 0x10"},
              quiet_at=("9m",), firing_at={"15m": [({"instance": A}, None)]}),
+    # a's device stalls from minute 5 to 7; b's never.
+    Scenario("ClefcoreDeviceStalled", {f'clef_device_stalled{{instance="{A}"}}': "0x4 1x3 0x10",
+                                       f'clef_device_stalled{{instance="{B}"}}': "0x17"},
+             quiet_at=("4m", "9m"), firing_at={"6m": [({"instance": A}, None)]}),
     # a refuses 10 of 110 decision requests a minute (health probes do not count); b 10 of 1010.
     Scenario("ClefcoreRefusingRequests", {
         DECISION_OK % A: "0+100x40", DECISION_429 % A: "0+10x40", REJECTED % A: "0+10x40",

@@ -1,7 +1,8 @@
 """clefcore: torch-free inference for Cloudflare's Clef-flash System One decisions.
 
     import clefcore
-    engine = clefcore.load("path/to/clef-flash", device="cpu")   # or "cuda:0"
+    engine = clefcore.load("path/to/clef-flash", device="cpu")   # or "cuda:0"; or a Hub id in the HF cache,
+                                                                 # "Cloudflare/clef-flash"
     engine.decide({"model": "clef-flash", "state": "...", "questions": {...}})
 """
 

@@ -14,9 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from . import hub
 from .config import HeadConfig, TextConfig, read_json
 from .errors import CheckpointError
 
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"              # the backbone in one file, without an index
+# Every file of the release layout clefcore reads, but the backbone's weights (INDEX and the shards it names,
+# or SINGLE)
+READ_FILES = ("config.json", "joint_head_config.json", "tokenizer.json", "joint_head.safetensors")
+# What `clefcore download` fetches of a release: what clefcore reads and the tokenizer's settings beside it
+RELEASE_FILES = (*READ_FILES, INDEX, "model-*.safetensors", SINGLE, "tokenizer_config.json")
 TEXT_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -134,10 +142,16 @@ class Checkpoint:
     ``embed_tokens.weight``, ``norm.weight``); ``lm_head.weight`` keeps its name.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: model directory not found")
+    def __init__(self, model: str | Path, revision: str | None = None):
+        """``model``: a directory, or a Hub id found in the Hugging Face cache at ``revision`` (clefcore/hub.py)."""
+        self.where = hub.locate(model, revision)
+        self.path = self.where.path
+        self.name = self.where.name
+        missing = missing_files(self.path)
+        if missing:
+            raise CheckpointError(f"{self.path / missing[0]}: file not found"
+                                  + (f" (nor {', '.join(missing[1:])})" if missing[1:] else "")
+                                  + (f"; {self.where.incomplete}" if self.where.incomplete else ""))
         self.text = TextConfig.from_dict(read_json(self.path / "config.json"), str(self.path / "config.json"))
         self.head_config = HeadConfig.from_dict(read_json(self.path / "joint_head_config.json"),
                                                 str(self.path / "joint_head_config.json"))
@@ -169,16 +183,12 @@ class Checkpoint:
         return out
 
     def _text_refs(self) -> dict[str, TensorRef]:
-        index = self.path / "model.safetensors.index.json"
+        index = self.path / INDEX
         if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: no weight_map")
+            weight_map = _weight_map(index)
             shards = sorted(set(weight_map.values()))
-        elif (self.path / "model.safetensors").is_file():
-            weight_map, shards = None, ["model.safetensors"]
-        else:
-            raise CheckpointError(f"{self.path}: neither model.safetensors.index.json nor model.safetensors found")
+        else:   # missing_files found SINGLE
+            weight_map, shards = None, [SINGLE]
 
         def rename(name: str):
             if name.startswith(SKIPPED_PREFIXES):
@@ -211,11 +221,11 @@ class Checkpoint:
     def shard_tensors(self, prefix: str) -> dict[str, TensorRef]:
         """Every tensor of the model shards whose name starts with ``prefix``, by its name without the prefix (the
         vision tower's ``model.visual.*``); the shards the index lists for them, or model.safetensors."""
-        index = self.path / "model.safetensors.index.json"
+        index = self.path / INDEX
         if index.is_file():
-            shards = sorted({s for n, s in read_json(index)["weight_map"].items() if n.startswith(prefix)})
+            shards = sorted({s for n, s in _weight_map(index).items() if n.startswith(prefix)})
         else:
-            shards = ["model.safetensors"]
+            shards = [SINGLE]
         out = {}
         for shard in shards:
             f = self._open(self.path / shard)
@@ -224,6 +234,24 @@ class Checkpoint:
 
     def head_f32(self, name: str) -> np.ndarray:
         return to_float32(self.head_tensors[name])
+
+
+def missing_files(directory: Path) -> list[str]:
+    """The files clefcore reads that ``directory`` lacks, by name: READ_FILES, the index and every shard it names
+    (or SINGLE, without an index). A link to nowhere, as a cache's interrupted download leaves, counts as missing."""
+    index = directory / INDEX
+    if index.is_file():
+        weights = sorted(set(_weight_map(index).values()))
+    else:
+        weights = [SINGLE if (directory / SINGLE).is_file() else INDEX]
+    return [name for name in (*READ_FILES, *weights) if not (directory / name).is_file()]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
+    return weight_map
 
 
 def _full_name(short: str) -> str:

@@ -1,4 +1,4 @@
-"""``clefcore`` command line: decide, demo, synth, verify, bench, serve."""
+"""``clefcore`` command line: decide, demo, synth, verify, bench, serve, loadtest, download."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from . import answers
 from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
 from .errors import ClefError, RequestError
 from .jsonvalue import parse_body
-from .options import backend_options, gpu_options, image_options, serve_options
+from .options import HelpFormatter, backend_options, gpu_options, image_options, model_options, serve_options
 from .progress import terminal_bar
 
 EXIT_REJECTED = 2
+DEMO_MODEL = Path(tempfile.gettempdir()) / "clefcore-demo-tiny"
 
 
 def _print(obj) -> None:
@@ -26,8 +27,10 @@ def _print(obj) -> None:
 def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LENGTH) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-length", type=int, default=max_length, help="prompt token limit; the state is cut to fit")
-    p.add_argument("--confidence", choices=answers.CONFIDENCE_MODES, default="cloudflare")
-    p.add_argument("--validation", choices=("cloudflare", "reference"), default="cloudflare")
+    p.add_argument("--confidence", choices=answers.CONFIDENCE_MODES, default="cloudflare",
+                   help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
+    p.add_argument("--validation", choices=("cloudflare", "reference"), default="cloudflare",
+                   help="request rules: Cloudflare's limits, or the reference code's lenient ones")
     p.add_argument("--regex", choices=("qwen2", "qwen35"), default=None,
                    help="force the tokenizer's split regex (default: the one in tokenizer.json)")
     image_options(p)
@@ -37,7 +40,7 @@ def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LE
 def _load(args, model: str):
     return load(model, device=args.device, max_length=args.max_length, confidence=args.confidence,
                 validation=args.validation, regex=args.regex, progress=terminal_bar(), images=not args.no_images,
-                **backend_options(args))
+                revision=args.revision, **backend_options(args))
 
 
 def cmd_decide(args) -> int:
@@ -63,12 +66,15 @@ def cmd_decide(args) -> int:
 def cmd_demo(args) -> int:
     """The README's first command: a tiny synthetic model on the CPU and a built-in request."""
     from . import synth
-    model = Path(args.model) if args.model else Path(tempfile.gettempdir()) / "clefcore-demo-tiny"
-    if not (model / "config.json").exists():
-        synth.write("tiny", 0, model)
-    engine = _load(args, str(model))
-    sys.stderr.write(f"clefcore demo: synthetic random-weight model at {model} on {engine.device}; "
-                     "its answers are meaningless (use --model DIR for real weights)\n")
+    model = args.model
+    if model is None:
+        model = DEMO_MODEL
+        if not (model / "config.json").exists():
+            synth.write("tiny", 0, model)
+    engine = _load(args, model)
+    if args.model is None:
+        sys.stderr.write(f"clefcore demo: synthetic random-weight model at {model} on {engine.device}; "
+                         "its answers are meaningless (use --model for real weights)\n")
     _print({"request": SELF_CHECK_REQUEST, "response": engine.decide(SELF_CHECK_REQUEST)})
     return 0
 
@@ -95,22 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clefcore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("decide", help="answer one System One request (a JSON file, or - for stdin)")
-    p.add_argument("--model", required=True, help="checkpoint directory (release layout)")
+    p = sub.add_parser("decide", help="answer one System One request (a JSON file, or - for stdin)",
+                       formatter_class=HelpFormatter)
+    model_options(p)
     _engine_options(p)
     p.add_argument("--debug", action="store_true", help="add input ids, spans and logits under \"debug\"")
     p.add_argument("file")
     p.set_defaults(func=cmd_decide)
 
-    p = sub.add_parser("demo", help="synthesize a tiny random model and answer a built-in request")
-    p.add_argument("--model", default=None, help="use this checkpoint instead of the synthetic one")
+    p = sub.add_parser("demo", help="synthesize a tiny random model and answer a built-in request",
+                       formatter_class=HelpFormatter)
+    model_options(p, absent=f"a tiny random-weight model, written to {DEMO_MODEL} the first time")
     _engine_options(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("synth", help="write a random-weight checkpoint in the release layout")
-    p.add_argument("--preset", choices=("tiny", "clef-flash"), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p = sub.add_parser("synth", help="write a random-weight checkpoint in the release layout",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--preset", choices=("tiny", "clef-flash"), default="tiny",
+                   help="the shapes: tiny (a small test model) or clef-flash (the release's 9B shapes, ~19 GB)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights: one seed, the same files")
+    p.add_argument("--out", required=True, help="the directory to write the checkpoint into")
     p.add_argument("--vision", action="store_true",
                    help="write a complete random vision tower at the preset's shapes (clef-flash: the release's "
                         "27 blocks, 456M parameters, +0.9 GB) and its vision_config, so the model answers images; "
@@ -121,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
             ("serve", "clefcore.server.main", "serve System One over HTTP"),
-            ("loadtest", "clefcore.loadtest", "offered load against a server, latency by request class")):
-        p = sub.add_parser(name, help=help_text)
+            ("loadtest", "clefcore.loadtest", "offered load against a server, latency by request class"),
+            ("download", "clefcore.download", "fetch a release from the Hugging Face Hub into the cache, each file "
+                                              "checked against the Hub's hashes")):
+        p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         if name == "serve":  # its flags are clefcore/options.py's: the server (and aiohttp) loads only to run
             serve_options(p)
             p.set_defaults(func=_delegate(module))

@@ -70,15 +70,15 @@ def backend_for(device: str, **options) -> Backend:
 class Engine:
     def __init__(self, path: str | Path, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH,
                  confidence: str = "cloudflare", validation: str = "cloudflare", regex: str | None = None,
-                 progress=None, images: bool = True, **backend_options):
+                 progress=None, images: bool = True, revision: str | None = None, **backend_options):
         if confidence not in answers.CONFIDENCE_MODES:
             raise ClefError(f"confidence {confidence!r}: expected one of {', '.join(answers.CONFIDENCE_MODES)}")
         if validation not in ("cloudflare", "reference"):
             raise ClefError(f"validation {validation!r}: expected cloudflare or reference")
         if max_length < 1:
             raise ClefError(f"max_length {max_length} must be positive")
-        self.checkpoint = Checkpoint(path)
-        self.model_name = self.checkpoint.path.resolve().name
+        self.checkpoint = Checkpoint(path, revision)
+        self.model_name = self.checkpoint.name
         self.device = device
         self.confidence = confidence
         self.ops = backend_for(device, **backend_options)
@@ -281,7 +281,8 @@ def packed_positions(records: list[EncodedRecord]) -> np.ndarray:
 
 
 def load(path: str | Path, device: str = "cpu", **options) -> Engine:
-    """Load a checkpoint directory (release layout) onto ``device`` ("cpu", "cuda", "cuda:N")."""
+    """Load a checkpoint onto ``device`` ("cpu", "cuda", "cuda:N"): a directory in the release layout, or a Hub id
+    (``Cloudflare/clef-flash``) found in the Hugging Face cache at ``revision=`` (default: the cache's main ref)."""
     return Engine(path, device=device, **options)
 
 

@@ -416,9 +416,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent clients (closed loop), or the most requests in flight (--rate)")
     parser.add_argument("--duration", type=_positive(float), default=45.0, help="seconds of offered load")
     parser.add_argument("--rate", type=_positive(float), default=None,
-                        help="send this many requests per second (open loop) instead of a closed loop")
-    parser.add_argument("--mix", type=_mix, default=parse_mix(DEFAULT_MIX),
-                        help=f"request classes, name:share:prompt_tokens,... (default {DEFAULT_MIX})")
+                        help="send this many requests per second (open loop) instead of a closed loop "
+                             "(default: off, a closed loop)")
+    parser.add_argument("--mix", type=_mix, default=DEFAULT_MIX,
+                        help="request classes, name:share:prompt_tokens,...")
     parser.add_argument("--timeout", type=_positive(float), default=120.0,
                         help="client timeout per request, s")
     parser.add_argument("--max-backoff", type=float, default=1.0,
@@ -428,10 +429,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a fixed rate the refused request itself (a retry storm)")
     parser.add_argument("--connections", choices=("keep-alive", "new"), default="keep-alive",
                         help="keep-alive: each client reuses one connection; new: a connection per request")
-    parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None,
+                        help="sent as Authorization: Bearer (default: none, for a server without --api-key)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the random request bodies and the class each request is drawn from")
     parser.add_argument("--json", default=None,
-                        help="also write the report as JSON to this file (- : stdout)")
+                        help="also write the report as JSON to this file (- : stdout; default: the text report only)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,32 @@ SPREADS = ("queue", "workers")        # --spread: how several devices share the 
 MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every command's help: each option's help ends with its default, ``(default: VALUE)``, unless the help says
+    it in words already (a default of None is worked out later, or means off: its help must say which) or the
+    option is a flag or required (tests/test_cli_help.py holds every command to this)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:   # argparse asks only for non-empty help
+        text = action.help
+        if ("default" in text or not action.option_strings or action.required or action.default is None
+                or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def model_options(p: argparse.ArgumentParser, absent: str | None = None) -> None:
+    """--model and --revision, for every command that loads a model; ``absent``: what the command loads without
+    --model (None: --model is required)."""
+    p.add_argument("--model", required=absent is None, default=None,
+                   help="a model directory (release layout), or a Hugging Face Hub id such as Cloudflare/clef-flash, "
+                        "read from the Hugging Face cache without the network ($HF_HUB_CACHE, else $HF_HOME/hub, "
+                        "else ~/.cache/huggingface/hub; `clefcore download` fills it)"
+                        + ("" if absent is None else f" (default: {absent})"))
+    p.add_argument("--revision", default=None,
+                   help="with a Hub id: the branch, tag or commit hash to load from the cache (default: the cache's "
+                        "main ref, the commit the last download of main fetched)")
+
+
 def device_list(text: str) -> tuple[str, ...]:
     """The devices a --device value names, in order ("cuda:0, cuda:1" -> ("cuda:0", "cuda:1"))."""
     return tuple(d.strip() for d in text.split(",") if d.strip())
@@ -76,7 +102,8 @@ class ServiceConfig:
     same name (``--context-length``: ``context_length``), and its default is the flag's. A value out of range
     raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
 
-    model: str                              # checkpoint directory
+    model: str                              # a checkpoint directory, or a Hub id in the Hugging Face cache
+    revision: str | None = None             # a Hub id's branch, tag or commit; None: the cache's main ref
     device: str = "cpu"                     # cpu, cuda:N, or several, comma-separated: one device process each
     context_length: int = 24576
     validation: str = "cloudflare"
@@ -173,50 +200,44 @@ def _age_rate(text: str) -> float | None:
 def serve_options(parser: argparse.ArgumentParser) -> None:
     """``clefcore serve``'s flags: ServiceConfig's (with its defaults) and the HTTP server's."""
     d = ServiceConfig(model="")
-    parser.add_argument("--model", required=True,
-                        help="model directory (config.json, safetensors, tokenizer)")
+    model_options(parser)
     parser.add_argument("--device", default=d.device,
-                        help="cpu, cuda:N, or a comma-separated list of devices, spread over as --spread says "
-                             "(default: %(default)s)")
+                        help="cpu, cuda:N, or a comma-separated list of devices, spread over as --spread says")
     parser.add_argument("--workers", type=int, default=0,
-                        help="with --device cuda: serve on cuda:0..N-1, spread over as --spread says "
-                             "(default: %(default)s, off)")
+                        help="with --device cuda: serve on cuda:0..N-1, spread over as --spread says (0: off)")
     parser.add_argument("--spread", choices=SPREADS, default=SPREADS[0],
                         help="several devices: queue (one server process, one admission and one queue that "
                              "every device takes its next batch from whenever it is free, so no device idles "
                              "while another has work, whatever connections the clients keep) or workers (one "
                              "full server process per device on one port with SO_REUSEPORT: the kernel spreads "
                              "connections, not requests, and each worker admits by its own queue; processes "
-                             "that share nothing) (default: %(default)s)")
+                             "that share nothing)")
     # not flags: the workers' supervisor sets them for each worker it starts (server/workers.py)
     parser.set_defaults(reuse_port=False, first_lane=d.first_lane)
     image_options(parser)
     gpu_options(parser)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="listen address; 0.0.0.0 in a container (default: %(default)s)")
+                        help="listen address; 0.0.0.0 in a container")
     parser.add_argument("--port", type=int, default=8080,
-                        help="listen port; 0 picks a free one and logs it (default: %(default)s)")
+                        help="listen port; 0 picks a free one and logs it")
     parser.add_argument("--validation", default=d.validation, choices=VALIDATIONS,
-                        help="request rules: Cloudflare's limits, or the reference code's lenient ones "
-                             "(default: %(default)s)")
+                        help="request rules: Cloudflare's limits, or the reference code's lenient ones")
     parser.add_argument("--confidence", default=d.confidence, choices=CONFIDENCE_MODES,
-                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's "
-                             "(default: %(default)s)")
+                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
     parser.add_argument("--context-length", type=_positive(int), default=d.context_length,
-                        help="maximum prompt tokens (default: %(default)s)")
+                        help="maximum prompt tokens")
     parser.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
-                        help="over-long state: cut its tail like the reference, or answer 400 "
-                             "(default: %(default)s)")
+                        help="over-long state: cut its tail like the reference, or answer 400")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
-                        help="largest request body accepted in bytes, 413 above (default: %(default)s)")
+                        help="largest request body accepted in bytes, 413 above")
     parser.add_argument("--max-batch-tokens", type=_positive(int), default=d.max_batch_tokens,
-                        help="token budget of one packed forward (default: %(default)s)")
+                        help="token budget of one packed forward")
     parser.add_argument("--max-batch-requests", type=_positive(int), default=d.max_batch_requests,
-                        help="requests in one packed forward (default: %(default)s)")
+                        help="requests in one packed forward")
     parser.add_argument("--max-queue", type=_positive(int), default=d.max_queue,
-                        help="queued requests before answering 429 (default: %(default)s)")
+                        help="queued requests before answering 429")
     parser.add_argument("--request-timeout", type=_positive(float), default=d.request_timeout,
-                        help="seconds a request may wait for its answer, 503 after (default: %(default)s)")
+                        help="seconds a request may wait for its answer, 503 after")
     parser.add_argument("--max-queue-wait", type=_positive(float), default=d.max_queue_wait,
                         help="the wait a request of --context-length tokens tolerates, shorter ones in "
                              "proportion: a request is admitted while the work that runs before it plus its "
@@ -224,10 +245,10 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "--request-timeout)")
     parser.add_argument("--min-queue-wait", type=_positive(float), default=d.min_queue_wait,
                         help="the wait any request tolerates, however short it is; never less than one "
-                             "device step, one chunk and its own run (default: %(default)s)")
+                             "device step, one chunk and its own run")
     parser.add_argument("--chunk-tokens", type=_non_negative(int), default=d.chunk_tokens,
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
-                             "short ones; 0: off (default: %(default)s)")
+                             "short ones; 0: off")
     parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
                              "(first in, first out) or auto (default: auto, the measured device rate)")
@@ -240,7 +261,7 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "gives it up: its process is killed, its requests get 500 and the server exits 1 to be "
                              "restarted (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
-                        help="seconds to finish accepted requests after SIGTERM (default: %(default)s)")
+                        help="seconds to finish accepted requests after SIGTERM")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
                         help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY; "
                              "unset: no key is required)")

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import precision
 from .checkpoint import to_float32
-from .options import image_options
+from .options import HelpFormatter, image_options, model_options
 from .progress import terminal_bar
 
 REQUEST = {
@@ -45,8 +45,8 @@ def image_request() -> dict:
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--device", default="cuda:0")
+    model_options(parser)
+    parser.add_argument("--device", default="cuda:0", help="the GPU, cuda or cuda:N")
     image_options(parser)
     parser.add_argument("--layer-tol", type=float, default=None,
                         help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, 2e-3 exact, 3e-2 fast)")
@@ -182,7 +182,7 @@ def run(args) -> int:
     from . import model, vision
     from .backends.cuda import CudaOps
     from .checkpoint import Checkpoint
-    ck = Checkpoint(args.model)
+    ck = Checkpoint(args.model, args.revision)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
     bar = terminal_bar(f"loading onto {gpu.device_name}")
@@ -203,7 +203,7 @@ def run(args) -> int:
 
 def main(argv=None):
     import argparse
-    ap = argparse.ArgumentParser(prog="clefcore verify")
+    ap = argparse.ArgumentParser(prog="clefcore verify", formatter_class=HelpFormatter)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from clefcore import hub
 from clefcore.checkpoint import Checkpoint
 from clefcore.engine import EngineStatus
 from clefcore.errors import ClefError
@@ -161,18 +162,23 @@ class Service:
         started = time.monotonic()
         if self.hooks.load_delay_s:
             await asyncio.sleep(self.hooks.load_delay_s)
+        loop = asyncio.get_running_loop()
         try:
+            # A Hub id is pinned to the commit its ref names now: every device process and the preparer read the
+            # same files, whatever a download does to the cache's refs meanwhile.
+            where = await loop.run_in_executor(self.executor, hub.locate, cfg.model, cfg.revision)
             engines = await asyncio.gather(*(device.load(dict(
-                path=cfg.model, device=loads_as, max_length=cfg.context_length, confidence=cfg.confidence,
-                validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)), dict(
+                path=cfg.model, revision=where.commit, device=loads_as, max_length=cfg.context_length,
+                confidence=cfg.confidence, validation=cfg.validation, images=not cfg.no_images,
+                **backend_options(cfg)), dict(
                 batch_tokens=cfg.max_batch_tokens, batch_requests=cfg.max_batch_requests, chunk_tokens=cfg.chunk_tokens))
                 for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
             self.lifecycle.set(LOADING, "warming up and running the self-check")
             await asyncio.gather(*(device.self_check() for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
-            preparer = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: Preparer(
-                Checkpoint(cfg.model), cfg.context_length, cfg.validation, engine.images_refused))
+            preparer = await loop.run_in_executor(self.executor, lambda: Preparer(
+                Checkpoint(cfg.model, where.commit), cfg.context_length, cfg.validation, engine.images_refused))
         except Exception as error:
             self.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
             log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
@@ -190,8 +196,9 @@ class Service:
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
         self.lifecycle.set(READY, "ready")
         self._publish_ready()
-        log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
-            images=engine.images_refused or "answered", device_memory_bytes=self.status.memory_in_use,
+        log("ready", model=engine.model_name, model_path=str(where.path), device=self.status.device,
+            load_s=round(time.monotonic() - started, 3), images=engine.images_refused or "answered",
+            device_memory_bytes=self.status.memory_in_use,
             reserved_bytes=self.status.backend.get("reserved_bytes", 0))
 
     def health(self) -> Health:

@@ -418,3 +418,27 @@ def test_the_fail_closed_checks_can_fail():
     for broken in (split, portless, open_rule, elsewhere):
         with pytest.raises(AssertionError):
             check_network_policy(broken, labels)
+
+
+@pytest.mark.parametrize("variant", ["deployment", "kserve"])
+def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
+    """Each manifest carries, commented, the model volume's other layout (the Hugging Face cache, as the SGLang
+    predictor used it): a Hub id that clefcore's parser takes in place of the folder, and HF_HOME on the volume's
+    mount, under which clefcore looks for the cache."""
+    from clefcore import hub
+    name = {"deployment": "deployment.yaml", "kserve": "inferenceservice.yaml"}[variant]
+    text = (K8S / name).read_text()
+    assert re.findall(r"#\s+- (--(?:model|revision)=\S+)", text) == ["--model=Cloudflare/clef-flash",
+                                                                    "--revision=<commit>"]
+    (home,) = re.findall(r"#\s+- name: HF_HOME\b.*\n\s*#\s+value: (\S+)", text)
+    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    (container,) = spec["containers"]
+    args = [a for a in container["args"] if not a.startswith("--model=")]
+    args += ["--model=Cloudflare/clef-flash", "--revision=" + "0" * 40]
+    parsed = serve_args(dict(container, args=args))
+    assert hub.is_repo_id(parsed.model) and parsed.revision == "0" * 40
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", home)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
+    assert hub.cache_dir().parent == Path(mount["mountPath"])       # the cache is on the model volume

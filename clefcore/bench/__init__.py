@@ -31,6 +31,7 @@ import platform
 import time
 
 from .. import precision, switches
+from ..options import HelpFormatter, model_options
 from . import end_to_end, image, kernels, provenance
 from .peers import transformers_image_side, transformers_side
 from .weights import random_params
@@ -39,14 +40,17 @@ LENGTHS = (346, 2048, 8192, 24576)
 
 
 def add_arguments(parser):
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: random clef-flash weights)")
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    parser.add_argument("--packed", default="16x512")
+    parser.add_argument("--device", default="cuda:0", help="the GPU, cuda or cuda:N")
+    model_options(parser, absent="random clef-flash weights, made on the GPU")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                        help="the single-prompt cases' prompt lengths, comma-separated")
+    parser.add_argument("--packed", default="16x512",
+                        help="the packed case, NxLENGTH: N prompts of LENGTH tokens in one forward")
     parser.add_argument("--precision", default="fast,exact",
                         help="comma-separated precisions, each timed end to end with its own load (" +
                              ", ".join(precision.CHOICES) + "); the kernel table runs under the first")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed runs of each end-to-end case after a warm-up; the median is reported")
     parser.add_argument("--token-block", type=int, default=4096,
                         help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
     parser.add_argument("--graph-tokens", type=int, default=1024,
@@ -57,10 +61,11 @@ def add_arguments(parser):
                              "switch's default); the JSON records those in effect")
     parser.add_argument("--image", default=None, metavar="WxH",
                         help="also time one request with a WxH PNG (1024x1024: 1,024 image tokens) end to end "
-                             "against a text-only request of the same length, per precision")
-    parser.add_argument("--no-kernels", action="store_true")
-    parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--json", default=None, help="write all numbers here")
+                             "against a text-only request of the same length, per precision (default: off)")
+    parser.add_argument("--no-kernels", action="store_true", help="leave out the kernel table")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="leave out transformers' runs of the same cases")
+    parser.add_argument("--json", default=None, help="write all numbers to this file (default: printed only)")
 
 
 def _summary(out) -> list[dict]:
@@ -122,7 +127,7 @@ def run(args) -> int:
         if args.model:
             from ..checkpoint import Checkpoint
             from ..model import load_params
-            ck = Checkpoint(args.model)
+            ck = Checkpoint(args.model, args.revision)
             params = load_params(ck, ops)
             text_cfg = ck.text
         else:
@@ -171,6 +176,6 @@ def run(args) -> int:
 
 def main(argv=None):
     import argparse
-    ap = argparse.ArgumentParser(prog="clefcore bench")
+    ap = argparse.ArgumentParser(prog="clefcore bench", formatter_class=HelpFormatter)
     add_arguments(ap)
     return run(ap.parse_args(argv))

@@ -1,0 +1,76 @@
+"""Every command's --help states each option's default: the value the parser holds, as `(default: VALUE)`, or,
+where that is None (worked out at start, or off), what it is in words. Flags are off unless given and required
+options have none."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from clefcore import cli
+from clefcore.options import HelpFormatter
+
+COMMANDS = ("decide", "demo", "synth", "verify", "bench", "serve", "loadtest", "download")
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def entries(parser: argparse.ArgumentParser) -> tuple[dict[str, str], set[str]]:
+    """option -> its help entry (option, metavar and text, whitespace collapsed); and the required options (those
+    outside brackets in the usage line)"""
+    text = parser.format_help()
+    usage, options = text.split("\noptions:\n", 1)
+    found = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", "\n" + options) if e.strip()]
+    required = set(re.findall(r"(?<![\w-])--[\w-]+", re.sub(r"\[[^\]]*\]", "", usage)))
+    return {e.split()[0].rstrip(","): e for e in found}, required
+
+
+def test_every_command_is_checked():
+    assert set(subparsers(cli.build_parser())) == set(COMMANDS)
+
+
+def unstated(parser: argparse.ArgumentParser) -> list[str]:
+    """The help entries of ``parser``'s options that do not state their default."""
+    found, required = entries(parser)
+    assert len(found) > 2, f"{parser.prog} lists no options (its module failed to import?): {found}"
+    wrong = []
+    for option, entry in found.items():
+        if option == "-h" or option in required:
+            continue
+        value = parser.get_default(option[2:].replace("-", "_"))
+        if value is False:                                  # a flag: off unless given
+            continue
+        if value is None:                                   # decided later, or off: the help says which
+            stated = "default" in entry and "None" not in entry
+        else:
+            stated = f"(default: {value})" in entry
+        if not stated:
+            wrong.append(entry)
+    return wrong
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_states_each_default(command, monkeypatch):
+    monkeypatch.delenv("CLEFCORE_API_KEY", raising=False)   # serve's --api-key default comes from it
+    monkeypatch.setenv("COLUMNS", "1000")                   # no wrapping inside a value (argparse breaks at -)
+    assert unstated(subparsers(cli.build_parser())[command]) == []
+
+
+@pytest.mark.parametrize("formatter", [argparse.HelpFormatter, HelpFormatter])
+def test_the_check_can_fail(formatter, monkeypatch):
+    """Held defaults left out, or a None default printed or left unexplained, are caught; clefcore's formatter
+    adds the held ones."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    parser = argparse.ArgumentParser(prog="check", formatter_class=formatter)
+    parser.add_argument("--rate", default=None, help="requests per second")
+    parser.add_argument("--port", type=int, default=8080, help="listen port")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--limit", default=None, help="the most (default: %(default)s)")
+    wrong = [entry.split()[0] for entry in unstated(parser)]
+    assert wrong == (["--rate", "--port", "--host", "--limit"] if formatter is argparse.HelpFormatter
+                     else ["--rate", "--limit"])

@@ -27,7 +27,8 @@ def test_serve_help_states_each_default(monkeypatch):
     monkeypatch.delenv("CLEFCORE_API_KEY", raising=False)
     defaults = cli.build_parser().parse_args(["serve", "--model", "m"])
     entries = _help_entries(dict(os.environ, COLUMNS="80"))
-    for option in ("--port", "--host", "--device", "--max-body-bytes", "--context-length"):
+    for option in ("--port", "--host", "--device", "--max-body-bytes", "--header-timeout", "--body-timeout",
+                   "--context-length"):
         value = getattr(defaults, option[2:].replace("-", "_"))
         assert value is not None and f"(default: {value})" in entries[option], entries[option]
     assert "--max-queue-wait" in entries and "--shutdown-timeout" in entries

@@ -19,6 +19,13 @@ VALIDATIONS = ("cloudflare", "reference")
 ON_OVERFLOW = ("truncate", "reject")
 SPREADS = ("queue", "workers")        # --spread: how several devices share the load (queue: the default)
 MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
+# --header-timeout's and --body-timeout's defaults, in seconds. nginx allows 60 s between two reads of a head or a
+# body; these bound the whole of each (a client that trickles a byte at a time would pass nginx's). Real clients
+# send a head in one write: 30 s still leaves room for TCP's retransmissions on a lossy link (1 + 2 + 4 + 8 s).
+# A body of --max-body-bytes in 60 s needs 1.8 Mbit/s, and clients give up on an answer well before that
+# (TypeSafe: 10 s).
+HEADER_TIMEOUT = 30.0
+BODY_TIMEOUT = 60.0
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -230,6 +237,13 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                         help="over-long state: cut its tail like the reference, or answer 400")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
                         help="largest request body accepted in bytes, 413 above")
+    parser.add_argument("--header-timeout", type=_positive(float), default=HEADER_TIMEOUT,
+                        help="seconds a connection may take to send a request's line and headers, counted from "
+                             "its opening or from the first byte after the previous request; then it is closed, "
+                             "with 408 if part of them came")
+    parser.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
+                        help="seconds from a request's headers to the end of its body; then 408 and the "
+                             "connection is closed")
     parser.add_argument("--max-batch-tokens", type=_positive(int), default=d.max_batch_tokens,
                         help="token budget of one packed forward")
     parser.add_argument("--max-batch-requests", type=_positive(int), default=d.max_batch_requests,

@@ -293,11 +293,14 @@ class Batcher:
             return None
         held = Hold(estimates[1], body_bytes)
         self._holds.add(held)
+        self._metrics.held_tokens.inc(held.tokens)
         return held
 
     def release(self, held: Hold | None) -> None:
         """The held body is queued (``submit`` counts it from there) or given up; twice is harmless."""
-        self._holds.discard(held)
+        if held in self._holds:
+            self._holds.discard(held)
+            self._metrics.held_tokens.dec(held.tokens)
 
     def _count_refusal(self, reason: str, tokens: int | None) -> None:
         self._metrics.rejected.labels(reason, admission.size_class(tokens)).inc()

@@ -39,11 +39,11 @@ CF_INFERENCE_FAILED = 5012
 
 class ApiError(Exception):
     """An HTTP error answer. ``extra`` goes into the bare ``error`` object (token counts for context
-    overflows); ``headers`` are sent as they are (``Retry-After``)."""
+    overflows); ``headers`` are sent as they are (``Retry-After``); ``close``: the connection ends after it."""
 
     def __init__(self, status: int, message: str, kind: str, *, cf_code: int, field: str | None = None,
                  limit: str | None = None, extra: dict | None = None, headers: dict | None = None,
-                 cf_nested: bool = False, cf_status: int | None = None):
+                 cf_nested: bool = False, cf_status: int | None = None, close: bool = False):
         super().__init__(message)
         self.status = status
         self.cf_status = cf_status or status
@@ -55,6 +55,7 @@ class ApiError(Exception):
         self.extra = extra or {}
         self.headers = headers or {}
         self.cf_nested = cf_nested
+        self.close = close
 
     def bare_body(self) -> dict:
         error = {"message": self.message, "type": self.kind}
@@ -123,6 +124,30 @@ def unsupported_encoding(encoding: str, decoded: tuple[str, ...]) -> ApiError:
 def invalid_coding(encoding: str, error: Exception) -> ApiError:
     return ApiError(400, f"request body is not valid {encoding} data (Content-Encoding: {encoding}): {error}",
                     "invalid_content_encoding", cf_code=CF_NOT_JSON, field="Content-Encoding", limit=encoding)
+
+
+def too_many_codings(encoding: str, count: int, most: int) -> ApiError:
+    return ApiError(400, f"Content-Encoding {encoding!r} stacks {count} codings; at most {most} are decoded",
+                    "invalid_content_encoding", cf_code=CF_NOT_JSON, field="Content-Encoding",
+                    limit=f"{most} codings")
+
+
+def decoding_too_slow(encoding: str, seconds: float) -> ApiError:
+    return ApiError(413, f"request body (Content-Encoding: {encoding}) took longer than {seconds:g} s to decode; "
+                         f"the limit is {seconds:g} s", "request_too_large", cf_code=CF_TOO_LARGE,
+                    field="Content-Encoding", limit=f"{seconds:g} s decoding")
+
+
+def body_timeout(timeout_s: float) -> ApiError:
+    """The body did not all arrive within --body-timeout of the request's head: the connection ends after this."""
+    return ApiError(408, f"request body was not received within {timeout_s:g} s (--body-timeout)", "timeout",
+                    cf_code=CF_BAD_INPUT, limit=f"{timeout_s:g} s", close=True)
+
+
+def head_timeout(timeout_s: float) -> ApiError:
+    """The request line and headers did not all arrive within --header-timeout (server/head_deadline.py)."""
+    return ApiError(408, f"request headers were not received within {timeout_s:g} s (--header-timeout)",
+                    "timeout", cf_code=CF_BAD_INPUT, limit=f"{timeout_s:g} s")
 
 
 def unreadable_body(error: Exception) -> ApiError:

@@ -16,6 +16,7 @@ from aiohttp import web
 from clefcore.options import ServiceConfig, device_list
 
 from .codings import DECODED
+from .head_deadline import listen, track
 from .lifecycle import FAILED
 from .logs import log
 from .metrics import clear_multiprocess_dir, multiprocess_dir
@@ -46,7 +47,9 @@ def _devices(args: argparse.Namespace) -> list[str]:
 
 async def _serve(args: argparse.Namespace) -> int:
     service = Service(ServiceConfig.from_args(args))
-    app = build_app(service, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(service, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                    body_timeout=args.body_timeout)
+    app.middlewares.insert(0, track)   # tells each connection's head deadline when its request arrived
     # handler_cancellation: a client that disconnects cancels its handler, which drops its queue entry.
     # shutdown_timeout is aiohttp's wait for handlers at cleanup; by then our own drain has answered every
     # request, so it only covers writing those last responses.
@@ -54,9 +57,9 @@ async def _serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the real port when --port 0
+    server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
+                          head_timeout_s=args.header_timeout)
+    port = server.sockets[0].getsockname()[1]  # the real port when --port 0
     log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,
         content_encodings=list(DECODED))
     lifecycle = service.lifecycle
@@ -76,6 +79,7 @@ async def _serve(args: argparse.Namespace) -> int:
         # after a lost device process nothing queued can be answered: drain only answers it with timeouts
         await service.drain(args.shutdown_timeout)
         code = 1 if lifecycle.phase == FAILED else 0
+    server.close()
     await runner.cleanup()
     await service.stop()
     log("exit", code=code)

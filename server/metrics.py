@@ -88,6 +88,9 @@ class Metrics:
         self.queued_tokens = Gauge("clef_queued_tokens", "Prompt tokens accepted and not yet answered: "
                                    "queued, running and the rest of chunked prompts", registry=r,
                                    multiprocess_mode="livesum")
+        self.held_tokens = Gauge("clef_held_tokens", "Estimated prompt tokens of bodies past the arrival check "
+                                 "that are being read and prepared: work ahead of later arrivals until queued",
+                                 registry=r, multiprocess_mode="livesum")
         # livemax: the worst worker is what a client routed there waits.
         self.estimated_wait = Gauge("clef_estimated_wait_seconds", "Expected wait of a request arriving "
                                     "now (queued tokens / measured rate)", registry=r,

@@ -178,10 +178,12 @@ _CF_ENVELOPE = {"type": "object", "required": ["result", "success", "errors", "m
                                "messages": {"type": "array"}}}
 
 _ERROR_STATUSES = {
-    "400": "malformed JSON, a broken gzip/deflate/br/zstd body, context overflow with --on-overflow reject "
+    "400": "malformed JSON, a broken gzip/deflate/br/zstd body (or more than 2 codings stacked, more than 64 gzip "
+           "members or zstd frames, an empty one), context overflow with --on-overflow reject "
            "(exceed_context_size_error)",
     "401": "missing or wrong API key (only with --api-key)",
-    "413": "body larger than --max-body-bytes, on the wire or decoded",
+    "408": "the body did not arrive within --body-timeout of the headers; the connection is closed",
+    "413": "body larger than --max-body-bytes, on the wire or decoded, or longer to decode than its deadline",
     "415": "Content-Type is not application/json, or a Content-Encoding other than gzip, deflate, br, zstd",
     "422": "schema violation; `field` names the path, `limit` the rule. For images (`field` `images[i]`, "
            f"or `images` for the count): more than {_images.MAX_IMAGES} images, a form other than a data URL "

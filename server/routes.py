@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.errors import RequestError
-from clefcore.options import MAX_BODY_BYTES
+from clefcore.options import BODY_TIMEOUT, MAX_BODY_BYTES
 
 from . import errors
 from .body import read_json
@@ -49,10 +49,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(frozen=True)
 class Http:
-    """What the routes add to the Service: the API key (None: none required), the body limit, the log line of
-    429s, and the prefix the routes are mounted under ("" at the root)."""
+    """What the routes add to the Service: the API key (None: none required), the body's size limit and the
+    seconds it may take to arrive, the log line of 429s, and the prefix the routes are mounted under ("" at the
+    root)."""
     api_key: str | None
     max_body_bytes: int
+    body_timeout: float
     prefix: str
     refusals: RefusalLog
 
@@ -172,8 +174,12 @@ def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Resp
 
 def _error_response(error: errors.ApiError, request_id: str, cloudflare: bool) -> web.Response:
     if cloudflare:
-        return _json(error.cloudflare_body(request_id), error.cf_status, error.headers)
-    return _json(error.bare_body(), error.status, error.headers)
+        response = _json(error.cloudflare_body(request_id), error.cf_status, error.headers)
+    else:
+        response = _json(error.bare_body(), error.status, error.headers)
+    if error.close:
+        response.force_close()
+    return response
 
 
 # --- decision routes ----------------------------------------------------------------------------------
@@ -212,7 +218,8 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
         plain = request.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
         body_bytes = request.content_length if plain else None
         service.refuse_early(arrival, body_bytes)
-        body = await read_json(request, request.app[HTTP].max_body_bytes, service.executor)
+        http = request.app[HTTP]
+        body = await read_json(request, http.max_body_bytes, service.executor, http.body_timeout)
         if path_model is not None and isinstance(body, dict):
             # Workers AI takes the model from the path: a body may leave it out or name it either way.
             body_model = body.setdefault("model", path_model)
@@ -316,12 +323,13 @@ def openapi_paths() -> dict[str, dict[str, str]]:
 
 
 def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-              prefix: str = "") -> web.Application:
+              body_timeout: float = BODY_TIMEOUT, prefix: str = "") -> web.Application:
     """An application answering clefcore's routes from ``service`` (whose start and stop stay the caller's).
-    ``prefix``: the path it will be mounted under, if any (``mount`` passes it)."""
+    ``body_timeout``: seconds from a request's head to the end of its body, 408 after. ``prefix``: the path it
+    will be mounted under, if any (``mount`` passes it)."""
     app = web.Application(middlewares=[_middleware])
     app[SERVICE] = service
-    app[HTTP] = http = Http(api_key, max_body_bytes, prefix, RefusalLog())
+    app[HTTP] = http = Http(api_key, max_body_bytes, body_timeout, prefix, RefusalLog())
     app.add_routes([web.route(route.method, route.path, route.handler) for route in ROUTES])
 
     async def flush_refusals(app: web.Application) -> None:   # the last second's 429s get their line
@@ -331,7 +339,7 @@ def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: i
 
 
 def mount(parent: web.Application, prefix: str, service: Service, *, api_key: str | None = None,
-          max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+          max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT) -> web.Application:
     """Answer clefcore's routes under ``prefix`` (e.g. "/clef": POST /clef/v1/systemone, GET /clef/health) in
     ``parent``, an application of the caller's, as a sub-application; returns it. The parent's runner should
     pass ``handler_cancellation=True`` (a client that leaves frees its queue slot) and ``auto_decompress=False``
@@ -339,6 +347,7 @@ def mount(parent: web.Application, prefix: str, service: Service, *, api_key: st
     prefix = "/" + prefix.strip("/")
     if prefix == "/":
         raise ValueError("mount needs a prefix such as /clef; at the root, serve build_app(service) itself")
-    app = build_app(service, api_key=api_key, max_body_bytes=max_body_bytes, prefix=prefix)
+    app = build_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                    prefix=prefix)
     parent.add_subapp(prefix, app)
     return app

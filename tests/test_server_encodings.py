@@ -4,9 +4,13 @@ coding, a body that inflates past --max-body-bytes gets a 413, and the server ke
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gzip
 import json
+import random
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -151,18 +155,164 @@ def test_no_500_and_still_healthy(server):
 
 # --- the decoder itself (clefcore.server.codings) -----------------------------------------------------------
 
+def limits(decoded_bytes: int):
+    from clefcore.server import codings
+    return codings.Limits.for_limit(decoded_bytes)
+
+
 def test_decoder_limits_members_and_garbage():
     from clefcore.server import codings
 
     data = bytes(range(256)) * 8
     for name, encode in ENCODERS.items():
-        assert codings.decode(encode(data), [name], len(data)) == data  # exactly at the limit is fine
+        assert codings.decode(encode(data), [name], limits(len(data))) == data  # exactly at the limit is fine
         with pytest.raises(codings.TooLarge):
-            codings.decode(encode(data), [name], len(data) - 1)
+            codings.decode(encode(data), [name], limits(len(data) - 1))
     # gzip members and zstd frames may be concatenated; both are one body.
-    assert codings.decode(gzip.compress(data) + gzip.compress(data), ["gzip"], 10**6) == data * 2
-    assert codings.decode(zstd.compress(data) + zstd.compress(data), ["zstd"], 10**6) == data * 2
+    assert codings.decode(gzip.compress(data) + gzip.compress(data), ["gzip"], limits(10**6)) == data * 2
+    assert codings.decode(zstd.compress(data) + zstd.compress(data), ["zstd"], limits(10**6)) == data * 2
     with pytest.raises(codings.CodingError, match="gzip"):
-        codings.decode(gzip.compress(data) + b"trailing junk", ["gzip"], 10**6)
+        codings.decode(gzip.compress(data) + b"trailing junk", ["gzip"], limits(10**6))
+    # one br stream only: what follows it is refused, inside the decoder's step or after it
+    with pytest.raises(codings.CodingError, match="invalid br data"):
+        codings.decode(brotli.compress(data) + brotli.compress(data), ["br"], limits(10**6))
+    noise = random.Random(0).randbytes(codings.STEP)
+    whole_step = next(brotli.compress(noise[:n]) for n in range(codings.STEP - 64, codings.STEP)
+                      if len(brotli.compress(noise[:n])) == codings.STEP)
+    with pytest.raises(codings.CodingError, match="data after the end of the br stream"):
+        codings.decode(whole_step + brotli.compress(data), ["br"], limits(10**6))
     assert codings.parse(" GZIP , br ") == ["gzip", "br"] and codings.parse("identity") == []
     assert codings.parse("gzip, compress") is None
+
+
+def test_decoder_streams_through_many_slices():
+    """Bodies far longer than one decoder step (members that end inside a slice, output held inside a decoder)
+    decode to exactly what was encoded, and are still cut at the limit."""
+    from clefcore.server import codings
+
+    text = json.dumps([str(i) * (i % 50) for i in range(40_000)]).encode()   # ~1 MB, compresses ~10x
+    assert len(text) > 10 * codings.STEP
+    for name, encode in ENCODERS.items():
+        assert codings.decode(encode(text), [name], limits(len(text))) == text
+        with pytest.raises(codings.TooLarge):
+            codings.decode(encode(text), [name], limits(len(text) - 1))
+    for name in ("gzip", "zstd"):
+        odd = ENCODERS[name](text) + ENCODERS[name](b"[1]") + ENCODERS[name](text)
+        assert codings.decode(odd, [name], limits(10**7)) == text + b"[1]" + text
+    assert codings.decode(raw_deflate(text), ["deflate"], limits(len(text))) == text
+
+
+def test_stacked_codings_decode_as_a_pipeline():
+    """The inner coding asks the outer one for more only as it needs it: a bad inner stream is refused before the
+    outer one is decoded in full (here, before its cut-off end is reached), and a good one decodes whole."""
+    from clefcore.server import codings
+
+    text = json.dumps([str(i) * (i % 50) for i in range(40_000)]).encode()
+    for inner, outer in (("gzip", "br"), ("zstd", "gzip"), ("br", "deflate")):
+        data = ENCODERS[outer](ENCODERS[inner](text))
+        assert codings.decode(data, [inner, outer], limits(len(text))) == text
+    cut = gzip.compress(gzip.compress(b"") * 100_000)[:-100]
+    with pytest.raises(codings.CodingError, match="a gzip member decodes to nothing"):
+        codings.decode(cut, ["gzip", "gzip"], limits(13 * 1024 * 1024))
+    with pytest.raises(codings.CodingError, match="the gzip stream is truncated"):
+        codings.decode(cut, ["gzip"], limits(13 * 1024 * 1024))
+
+
+@pytest.mark.parametrize("name", ["gzip", "deflate", "zstd"])
+def test_decoder_caps_members_and_refuses_empty_ones(name):
+    from clefcore.server import codings
+
+    encode = ENCODERS[name]
+    most = codings.MAX_MEMBERS
+    assert codings.decode(encode(b"a") * most, [name], limits(10**6)) == b"a" * most
+    unit = {"gzip": "member", "deflate": "stream", "zstd": "frame"}[name]
+    with pytest.raises(codings.CodingError, match=f"more than {most} {name} {unit}s"):
+        codings.decode(encode(b"a") * (most + 1), [name], limits(10**6))
+    with pytest.raises(codings.CodingError, match=f"a {name} {unit} decodes to nothing"):
+        codings.decode(encode(b"a") + encode(b""), [name], limits(10**6))
+
+
+@pytest.mark.parametrize("name", ["gzip", "zstd"])
+def test_many_member_bombs_are_refused_in_linear_time(name):
+    """100,000 members (2 MB, within 13 MiB decoded) are refused at the cap: without it, and with each member's
+    decoder handed a copy of all the input left, this body took about 13 s."""
+    from clefcore.server import codings
+
+    encode = ENCODERS[name]
+    for member in (b"", b" "):
+        bomb = encode(member) * 100_000
+        started = time.perf_counter()
+        with pytest.raises(codings.CodingError):
+            codings.decode(bomb, [name], limits(13 * 1024 * 1024))
+        assert time.perf_counter() - started < 0.1
+
+
+def test_decoder_stops_at_its_deadline_and_when_told():
+    from clefcore.server import codings
+
+    data = gzip.compress(b"{}" * 100_000)
+    with pytest.raises(codings.TooSlow):
+        codings.decode(data, ["gzip"], codings.Limits(10**6, seconds=0.0))
+    gone = limits(10**6)
+    gone.stop.set()
+    with pytest.raises(codings.Stopped):
+        codings.decode(data, ["gzip"], gone)
+    assert codings.deadline_s(13 * 1024 * 1024) > 1.0 and codings.deadline_s(1000) == 1.0
+
+
+def test_zstd_windows_over_8_mib_are_refused():
+    """RFC 9659 caps a zstd content coding's window at 8 MiB; a larger one would cost its memory per body."""
+    from clefcore.server import codings
+
+    data = bytes(range(256)) * 40_000   # 10 MB
+    wide = zstd.compress(data, options={zstd.CompressionParameter.window_log: 24})
+    with pytest.raises(codings.CodingError, match="zstd"):
+        codings.decode(wide, ["zstd"], limits(len(data)))
+    narrow = zstd.compress(data, options={zstd.CompressionParameter.window_log: 23})
+    assert codings.decode(narrow, ["zstd"], limits(len(data))) == data
+
+
+class _Recorder(concurrent.futures.Executor):
+    """An executor that runs nothing: it keeps what it was given and answers with ``outcome`` (None: never)."""
+
+    def __init__(self, outcome: BaseException | None = None):
+        self.calls = []
+        self.outcome = outcome
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.calls.append(args)
+        future = concurrent.futures.Future()
+        if self.outcome is not None:
+            future.set_exception(self.outcome)
+        return future
+
+
+def test_a_client_that_leaves_stops_its_decoding():
+    """The handler is cancelled when its client disconnects; the decoding thread is told to stop."""
+    from clefcore.server import body
+
+    executor = _Recorder()
+
+    async def leave():
+        task = asyncio.ensure_future(body._decode(gzip.compress(b"{}"), ["gzip"], "gzip", 1000, executor))
+        while not executor.calls:
+            await asyncio.sleep(0)
+        (_, _, limits), = executor.calls
+        assert not limits.stop.is_set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return limits
+
+    assert asyncio.run(leave()).stop.is_set()
+
+
+def test_decoding_past_its_deadline_gets_413_naming_it():
+    from clefcore.server import body, codings, errors
+
+    with pytest.raises(errors.ApiError) as refused:
+        asyncio.run(body._decode(b"x", ["br"], "br", 13 * 1024 * 1024, _Recorder(codings.TooSlow())))
+    error = refused.value
+    seconds = codings.deadline_s(13 * 1024 * 1024)
+    assert error.status == 413 and error.limit == f"{seconds:g} s decoding", error.bare_body()
+    assert f"longer than {seconds:g} s to decode" in error.message

@@ -165,7 +165,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
               f"json.dump(out, open({str(table)!r}, 'w'))\nsys.exit(bench.main(sys.argv[1:]))\n")
     r = _no_cublas_child(["-c", script, "--model", str(MODEL), "--precision", "fast,exact", "--lengths", "200",
                           "--packed", "2x160", "--reps", "1", "--no-kernels", "--no-transformers",
-                          "--json", str(report)], tmp_path, 900)
+                          "--breakdown", "200", "--json", str(report)], tmp_path, 900)
     print(r.stdout[-5000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     kt = json.loads(table.read_text())
@@ -181,6 +181,10 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
     assert "cuBLAS not loadable" in r.stdout
     for prec, cases in got["end_to_end"].items():
         assert [c["case"] for c in cases] == ["200 tokens", "2x160 packed"]
+        # --breakdown 200: the 200-token case, not the 320-token packed one; the head's launches end before it does
+        parts = cases[0]["breakdown"]
+        assert "breakdown" not in cases[1] and set(parts) == {"backbone_ms", "head_ms", "head_launch_ms"}
+        assert 0 < parts["head_launch_ms"] <= parts["head_ms"] and parts["backbone_ms"] > 0, parts
         for c in cases:
             # the tiny model's fp32-operand GEMMs have only wmma among clefcore's kernels, so a run without cuBLAS
             # shows wmma shapes; fp16 operands may take gemm_mma.cu, the head's few-row GEMMs gemm_rows

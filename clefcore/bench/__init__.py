@@ -142,7 +142,8 @@ def run(args) -> int:
         print(f"weights: {wbytes / 2 ** 30:.2f} GiB on the GPU, {'loaded' if args.model else 'generated'} in "
               f"{load_s:.1f} s")
         print(f"end to end, {prec} (backbone + head, in-process):")
-        out["end_to_end"][prec] = end_to_end.text_cases(cp, ops, params, lengths, args.packed, args.reps)
+        out["end_to_end"][prec] = end_to_end.text_cases(cp, ops, params, lengths, args.packed, args.reps,
+                                                            args.breakdown)
         if image_size:
             vp = image.tower(cp, ops, params, ck)
             vision_cfg = vp.config

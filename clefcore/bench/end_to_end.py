@@ -74,6 +74,35 @@ def forward_run(ops, params, records, vp=None, image=None):
     return run
 
 
+def breakdown(cp, ops, params, records, reps) -> dict:
+    """Where one forward of ``records`` spends its time, for short prompts whose host time matters: the backbone
+    (a CUDA graph where one fits) and the joint head, each timed to the GPU's end (``*_ms``), and the head's host
+    time alone (``head_launch_ms``: until its last launch returns, no synchronisation). Median of ``reps``."""
+    from .. import model
+    from ..engine import packed_positions
+    lens = [len(r.input_ids) for r in records]
+    ids = np.concatenate([r.input_ids for r in records])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    pos = packed_positions(records)
+    qs = [r.questions for r in records]
+    sync = cp.cuda.Device().synchronize
+    rows = {"backbone_ms": [], "head_ms": [], "head_launch_ms": []}
+    for _ in range(reps + 1):                      # the first run is a warm-up
+        sync()
+        t0 = time.perf_counter()
+        hs, _ = model.backbone(ops, params, ids, cu, pos, check=False)
+        sync()
+        t1 = time.perf_counter()
+        model.heads(ops, params, hs, ids, cu, qs)
+        t2 = time.perf_counter()
+        ops.check_watched()
+        sync()
+        t3 = time.perf_counter()
+        for key, v in (("backbone_ms", t1 - t0), ("head_ms", t3 - t1), ("head_launch_ms", t2 - t1)):
+            rows[key].append(v * 1e3)
+    return {k: statistics.median(v[1:]) for k, v in rows.items()}
+
+
 def path_counts(seen: dict) -> dict:
     """{path: GEMM shapes that took it} from ``CudaOps.gemm_paths``'s {shape key: path}, most used first: what
     the JSON and the report say of one case's GEMMs (e.g. {"wmma": 9, "rows": 4}: no cuBLAS)."""
@@ -127,7 +156,7 @@ def measure(cp, ops, label, T, run, reps):
                 peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30, device_gib=dev / 2 ** 30)
 
 
-def text_cases(cp, ops, params, lengths, packed, reps):
+def text_cases(cp, ops, params, lengths, packed, reps, split_upto=0):
     """Times per case and GPU memory beyond the weights, three ways (GiB):
     peak_in_use: high-water of the CuPy default pool's in-use bytes during one untimed forward (after the
         warm-up), minus the in-use bytes before it (the weights): what the forward needs at its worst moment;
@@ -146,6 +175,9 @@ def text_cases(cp, ops, params, lengths, packed, reps):
     for label, lens in cases:
         ids = rng.integers(0, V, sum(lens))
         cuts = np.cumsum(lens)[:-1]
-        run = forward_run(ops, params, [record(x) for x in np.split(ids, cuts)])
-        res.append(measure(cp, ops, label, sum(lens), run, reps))
+        records = [record(x) for x in np.split(ids, cuts)]
+        res.append(measure(cp, ops, label, sum(lens), forward_run(ops, params, records), reps))
+        if sum(lens) <= split_upto:
+            res[-1]["breakdown"] = parts = breakdown(cp, ops, params, records, reps)
+            print("    " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
     return res

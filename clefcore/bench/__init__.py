@@ -62,6 +62,9 @@ def add_arguments(parser):
     parser.add_argument("--image", default=None, metavar="WxH",
                         help="also time one request with a WxH PNG (1024x1024: 1,024 image tokens) end to end "
                              "against a text-only request of the same length, per precision (default: off)")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="TOKENS",
+                        help="for cases of up to this many tokens, also time the backbone and the joint head apart, "
+                             "and the head's host (launch) time; 0: off")
     parser.add_argument("--no-kernels", action="store_true", help="leave out the kernel table")
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave out transformers' runs of the same cases")

@@ -43,7 +43,7 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   cd /tmp
   for sw in ${BENCH_SWITCHES:-none gdn_split}; do
-    timeout 150 python3 -m clefcore.cli bench --precision fast --no-transformers --lengths 346,2048,8192 \
+    timeout 150 python3 -m clefcore.cli bench --precision fast --no-transformers --no-kernels --lengths 346,2048,8192 \
       --packed 16x512 --reps 3 --breakdown 2048 --kernels "${sw/none/}" --json "$OUT/bench-$sw.json" 2>&1 \
       | sed "s/^/$sw: /" | tee -a "$OUT/bench.txt"
   done

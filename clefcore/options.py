@@ -84,7 +84,7 @@ def gpu_options(p: argparse.ArgumentParser) -> None:
                         "holds its own activations (at most 4 graphs)")
     p.add_argument("--kernels", type=_kernels, default=None, metavar="NAME[=on|off],...",
                    help="GPU kernel switches (default: each switch's environment variable, else its default): "
-                        + switches.describe())
+                        + switches.describe().replace("%", "%%"))
 
 
 def _kernels(text: str) -> str:

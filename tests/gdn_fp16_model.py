@@ -1,12 +1,11 @@
-"""The error model of the fast plan's delta rule (cuda/gated_delta_fast.cu): the chunked rule in the kernels'
+"""The error model of the one-pass delta rule (cuda/gated_delta_fast.cu, the gdn_one_pass switch): the chunked rule in the kernels'
 folded form (S' = S + N + M' S, O = O' + Q' S; cuda/gated_delta.cu's header), in numpy, rounding each tensor-core
 product's two operands to fp16 once where the kernels do, and nowhere else (the solve, the state and every sum
 stay fp32). Its distance from the fp32 reference is the size of error the kernels' rounding points produce on
 these very inputs, so the GPU tests bound the kernels by a multiple of it instead of by a constant read off one
-draw. ``split_scan``: the state recurrence's product M' S in three passes (the gdn_split_scan switch), which
-leaves only fp32 rounding there.
+draw.
 
-Why the recurrence dominates when one-pass: M' = (gamma - 1) I - Kd^T W is close to -I where the chunk decays
+Why the recurrence dominates the state's error: M' = (gamma - 1) I - Kd^T W is close to -I where the chunk decays
 strongly, so S + M' S cancels S almost entirely, and the fp16 rounding of S inside M' S (2^-11 of S) survives
 the cancellation against a small result."""
 
@@ -21,11 +20,11 @@ def _h(x):
     return x.astype(np.float16).astype(np.float32)
 
 
-def _mm(a, b, one_pass=True):
-    return (_h(a) @ _h(b)) if one_pass else (a @ b)
+def _mm(a, b):
+    return _h(a) @ _h(b)
 
 
-def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None, split_scan=False):
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None):
     """As clefcore.backends.cpu.gated_delta_rule (same arguments, state updated in place), with the fast
     kernels' fp16 operand roundings."""
     T, hk, dk = k.shape
@@ -67,7 +66,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None, split_scan=False)
         O = np.empty((hv, n, C, dv), np.float32)
         for c in range(n):
             O[:, c] = Op[:, c] + _mm(Qp[:, c], S)
-            S = S + N[:, c] + _mm(M[:, c], S, one_pass=not split_scan)
+            S = S + N[:, c] + _mm(M[:, c], S)
         out[s0:s1] = O.transpose(1, 2, 0, 3).reshape(n * C, hv, dv)[:L]
         if state is not None:
             state[b] = S

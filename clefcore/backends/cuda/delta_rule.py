@@ -39,8 +39,8 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """cuda/gated_delta.cu (gated_delta_fast.cu in the fast precision): gdn_prep, gdn_scan, gdn_out per group
-        of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place
+        """cuda/gated_delta.cu (gated_delta_fast.cu under the gdn_one_pass switch): gdn_prep, gdn_scan, gdn_out
+        per group of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place
         with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
@@ -81,14 +81,11 @@ class DeltaRuleOps:
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade. With the
-        # gdn_split_scan switch the fast plan's state recurrence takes the three-pass scan: both modules share
-        # the workspace layout, and the fast prep writes the lo halves the three-pass scan reads; with gdn_split the
-        # fast plan runs the three-pass kernels throughout.
-        module = "gated_delta_fast.cu" if self.plan.fp16 and "gdn_split" not in self.switches else "gated_delta.cu"
-        scan_module = "gated_delta.cu" if "gdn_split_scan" in self.switches else module
+        # three tensor-core passes per product (hi/lo halves, fp32-grade) on every plan; one pass
+        # (gated_delta_fast.cu) where the fast plan's gdn_one_pass switch asks for it
+        module = "gated_delta_fast.cu" if self.plan.fp16 and "gdn_one_pass" in self.switches else "gated_delta.cu"
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
-        scan = self.kernel(scan_module, "gdn_scan" + sfx, scan_smem)
+        scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
         outk = self.kernel(module, "gdn_out" + sfx, out_smem)
         # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
         # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)

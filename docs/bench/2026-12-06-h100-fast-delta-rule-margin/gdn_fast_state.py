@@ -1,6 +1,6 @@
 """On a GPU: how far the fast plan's delta rule (gated_delta_fast.cu) lands from the fp32 numpy reference, in its
 output and in the final state it carries, over many seeded draws, with the state recurrence in one fp16 pass
-(the default) and in three (the gdn_split_scan switch, clefcore/switches.py). The draws are those of
+(the default then) and in three (the gdn_split_scan switch of 29faa7f-578242b, since removed). The draws are those of
 tests/test_kernels.py (_gdn_inputs, _state0), so a seed reproduces a draw on the CPU too.
 
 Run with clefcore installed: python docs/studies/gdn_fast_state.py OUT.json [draws]. Writes the JSON as it goes:

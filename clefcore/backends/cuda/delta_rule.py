@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors
+from ...precision import DELTA_THREE_PASS
 from ..cpu import GDN_CHUNK
 from .elementwise import NULL, gdn_gates_k
 
@@ -39,9 +40,10 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """cuda/gated_delta.cu (gated_delta_fast.cu in the fast precision): gdn_prep, gdn_scan, gdn_out per group
-        of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place
-        with its final state."""
+        """The plan's delta-rule kernels (its row of the precision table: cuda/gated_delta_fast.cu in the fast
+        precision, cuda/gated_delta.cu in the exact one): gdn_prep, gdn_scan, gdn_out per group of chunks.
+        state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final
+        state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]
@@ -81,12 +83,7 @@ class DeltaRuleOps:
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        # fast: one fp16 tensor-core pass per product; split paths: three (hi/lo), fp32-grade. With the
-        # gdn_split_scan switch the fast plan's state recurrence takes the three-pass scan: both modules share
-        # the workspace layout, and the fast prep writes the lo halves the three-pass scan reads; with gdn_split the
-        # fast plan runs the three-pass kernels throughout.
-        module = "gated_delta_fast.cu" if self.plan.fp16 and "gdn_split" not in self.switches else "gated_delta.cu"
-        scan_module = "gated_delta.cu" if "gdn_split_scan" in self.switches else module
+        module, scan_module = self._gdn_modules()
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
         scan = self.kernel(scan_module, "gdn_scan" + sfx, scan_smem)
         outk = self.kernel(module, "gdn_out" + sfx, out_smem)
@@ -120,6 +117,16 @@ class DeltaRuleOps:
         if state is not None and st is not state:
             state[...] = st
         return out
+
+    def _gdn_modules(self):
+        """(the module of gdn_prep and gdn_out, the module of gdn_scan). The plan's row gives the default: fast,
+        one fp16 tensor-core pass per product; the split paths, three (hi/lo), fp32-grade. With the
+        gdn_split_scan switch the fast plan's state recurrence takes the three-pass scan: both modules share the
+        workspace layout, and the fast prep writes the lo halves the three-pass scan reads; with gdn_split the
+        fast plan runs the three-pass kernels throughout (the exact plans already do)."""
+        three = DELTA_THREE_PASS.module
+        module = three if "gdn_split" in self.switches else self.plan.row.delta_rule.module
+        return module, (three if "gdn_split_scan" in self.switches else module)
 
     def _gdn_bv(self, hv, dv, nseq):
         """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):

@@ -208,8 +208,9 @@ def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None 
     inputs = (ops.asarray(pixel_values),) + tuple(ops.asarray(a) for a in _host_tables(p.config, grids))
     graphs = ops.tower_graphs
     merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
-    # fast path only: the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul, which refuses a capture
-    if keep is not None or graphs is None or not ops.plan.fp16 or not graphs.fits(merged):
+    # where the plan's row allows it (fast): the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul,
+    # which refuses a capture
+    if keep is not None or graphs is None or not ops.plan.row.tower_graphs or not graphs.fits(merged):
         return _tower(ops, p, cu, keep, *inputs)
     key = ("vision tower", grids, ops.plan)
     return graphs.run(key, lambda *a: _tower(ops, p, cu, None, *a), inputs, list(p.w.values())).copy()

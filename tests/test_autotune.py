@@ -29,52 +29,52 @@ def _ops(mode="auto"):
     return types.SimpleNamespace(gemm=GemmChoices(mode), plan=Plan("split"), cp=_Clock(), cublas_missing=None)
 
 
-def _path(ops, calls, name, cost, hiccup_on=None):
+def _route(ops, calls, name, cost, hiccup_on=None):
     def run():
         calls[name] = calls.get(name, 0) + 1
         ops.cp.t += cost + (10.0 if calls[name] == hiccup_on else 0.0)
     return run
 
 
-def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_path():
+def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_route():
     ops, calls = _ops(), {}
-    paths = {"cublas": _path(ops, calls, "cublas", 1.0, hiccup_on=2), "wmma": _path(ops, calls, "wmma", 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "cublas"
+    routes = {"cublas": _route(ops, calls, "cublas", 1.0, hiccup_on=2), "wmma": _route(ops, calls, "wmma", 2.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "cublas"
     assert calls == {"cublas": 6, "wmma": 6}                  # one warm-up run + 5 timed runs each
     assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): "cublas"}
 
 
 def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
     ops, calls = _ops(), {}
-    paths = {"cublas": _path(ops, calls, "cublas", 3.0), "wmma": _path(ops, calls, "wmma", 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "wmma"
+    routes = {"cublas": _route(ops, calls, "cublas", 3.0), "wmma": _route(ops, calls, "wmma", 2.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "wmma"
     n = dict(calls)
-    assert CudaOps._choose(ops, 512, 64, 64, paths, "t") == "wmma" and calls == n     # same bucket: not re-timed
-    assert CudaOps._choose(ops, 513, 64, 64, paths, "t") == "wmma" and calls != n     # next bucket: timed
-    assert CudaOps._choose(_ops("cublas"), 300, 64, 64, paths, "t") == "cublas"
+    assert CudaOps._choose(ops, 512, 64, 64, routes, "t") == "wmma" and calls == n     # same bucket: not re-timed
+    assert CudaOps._choose(ops, 513, 64, 64, routes, "t") == "wmma" and calls != n     # next bucket: timed
+    assert CudaOps._choose(_ops("cublas"), 300, 64, 64, routes, "t") == "cublas"
 
 
-def test_without_cublas_its_path_is_never_run_or_chosen():
+def test_without_cublas_its_route_is_never_run_or_chosen():
     ops, calls = _ops(), {}
     ops.cublas_missing = "libcublasLt.so.12: cannot open shared object file"
-    paths = {"cublas": _path(ops, calls, "cublas", 1.0), "wmma": _path(ops, calls, "wmma", 2.0),
-             "rows": _path(ops, calls, "rows", 3.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, paths, "t") == "wmma"
+    routes = {"cublas": _route(ops, calls, "cublas", 1.0), "wmma": _route(ops, calls, "wmma", 2.0),
+              "rows": _route(ops, calls, "rows", 3.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "wmma"
     assert "cublas" not in calls and calls["rows"] == 6
 
 
-def test_gemm_paths_records_each_choice_inside_its_block_only():
-    """CudaOps.gemm_paths: every _choose inside the block is recorded under the autotune's key, a pinned mode's
+def test_gemm_routes_records_each_choice_inside_its_block_only():
+    """CudaOps.gemm_routes: every _choose inside the block is recorded under the autotune's key, a pinned mode's
     too; nothing is recorded before or after it."""
     ops, calls = _ops(), {}
-    paths = {"cublas": _path(ops, calls, "cublas", 1.0), "wmma": _path(ops, calls, "wmma", 2.0)}
-    CudaOps._choose(ops, 300, 64, 64, paths, "before")
-    with CudaOps.gemm_paths(ops) as seen:
-        CudaOps._choose(ops, 300, 64, 64, paths, "t")
+    routes = {"cublas": _route(ops, calls, "cublas", 1.0), "wmma": _route(ops, calls, "wmma", 2.0)}
+    CudaOps._choose(ops, 300, 64, 64, routes, "before")
+    with CudaOps.gemm_routes(ops) as seen:
+        CudaOps._choose(ops, 300, 64, 64, routes, "t")
         ops.gemm.pin = "wmma"
-        CudaOps._choose(ops, 20, 128, 64, paths, "t")
+        CudaOps._choose(ops, 20, 128, 64, routes, "t")
     ops.gemm.pin = "auto"
-    CudaOps._choose(ops, 300, 64, 64, paths, "after")
+    CudaOps._choose(ops, 300, 64, 64, routes, "after")
     assert seen == {(64, 64, 512, "t", "split"): "cublas", (128, 64, 32, "t", "split"): "wmma"}
     assert ops.gemm.seen is None
 
@@ -91,17 +91,17 @@ class _Routes:
         self.gemm = GemmChoices(mma=mma)
         self.cp = types.SimpleNamespace(float32=np.float32, float16=np.float16)
 
-    def _choose(self, M, N, K, paths, tag):
+    def _choose(self, M, N, K, routes, tag):
         want = {"wmma", "cublas"} | ({"rows"} if tag == "float32" and M <= 64 else set())
-        want |= {"mma"} if self.gemm.mma and self.plan.fp16 and K % 8 == 0 else set()
-        assert set(paths) == want
+        want |= {"mma"} if self.gemm.mma and self.plan.row.gemm.fp16 and K % 8 == 0 else set()
+        assert set(routes) == want
         return self.pick
 
     def _mma(self, a, w, out, bias=None):
         self.calls.append(("mma", bias is not None))
 
     def _has_twin(self, M, *ws):
-        return self.plan.fp8 and self.twinned
+        return self.plan.row.gemm.fp8_lo and self.twinned
 
     def _half(self, x):
         self.calls.append("half")

@@ -59,16 +59,17 @@ def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
     assert provenance._fingerprint([("a.cu", a), ("b.cu", b)]) != before       # one changed byte does
 
 
-def test_path_counts_per_case():
-    """A case's {shape key: path} (as CudaOps.gemm_paths records it) as the report gives it: shapes per path,
+def test_route_counts_per_case():
+    """A case's {shape key: route} (as CudaOps.gemm_routes records it) as the report gives it: shapes per route,
     most used first."""
     seen = {shape_key(346, 12288, 4096, "float32", "fp16"): "wmma",
             shape_key(346, 4096, 12288, "float32", "fp16"): "cublas",
             shape_key(346, 24576, 4096, "swiglu", "fp16"): "wmma",
             shape_key(11, 1024, 4096, "float32", "fp16"): "rows"}
-    assert list(end_to_end.path_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
-    assert end_to_end._paths_text(end_to_end.path_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
-    assert end_to_end.path_counts({}) == {} and "unseen" in end_to_end._paths_text({})
+    assert list(end_to_end.route_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
+    assert end_to_end._routes_text(end_to_end.route_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
+    assert end_to_end.route_counts({}) == {}
+    assert end_to_end._routes_text({}) == "GEMM routes unseen (CUDA graph replayed)"
     # keys are per M bucket: 300 and 512 rows share one, 513 does not
     k300, k512, k513, k1 = (shape_key(M, 64, 64, "t", "split") for M in (300, 512, 513, 1))
     assert k300 == k512 == (64, 64, 512, "t", "split") and k513[2] == 1024 and k1[2] == 16
@@ -136,13 +137,13 @@ def test_kernel_table_checks_every_timed_op(ops):
 
 
 @gpu
-def test_gemm_paths_records_each_shapes_path_within_the_block(ops):
-    """ops.gemm_paths: the path of each GEMM issued inside the block, keyed as the autotune keys it, equal to
+def test_gemm_routes_records_each_shapes_route_within_the_block(ops):
+    """ops.gemm_routes: the route of each GEMM issued inside the block, keyed as the autotune keys it, equal to
     the autotune's choice; nothing after the block; the method is the class's again."""
     x1 = cupy.random.standard_normal((300, 256), dtype=cupy.float32)
     x2 = cupy.random.standard_normal((5, 256), dtype=cupy.float32)
     w = (cupy.random.standard_normal((192, 256), dtype=cupy.float32) * 0.02).astype(cupy.float16)
-    with ops.gemm_paths() as seen:
+    with ops.gemm_routes() as seen:
         ops.linear(x1, w)
         ops.linear(x2, w)
         ops.linear(x1[:280], w)                          # the same bucket as 300 rows: one key
@@ -188,7 +189,8 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
         for c in cases:
             # the tiny model's fp32-operand GEMMs have only wmma among clefcore's kernels, so a run without cuBLAS
             # shows wmma shapes; fp16 operands may take gemm_mma.cu, the head's few-row GEMMs gemm_rows
-            assert c["gemm_paths"].get("wmma", 0) > 0 and set(c["gemm_paths"]) <= own, (prec, c)
+            assert c["gemm_routes"].get("wmma", 0) > 0 and set(c["gemm_routes"]) <= own, (prec, c)
+            assert "gemm_paths" not in c
         assert set(got["gemm_choice"][prec].values()) <= own
     lines = [line for line in r.stdout.splitlines() if line.startswith("  clefcore ")]   # each case's line says it
     assert len(lines) == 4 and all(re.search(r"; GEMM (.*, )?wmma \d+", line) and "cublas" not in line

@@ -56,7 +56,7 @@ def loaded(request):
     ops = CudaOps(0, **cuda_options(request.param))
     ck = Checkpoint(GOLD / "model")
     params = model.load_params(ck, ops)
-    if ops.plan.fp8:      # the fp8 pass must really run (not every matrix falling back to split)
+    if ops.plan.row.gemm.fp8_lo:      # the fp8 pass must really run (not every matrix falling back to split)
         print(f"split8: {len(ops.twins.by_ptr)} matrices twinned, {ops.twins.skipped} run split")
         assert len(ops.twins.by_ptr) > ops.twins.skipped
     return ops, params

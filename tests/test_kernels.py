@@ -307,7 +307,7 @@ def test_mlp_mma(M):
     o.gemm.chosen[shape_key(M, H, I, "float16", o.plan.path)] = "mma"
     x = r(M, H)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
-    with o.gemm_paths() as seen:
+    with o.gemm_routes() as seen:
         got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
     assert set(seen.values()) == {"mma"}
     check(f"mlp mma M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)

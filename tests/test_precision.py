@@ -1,18 +1,25 @@
 """The precision names users can give (clefcore/precision.py): fast and exact, the kernel-path aliases, what each
 resolves to, and that every command and clefcore.load accept them (and refuse anything else, or any of them on the
-CPU, where they would be silently ignored)."""
+CPU, where they would be silently ignored). The precision table: a row for every kernel path, what each op family
+runs on it, unknown paths refused, and no other module comparing a mode's or a path's name."""
 
 from __future__ import annotations
 
+import re
+import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import clefcore
 from clefcore import cli, precision
+from clefcore.backends.cuda.delta_rule import DeltaRuleOps
 from clefcore.errors import ClefError
+from clefcore.precision import FP32, TABLE, GemmOperands, Plan
 
 MODEL = Path(__file__).parent / "golden" / "model"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name,fp8,path", [
@@ -22,7 +29,7 @@ MODEL = Path(__file__).parent / "golden" / "model"
 ])
 def test_names_resolve_to_kernel_paths(name, fp8, path):
     assert precision.resolve(name, fp8) == path
-    assert precision.mode_of(path) == ("fast" if path == "fp16" else "exact")
+    assert Plan(path).row.mode == ("fast" if path == "fp16" else "exact")
 
 
 def test_fast_is_the_default_and_unknown_names_are_refused():
@@ -70,3 +77,99 @@ def test_load_refuses_a_precision_on_the_cpu(name):
 
 def test_the_numpy_engine_names_its_precision():
     assert clefcore.load(MODEL, device="cpu").mode == "fp32"
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+def test_the_table_has_a_row_for_every_path_and_every_mode():
+    """One row per kernel path and numpy's fp32, nothing else; each mode's paths (with and without fp8) are rows
+    of that mode, and every name a user may give resolves to a row."""
+    assert set(TABLE) == set(precision.KERNEL_PATHS) | {FP32}
+    for mode in precision.MODES:
+        for fp8 in (False, True):
+            assert TABLE[precision.resolve(mode, fp8)].mode == mode
+    assert {TABLE[precision.resolve(name, fp8)].mode for name in precision.CHOICES for fp8 in (False, True)} \
+        == set(precision.MODES)
+    assert TABLE[FP32].mode == FP32 and precision.VERIFY_BOUND.keys() == set(precision.MODES)
+
+
+@pytest.mark.parametrize("path", ["bf16", "fast", "exact", "", "FP16"])
+def test_an_unknown_kernel_path_is_refused_naming_the_paths(path):
+    """A mode's name is not a path either: a Plan holds what a name resolved to."""
+    with pytest.raises(ValueError, match=rf"kernel path {path!r}: expected one of fp16, split, split8, fp32$"):
+        Plan(path)
+    with pytest.raises(ValueError, match="expected one of"):
+        replace(Plan("fp16"), path=path)
+
+
+# what each op family runs per path: (GEMM operands: rounded once to fp16, split hi + lo, lo in fp8;
+# delta-rule module, passes; vision attention on the fp16 kernel; tower graphs)
+FAMILIES = {
+    "fp16": ((True, False, False), ("gated_delta.cu", 3), True, True),
+    "split": ((False, True, False), ("gated_delta.cu", 3), False, False),
+    "split8": ((False, True, True), ("gated_delta.cu", 3), False, False),
+    FP32: ((False, False, False), (None, 0), False, False),
+}
+
+
+@pytest.mark.parametrize("path", list(FAMILIES))
+def test_each_op_familys_row(path):
+    gemm, rule, attention_fp16, tower_graphs = FAMILIES[path]
+    row = Plan(path).row
+    assert (row.gemm.fp16, row.gemm.split, row.gemm.fp8_lo) == gemm
+    assert (row.delta_rule.module, row.delta_rule.passes) == rule
+    assert row.attention_fp16 is attention_fp16 and row.tower_graphs is tower_graphs
+    # the range-safe fallback keeps its path's row: only the scaling differs
+    assert Plan(path, range_safe=True).row == row and Plan(path, range_safe=True) != Plan(path)
+
+
+def test_the_rows_are_consistent():
+    """The GEMM operand kinds exclude each other; the tower replays graphs only where its attention is the fp16
+    kernel (the fp32 one calls CuPy's matmul, which refuses a capture); every delta-rule module is a kernel
+    source; the fallback's plan is split's row, range-safe, without fp8."""
+    for path, row in TABLE.items():
+        assert sum((row.gemm.fp16, row.gemm.split, row.gemm is GemmOperands.FP32)) == 1, path
+        assert row.gemm.split or not row.gemm.fp8_lo, path
+        assert row.attention_fp16 or not row.tower_graphs, path
+        if row.delta_rule.module is not None:
+            assert (ROOT / "cuda" / row.delta_rule.module).is_file(), path
+    assert (ROOT / "cuda" / precision.DELTA_THREE_PASS.module).is_file()
+    safe = precision.RANGE_SAFE
+    assert safe.range_safe and safe.row == TABLE["split"] and not safe.row.gemm.fp8_lo
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["default", "gdn_one_pass"])
+@pytest.mark.parametrize("path", precision.KERNEL_PATHS)
+def test_the_delta_rules_kernels_follow_the_row_and_the_switch(path, one_pass):
+    """Every plan runs the three-pass delta rule; gdn_one_pass puts fast's (only fast's) on the one-pass kernels."""
+    ops = types.SimpleNamespace(plan=Plan(path), switches=frozenset({"gdn_one_pass"} if one_pass else ()))
+    rule = DeltaRuleOps.gdn_kernels(ops)
+    fast = TABLE[path].mode == "fast"
+    assert rule == (precision.DELTA_ONE_PASS if fast and one_pass else precision.DELTA_THREE_PASS), (path, rule)
+    assert (rule.module, rule.passes) in (("gated_delta_fast.cu", 1), ("gated_delta.cu", 3))
+
+
+# A comparison of a mode's or a kernel path's name: `precision == "split8"`, `plan.path in ("split", "split8")`,
+# `"fp16" == mode`. (The GEMM routes share two of these names; a route is compared as `route == "split"`.)
+_NAMES = r"[\"'](?:fast|exact|fp16|split|split8|fp32)[\"']"
+_SUBJECT = r"(?<!for )\b[\w.]*(?:path|mode|precision)\b"      # a for loop's target is no check
+_OP = r"(?:==|!=|\bnot in\b|\bin\b)"
+NAME_CHECK = re.compile(rf"{_SUBJECT}\s*{_OP}\s*[(\[{{]?\s*{_NAMES}|{_NAMES}\s*{_OP}\s*{_SUBJECT}")
+
+
+def test_the_name_check_pattern_matches_the_old_checks():
+    for line in ('if precision == "split8" and not fp8:', 'return self.path in ("split", "split8")',
+                 'return "fast" if path == "fp16" else "exact"', 'TOL_FP16 if path == "fp16" else tol',
+                 "if self.mode != 'exact':", 'if "fp16" == ops.plan.path:', 'if p.mode not in ("fast",)'):
+        assert NAME_CHECK.search(line), line
+    for line in ('elif route == "split":', 'ops.plan = replace(plan, path=path)', 'Plan("fp16")',
+                 'if im.mode not in MODES', 'for path in ("fp16", "split"):'):
+        assert not NAME_CHECK.search(line), line
+
+
+@pytest.mark.parametrize("tree", ["clefcore", "server"])
+def test_no_module_but_precision_compares_a_mode_or_path_name(tree):
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted((ROOT / tree).rglob("*.py"))
+             if path != ROOT / "clefcore" / "precision.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]
+    assert found == []

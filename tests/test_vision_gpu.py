@@ -134,7 +134,7 @@ def test_tower_graph_replays_as_eager_with_fresh_inputs(engine):
         want = eager[i % 2]
         err = float(np.max(np.abs(ops.to_host(out) - want)) / np.max(np.abs(want)))
         assert err <= 1e-5, f"call {i}: {err:.2e} ({_label(engine)})"
-    assert ops.tower_graphs.launches - l0 == (3 if ops.plan.fp16 else 0), _label(engine)
+    assert ops.tower_graphs.launches - l0 == (3 if ops.plan.row.tower_graphs else 0), _label(engine)
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def block_ops(request):
 
 
 def _block_tol(o):
-    return 6e-3 if o.plan.fp16 else 2e-5
+    return 6e-3 if o.plan.row.gemm.fp16 else 2e-5
 
 
 @gpu

@@ -39,7 +39,7 @@ class Backend(Protocol):
     name: str                  # "cpu", "cuda"
     xp: Any                    # the array module: numpy or cupy
     mode: str                  # fast / exact (a GPU), fp32 (numpy): what the engine runs as, fixed at load
-    plan: Plan                 # the kernel path of the next forward; fallback() switches it
+    plan: Plan                 # the next forward's kernel path and its row (precision.TABLE); fallback() switches it
     token_block: int           # model.backbone's default token block (0 = the whole stream at once)
     graphs: Graphs | None      # short single-sequence prompts' graphs, or None (never replayed)
     tower_graphs: Graphs | None   # the vision tower's graphs, or None

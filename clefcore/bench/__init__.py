@@ -6,9 +6,9 @@ the rules ``clefcore synth`` writes its checkpoints by (clefcore/random_weights.
 checkpoint stores them: fp16 matrices, vocabulary tables as bf16 on the device); with ``--model DIR`` the
 checkpoint is loaded through ``load_params`` (and the load time reported). When torch and transformers import,
 a transformers Qwen3.5 text model with the same shapes (bf16, sdpa) runs the same lengths in the same process
-(peers.py). Each case reports how many of its GEMM shapes ran on which path (wmma, cublas, rows); the JSON says
-whether cuBLAS and cuBLASLt load. Where cuBLAS does not (the lean image, or PYTHONPATH=tests/no_cublas), the
-kernel table leaves its cuBLAS rows out.
+(peers.py). Each case reports how many of its GEMM shapes ran on which route (wmma, cublas, rows, mma;
+``gemm_routes`` in the JSON); the JSON says whether cuBLAS and cuBLASLt load. Where cuBLAS does not (the lean
+image, or PYTHONPATH=tests/no_cublas), the kernel table leaves its cuBLAS rows out.
 
 ``--image 1024x1024`` adds the image case: one request with a PNG of that size (1,024 image tokens at
 1024x1024) timed end to end, preprocessing (and, separately, decoding) on the host, the vision tower, backbone

@@ -1,6 +1,6 @@
 """``clefcore bench``'s end-to-end cases: decisions (backbone + head, in-process, as ``Engine.forward`` runs them)
 at each prompt length and packed, timed on the wall clock, with the GPU memory each needs beyond the weights and
-the path each of its GEMM shapes took."""
+the route each of its GEMM shapes took."""
 
 from __future__ import annotations
 
@@ -103,25 +103,25 @@ def breakdown(cp, ops, params, records, reps) -> dict:
     return {k: statistics.median(v[1:]) for k, v in rows.items()}
 
 
-def path_counts(seen: dict) -> dict:
-    """{path: GEMM shapes that took it} from ``CudaOps.gemm_paths``'s {shape key: path}, most used first: what
+def route_counts(seen: dict) -> dict:
+    """{route: GEMM shapes that took it} from ``CudaOps.gemm_routes``'s {shape key: route}, most used first: what
     the JSON and the report say of one case's GEMMs (e.g. {"wmma": 9, "rows": 4}: no cuBLAS)."""
     counts = Counter(seen.values())
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def _paths_text(counts: dict) -> str:
+def _routes_text(counts: dict) -> str:
     if not counts:
-        return "GEMM paths unseen (CUDA graph replayed)"
+        return "GEMM routes unseen (CUDA graph replayed)"
     return "GEMM " + ", ".join(f"{p} {n}" for p, n in counts.items()) + " shapes"
 
 
 def measure(cp, ops, label, T, run, reps):
     """One case: warm-up, one untimed forward for the memory figures (see ``text_cases``), then ``reps`` timed
-    ones. The GEMM path of each shape is recorded over the two untimed runs (the eager first run, or a graph's
+    ones. The GEMM route of each shape is recorded over the two untimed runs (the eager first run, or a graph's
     capture). Printed, and returned as the JSON row."""
     pool = cp.get_default_memory_pool()
-    with ops.gemm_paths() as seen:
+    with ops.gemm_routes() as seen:
         run()                               # warm-up: compiles, autotunes the GEMM shapes
         cp.cuda.Device().synchronize()
         pool.free_all_blocks()
@@ -130,7 +130,7 @@ def measure(cp, ops, label, T, run, reps):
         with PeakInUse(cp) as pk:           # one untimed forward for the memory figures
             run()
             cp.cuda.Device().synchronize()
-    paths = path_counts(seen)
+    routes = route_counts(seen)
     peak = pk.peak - base
     reserved = pool.total_bytes() - base
     dev = _device_used(cp) - dev0
@@ -148,9 +148,9 @@ def measure(cp, ops, label, T, run, reps):
           f"(runs {spread(ts)})  "
           f"beyond weights: peak in use "
           f"{peak / 2 ** 30:.2f} GiB, pool reserved {reserved / 2 ** 30:.2f} GiB, device {dev / 2 ** 30:.2f} GiB; "
-          f"{_paths_text(paths)}")
+          f"{_routes_text(routes)}")
     pool.free_all_blocks()
-    return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3, gemm_paths=paths,
+    return dict(case=label, tokens=T, ms=ms, runs_ms=ts, tok_s=T / ms * 1e3, gemm_routes=routes,
                 token_block=ops.token_block,
                 cuda_graph=graphed, graph_pools_gib=sum(g.nbytes() for g in graphs) / 2 ** 30,
                 peak_in_use_gib=peak / 2 ** 30, pool_reserved_gib=reserved / 2 ** 30, device_gib=dev / 2 ** 30)

@@ -17,7 +17,7 @@ HEAD_GEMM = (11, 4096, 1024)          # a joint-head GEMM: one row per option
 SEQ_LENS = (2048, 8192)
 # max |got - ref| / max |ref| allowed when a timed op is checked against numpy (the kernel tests' bounds)
 TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
-# the delta rule: one fp16 pass per product under the gdn_one_pass switch (gated_delta_fast.cu), else three
+# the delta rule: one fp16 pass per product (gated_delta_fast.cu, the gdn_one_pass switch), else three
 TOL_GDN_FAST, TOL_GDN = 2e-3, 2e-4
 
 
@@ -94,7 +94,7 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
             rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts,
                          f"{tc / ts:.0%} of one fp16 pass"))
             ops.plan = plan
-            if plan.fp8 and ops.twins.cover(M, ops.twin(w)):
+            if plan.row.gemm.fp8_lo and ops.twins.cover(M, ops.twin(w)):
                 t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", "split8", x, w, o, ref, tol_k(TOL_SPLIT8, K), inner=10)
                 rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                              f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
@@ -105,7 +105,7 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
         for path in ("fp16", "split"):
             ops.plan = replace(plan, path=path)
             tw = gemm(f"wmma {path} {M}x{N}x{K}", "wmma", x, w, o, ref,
-                      TOL_FP16 if path == "fp16" else tol_k(TOL_SPLIT, K), inner=10)
+                      TOL_FP16 if ops.plan.row.gemm.fp16 else tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"wmma GEMM {path} {M}x{N}x{K}", tw, rate(tw)))
         ops.plan = plan
         if ops.gemm.mma and K % 8 == 0:      # sm_80+: on the fp16 operand, as the cuBLAS ceiling above
@@ -118,7 +118,7 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
     ref = gemm_ref(x, w)
     tr = gemm(f"gemm_rows {M}x{N}x{K}", "rows", x, w, o, ref, TOL_FP32, timer=graph_ms)
     tw = gemm(f"wmma {plan.path} {M}x{N}x{K}", "wmma", x, w, o, ref,
-              TOL_FP16 if plan.fp16 else tol_k(TOL_SPLIT, K), timer=graph_ms)
+              TOL_FP16 if plan.row.gemm.fp16 else tol_k(TOL_SPLIT, K), timer=graph_ms)
     rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
     if cublas:
@@ -151,7 +151,7 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
                                 cp.random.standard_normal((T, hv), dtype=cp.float32),
                                 cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
         gdn_args = (qq, kk, vv, g, beta, cu)
-        one_pass = plan.fp16 and "gdn_one_pass" in ops.switches
+        one_pass = ops.gdn_kernels().passes == 1
         _check(f"gated delta rule T={T}", host(ops.gated_delta_rule(*gdn_args)),
                cpu.gated_delta_rule(*map(host, gdn_args[:5]), cu), TOL_GDN_FAST if one_pass else TOL_GDN, checks)
         tg = gpu_ms(cp, lambda: ops.gated_delta_rule(*gdn_args))

@@ -76,7 +76,7 @@ class AttentionOps:
         if not q.shape == k.shape == v.shape:
             raise errors.DeviceError(f"bidirectional attention needs one shape for q, k and v: q {tuple(q.shape)}, "
                                      f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if not self.plan.fp16:
+        if not self.plan.row.attention_fp16:
             return self._bidirectional_fp32(q, k, v, cu_seqlens, scale)
         return self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
 
@@ -87,10 +87,11 @@ class AttentionOps:
                                      f"(head dims with one: {', '.join(map(str, BIDIR_DIMS))})")
 
     def _bidirectional_fp32(self, q, k, v, cu_seqlens, scale):
-        """The exact modes' vision attention: fp32 products, as cpu.bidirectional_attention. The fp16 kernel's
-        roundings of q, k, v and the probabilities (~2e-4 of the tower's output on the golden images) reach the
-        backbone through every image token and grew there to 2.3e-3 per layer on the H200 (text: 2.8e-4); the
-        tower's attention is a small part of an image request, so exact pays for fp32 here."""
+        """The vision attention of the paths without ``attention_fp16`` (the exact ones): fp32 products, as
+        cpu.bidirectional_attention. The fp16 kernel's roundings of q, k, v and the probabilities (~2e-4 of the
+        tower's output on the golden images) reach the backbone through every image token and grew there to
+        2.3e-3 per layer on the H200 (text: 2.8e-4); the tower's attention is a small part of an image request,
+        so exact pays for fp32 here."""
         cp = self.cp
         q, k, v = self._f32(q), self._f32(k), self._f32(v)
         out = cp.empty(q.shape, dtype=cp.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors
+from ...precision import DeltaRule
 from ..cpu import GDN_CHUNK
 from .elementwise import NULL, gdn_gates_k
 
@@ -39,9 +40,10 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """cuda/gated_delta.cu (gated_delta_fast.cu under the gdn_one_pass switch): gdn_prep, gdn_scan, gdn_out
-        per group of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place
-        with its final state."""
+        """The delta-rule kernels of the plan's row of the precision table under the kernel switches (three
+        passes per product; one under gdn_one_pass in fast): gdn_prep, gdn_scan, gdn_out per group of chunks.
+        state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final
+        state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]
@@ -81,9 +83,7 @@ class DeltaRuleOps:
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        # three tensor-core passes per product (hi/lo halves, fp32-grade) on every plan; one pass
-        # (gated_delta_fast.cu) where the fast plan's gdn_one_pass switch asks for it
-        module = "gated_delta_fast.cu" if self.plan.fp16 and "gdn_one_pass" in self.switches else "gated_delta.cu"
+        module = self.gdn_kernels().module
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
         scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
         outk = self.kernel(module, "gdn_out" + sfx, out_smem)
@@ -117,6 +117,10 @@ class DeltaRuleOps:
         if state is not None and st is not state:
             state[...] = st
         return out
+
+    def gdn_kernels(self) -> DeltaRule:
+        """The delta rule's kernels this backend runs now: its plan's row under its kernel switches."""
+        return self.plan.row.delta_rule_under(self.switches)
 
     def _gdn_bv(self, hv, dv, nseq):
         """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):

@@ -1,8 +1,8 @@
-"""The GEMMs of the CUDA backend: the kernel paths of the precision plan (``CudaOps.plan``: fp16; split
-hi + lo; split8 with fp8 twins, ``CudaOps.twins``; the range-safe fallback's scaling), clefcore's own kernels
-(cuda/gemm.cu, cuda/gemm_rows.cu) against cuBLAS(Lt), chosen per shape by a timed trial (``CudaOps.gemm``), and
-the SwiGLU MLP. A mixin of ``CudaOps``. A new GEMM kernel is a route of ``gemm_with`` and a candidate of
-``_gemm``'s autotune."""
+"""The GEMMs of the CUDA backend: their operands as the precision plan's row says (``CudaOps.plan.row.gemm``:
+rounded once to fp16; split hi + lo; split8 with fp8 twins, ``CudaOps.twins``; and the range-safe fallback's
+scaling), their routes (clefcore's own kernels, cuda/gemm.cu, cuda/gemm_rows.cu, cuda/gemm_mma.cu, against
+cuBLAS(Lt)), chosen per shape by a timed trial (``CudaOps.gemm``), and the SwiGLU MLP. A mixin of ``CudaOps``.
+A new GEMM kernel is a route of ``gemm_with`` and a candidate of ``_gemm``'s autotune."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .elementwise import ELEM_THREADS, NULL, rowdot_k
 
 log = logging.getLogger("clefcore.cuda")
 
-_ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile paths)
+_ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile routes)
 # gemm_mma.cu's tiles, the larger first: (kernel, block rows, block columns, dynamic shared memory = 3 stages x
 # (A + W tile rows) x padded row x 2 bytes). A GPU takes the first whose shared memory it has per block.
 MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
@@ -31,8 +31,8 @@ WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
 
 # gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
 # hi + lo halves, split8 (lo in fp8 against the weight's fp8 twin, cuBLASLt), gemm.cu's WMMA kernels (fp16 or
-# split as the plan says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands; on sm_90
-# gemm_wgmma.cu's)
+# split as the plan's row says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands; on
+# sm_90 gemm_wgmma.cu's)
 ROUTES = ("cublas", "split", "split8", "wmma", "rows", "mma")
 
 
@@ -120,13 +120,14 @@ class MatmulOps:
         return self._cublas(hi, w, out, accumulate=True)
 
     def _has_twin(self, M, *ws):
-        """split8 applies: the plan is split8, every weight has its fp8 twin and cuBLASLt runs the shape."""
-        return self.plan.fp8 and self.twins.cover(M, *ws)
+        """split8 applies: the plan's lo halves go in fp8, every weight has its fp8 twin and cuBLASLt runs the
+        shape."""
+        return self.plan.row.gemm.fp8_lo and self.twins.cover(M, *ws)
 
     def gemm_with(self, route, x, w, out, bias=None):
         """out = x @ w^T (+ bias) by one named route (``ROUTES``), whatever the autotune would pick: x fp32
         [M, K] contiguous (fp16 for cublas and wmma too), w fp16 [N, K]; split8 needs w's fp8 twin (``twin``).
-        "wmma" runs fp16 or split operands as the plan says."""
+        "wmma" runs fp16 or split operands as the plan's row says."""
         if route == "wmma":
             return self._wmma(x, w, out, bias)
         if route == "rows":
@@ -146,23 +147,23 @@ class MatmulOps:
         return out
 
     def _gemm(self, x, w, out, bias=None):
-        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; path by autotune. On cuBLAS
-        an fp16 x goes as it is, an fp32 one as the plan says (rounded once, split, or split8 where w has a
+        """out = x @ w^T (+ bias): x fp32 or fp16 [M, K] contiguous, w fp16 [N, K]; route by autotune. On cuBLAS
+        an fp16 x goes as it is, an fp32 one as the plan's row says (rounded once, split, or split8 where w has a
         twin)."""
         M, K = x.shape
         N = w.shape[0]
-        split = self.plan.splits and x.dtype == self.cp.float32
+        split = self.plan.row.gemm.split and x.dtype == self.cp.float32
 
         def cublas():
             route = ("split8" if self._has_twin(M, w) else "split") if split else "cublas"
             self.gemm_with(route, x, w, out, bias)
 
-        paths = {"wmma": lambda: self.gemm_with("wmma", x, w, out, bias), "cublas": cublas}
+        routes = {"wmma": lambda: self.gemm_with("wmma", x, w, out, bias), "cublas": cublas}
         if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
-            paths["rows"] = lambda: self.gemm_with("rows", x, w, out, bias)
+            routes["rows"] = lambda: self.gemm_with("rows", x, w, out, bias)
         if self._mma_runs(K) and not split:
-            paths["mma"] = lambda: self.gemm_with("mma", x, w, out, bias)
-        paths[self._choose(M, N, K, paths, str(x.dtype))]()
+            routes["mma"] = lambda: self.gemm_with("mma", x, w, out, bias)
+        routes[self._choose(M, N, K, routes, str(x.dtype))]()
         return out
 
     def _gemm_rows(self, a, w16, out, bias=None):
@@ -177,9 +178,9 @@ class MatmulOps:
 
     def _mma_runs(self, K) -> bool:
         """gemm_mma.cu (gemm_wgmma.cu on sm_90) can take a GEMM over K here: an sm_80+ GPU running native code, K
-        a multiple of 8 (its 16-byte copies never straddle a row's end). Its operands are fp16: the fast plan
-        only."""
-        return self.gemm.mma and K % 8 == 0 and self.plan.fp16
+        a multiple of 8 (its 16-byte copies never straddle a row's end). Its operands are fp16: only where the
+        plan's row rounds them once."""
+        return self.gemm.mma and K % 8 == 0 and self.plan.row.gemm.fp16
 
     def _mma(self, a16, w16, out, bias=None, res=None):
         """gemm_mma.cu (gemm_wgmma.cu on sm_90): out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both
@@ -206,28 +207,28 @@ class MatmulOps:
         grid = (-(-N // 128), -(-M // 128))
         if a.dtype == self.cp.float16:
             self.kernel("gemm.cu", "gemm_f16a")(grid, (256,), args)
-        elif self.plan.fp16:
+        elif self.plan.row.gemm.fp16:
             self.kernel("gemm.cu", "gemm_f32a")(grid, (256,), args)
         else:
             self.kernel("gemm.cu", "gemm_f32a_split")(grid, (256,), args + (self._range_amax(a),))
         return out
 
-    def _choose(self, M, N, K, paths: dict, tag=""):
-        """The fastest of ``paths`` (name -> run) for this shape (M rounded up to a power of two), timed the
+    def _choose(self, M, N, K, routes: dict, tag=""):
+        """The fastest of ``routes`` (name -> run) for this shape (M rounded up to a power of two), timed the
         first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
-        path. Inside ``gemm_paths()`` the choice is also recorded."""
+        route. Inside ``gemm_routes()`` the choice is also recorded."""
         choices = self.gemm
         key = shape_key(M, N, K, tag, self.plan.path)
         got = choices.pin if choices.pin != "auto" else choices.chosen.get(key)
         if got is None:
             if self.cublas_missing is not None:
-                paths = {name: run for name, run in paths.items() if name != "cublas"}
+                routes = {name: run for name, run in routes.items() if name != "cublas"}
             cp = self.cp
-            times = {name: math.inf for name in paths}
-            for fn in paths.values():
+            times = {name: math.inf for name in routes}
+            for fn in routes.values():
                 fn()                                   # compile, allocate, warm the clocks
             for _ in range(5):                         # interleaved, best of 5: a clock ramp or a hiccup during
-                for name, fn in paths.items():         # one candidate's turn does not decide
+                for name, fn in routes.items():        # one candidate's turn does not decide
                     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                     e0.record()
                     fn()
@@ -243,11 +244,11 @@ class MatmulOps:
         return got
 
     @contextmanager
-    def gemm_paths(self):
-        """Yields a dict that fills, while the block runs, with the path each GEMM took: {shape_key: "wmma",
-        "cublas" or "rows"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on cuBLAS.
-        Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay. Not
-        nested."""
+    def gemm_routes(self):
+        """Yields a dict that fills, while the block runs, with the route each GEMM took: {shape_key: "wmma",
+        "cublas", "rows" or "mma"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on
+        cuBLAS. Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay.
+        Not nested."""
         self.gemm.seen = seen = {}
         try:
             yield seen
@@ -273,7 +274,7 @@ class MatmulOps:
 
     def mlp(self, x, w_gate, w_up, w_down):
         """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small (model.backbone
-        already hands it blocks of ``token_block`` rows; direct callers get the same bound). Two paths per
+        already hands it blocks of ``token_block`` rows; direct callers get the same bound). Two routes per
         block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM) and
         cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale)."""
         cp = self.cp
@@ -281,7 +282,7 @@ class MatmulOps:
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
-        split = self.plan.splits
+        split = self.plan.row.gemm.split
         step = self.token_block if self.token_block > 0 else max(T, 1)
         for t0 in range(0, T, step):
             xb = x[t0:t0 + step]
@@ -341,8 +342,8 @@ class MatmulOps:
                 del gb, ub
                 self._gemm(hb, w_down, ob)            # its own autotune
 
-            paths = {"wmma": run_w, "cublas": run_c}
+            routes = {"wmma": run_w, "cublas": run_c}
             if self._mma_runs(H) and not split:
-                paths["mma"] = run_m
-            paths[self._choose(M, 2 * I, H, paths, "swiglu")]()
+                routes["mma"] = run_m
+            routes[self._choose(M, 2 * I, H, routes, "swiglu")]()
         return out

@@ -135,17 +135,18 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         if self.cublas_missing is None and self.cc >= (8, 9):
             from . import cublaslt
             fp8 = cublaslt.available()
-        if precision == "split8" and not fp8:
-            raise errors.DeviceError(f"precision split8 needs fp8 tensor cores (compute capability 8.9 or newer) "
-                                     f"and cuBLASLt; {self.device_name} is {self.cc[0]}.{self.cc[1]}"
-                                     + ("" if self.cublas_missing is None else ", without cuBLAS"))
-        # The kernel path (clefcore/precision.py): fp16 = one rounding of each activation (fast); split = hi + lo
-        # fp16 halves, fp32-grade products with the fp16-exact weights; split8 = the lo pass in fp8 against an fp8
-        # twin of each weight (sm_89+, ~1.5 passes' time). ``fallback`` switches the plan to the range-safe one.
+        # The kernel path and what each op family runs on it: a row of clefcore/precision.py's table (fp16 = one
+        # rounding of each activation, fast; split = hi + lo fp16 halves, fp32-grade products with the fp16-exact
+        # weights; split8 = the lo pass in fp8 against an fp8 twin of each weight, sm_89+, ~1.5 passes' time).
+        # ``fallback`` switches the plan to the range-safe one.
         self.plan = Plan(precision_modes.resolve(precision, fp8))
-        self.mode = precision_modes.mode_of(self.plan.path)
+        if self.plan.row.gemm.fp8_lo and not fp8:
+            raise errors.DeviceError(f"precision {self.plan.path} needs fp8 tensor cores (compute capability 8.9 "
+                                     f"or newer) and cuBLASLt; {self.device_name} is {self.cc[0]}.{self.cc[1]}"
+                                     + ("" if self.cublas_missing is None else ", without cuBLAS"))
+        self.mode = self.plan.row.mode
         self.twins = Fp8Twins()
-        if self.plan.fp8:
+        if self.plan.row.gemm.fp8_lo:
             from . import cublaslt
             self.twins.gemm = cublaslt.Fp8Gemm(cupy)
         # the kernel switches in effect (clefcore/switches.py): the kernels option, else the environment

@@ -1,6 +1,7 @@
 """The CUDA backend's shared state, in named objects: what the mixins of ``CudaOps`` (norms, matmul, attention,
 delta_rule, head, vision) read and write besides the device itself. The precision plan is
-``clefcore.precision.Plan`` (``CudaOps.plan``); the GEMM choices, split8's fp8 twins and the memos are here."""
+``clefcore.precision.Plan`` (``CudaOps.plan``, with its row of the precision table); the GEMM choices, split8's
+fp8 twins and the memos are here."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ class GemmChoices:
     pin: str = "auto"            # --gemm: auto (timed per shape the first time it is seen), wmma or cublas
     mma: bool = False            # gemm_mma.cu runs here (sm_80+, compiled for this GPU): a candidate of auto
     wgmma: bool = False          # ... and the "mma" route takes gemm_wgmma.cu instead (sm_90: Hopper's wgmma)
-    chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> "wmma", "cublas" or "rows"
-    seen: dict | None = None     # while a gemm_paths() block runs: shape_key -> the path each GEMM took
+    chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> "wmma", "cublas", "rows" or "mma"
+    seen: dict | None = None     # while a gemm_routes() block runs: shape_key -> the route each GEMM took
 
 
 @dataclass
 class Fp8Twins:
     """split8's fp8 copies of the weights (``CudaOps.twins``): ``gemm`` is cuBLASLt's fp8 GEMM (None unless the
-    path asked for is split8); ``by_ptr`` maps an fp16 weight's device pointer to (weight, fp8 twin, inverse
-    scale); ``skipped`` counts the matrices left without a twin (they run split); ``warned``: the low-memory
-    warning was given."""
+    plan's GEMM operands take an fp8 lo half); ``by_ptr`` maps an fp16 weight's device pointer to (weight, fp8
+    twin, inverse scale); ``skipped`` counts the matrices left without a twin (they run split); ``warned``: the
+    low-memory warning was given."""
 
     gemm: object | None = None
     by_ptr: dict = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""The vision tower's ops on the GPU (cuda/vision.cu, with attention.cu's bidirectional kernels and the GEMM paths):
+"""The vision tower's ops on the GPU (cuda/vision.cu, with attention.cu's bidirectional kernels and the GEMMs):
 its input rows from the uint8 images, the attention and MLP halves of a block, each with its memory-bound steps
 fused (bias, 2-D RoPE and the fp16 rounding of q/k/v in one pass; bias, tanh GELU and the next GEMM's fp16 operand
 in one). A mixin of ``CudaOps``."""
@@ -50,7 +50,7 @@ class VisionOps:
         return (int(min(max(rows, 1), 2 ** 31 - 1)),)
 
     def _project(self, x, w, out):
-        """out = x @ w^T without a bias (the fused kernel after it adds it): a GEMM path for fp16 matrices, the
+        """out = x @ w^T without a bias (the fused kernel after it adds it): a GEMM route for fp16 matrices, the
         small-matrix reduction (linear) for fp32 ones."""
         if w.dtype == self.cp.float16:
             return self._gemm(x, w, out)
@@ -59,15 +59,15 @@ class VisionOps:
 
     def vision_attention(self, x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens):
         """See cpu.vision_attention. The projection's bias and the RoPE are one pass (vision.cu qkv_rope_*) that
-        writes what the attention reads: fp16 q/k/v for attention.cu's kernel (fast), fp32 for the exact modes'
-        fp32 attention."""
+        writes what the attention reads: fp16 q/k/v for attention.cu's kernel (the plan's row: fast), fp32 for the
+        exact modes' fp32 attention."""
         cp = self.cp
         x = self._c(x)
         n, W = x.shape
         D = W // heads
         self._check_bidirectional(D, D)
         qkv = self._project(x, qkv_w, cp.empty((n, 3 * W), dtype=cp.float32))
-        fast = self.plan.fp16
+        fast = self.plan.row.attention_fp16
         q, k, v = cp.empty((3, n, heads, D), dtype=cp.float16 if fast else cp.float32)
         self.kernel("vision.cu", "qkv_rope_half" if fast else "qkv_rope_f32")(
             self._rows_grid(n), (ELEM_THREADS,),
@@ -83,11 +83,12 @@ class VisionOps:
 
     def vision_mlp(self, x, w1, b1, w2, b2):
         """See cpu.vision_mlp. fc1's bias and the tanh GELU are one pass that writes fc2's operand: fp16 (fast, the
-        rounding fc2's GEMM would make) or fp32 (the exact modes split it)."""
+        rounding fc2's GEMM would make: the plan's row rounds GEMM operands once) or fp32 (the exact modes split
+        it)."""
         cp = self.cp
         x = self._c(x)
         h = self._project(x, w1, cp.empty((x.shape[0], w1.shape[0]), dtype=cp.float32))
-        fast = self.plan.fp16 and w2.dtype == cp.float16
+        fast = self.plan.row.gemm.fp16 and w2.dtype == cp.float16
         g = cp.empty(h.shape, dtype=cp.float16 if fast else cp.float32)
         self._bias_gelu(h, b1, g)
         del h

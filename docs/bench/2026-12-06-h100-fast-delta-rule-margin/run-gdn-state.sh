@@ -2,7 +2,7 @@
 # One device call: the fast plan's delta rule as it ships and under the gdn_split_scan and gdn_split switches
 # (clefcore/switches.py).
 #  0. the delta rule's GPU kernel tests (tests/test_kernels.py -k gated_delta);
-#  1. docs/studies/gdn_fast_state.py: output and state errors over seeded draws, both variants;
+#  1. gdn_fast_state.py (this folder): output and state errors over seeded draws, both variants;
 #  2. the golden sets (text and images) in fast mode, native and compute_70 PTX, each variant: worst |dp|;
 #  3. `clefcore bench` (fast, cuBLAS as the image ships, no transformers) as it ships and with gdn_split;
 #  4. STEPS=suite adds the whole GPU suite at the defaults, with and without cuBLAS.
@@ -11,8 +11,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl/deps prometheus_client Brotli backports.zstd uvloop ml_dtypes Pillow
 #   the compute_70 PTX of every kernel file into .whl/ptx70 (CLEFCORE_KERNEL_CACHE), made with the pip NVRTC 12
-# Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gdn-state.sh
-# Writes to $OUT as it goes: kernels.txt, gdn-state.json, golden.txt, bench-none.json, bench-gdn_split.json, bench.txt, suite.txt.
+# Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/2026-12-06-h100-fast-delta-rule-margin/run-gdn-state.sh
+# Writes to $OUT as it goes: kernels.txt, gdn-state.json, golden.txt, bench-none.json, bench-gdn_split.json,
+# bench.txt, suite.txt. It names the switches of its commits (gdn_split, gdn_split_scan), since replaced.
 set -uo pipefail
 OUT=${OUT:-/tmp/gdn-state-out}
 STEPS=${STEPS:-"kernels study golden bench"}
@@ -29,7 +30,7 @@ if [[ " $STEPS " == *" kernels "* ]]; then
     | grep -E "^ERR gdn|passed|failed|Error" >"$OUT/kernels.txt"
 fi
 if [[ " $STEPS " == *" study "* ]]; then
-  (cd /tmp && timeout 200 python3 "$ROOT/docs/studies/gdn_fast_state.py" "$OUT/gdn-state.json" "$DRAWS") \
+  (cd /tmp && timeout 200 python3 "$ROOT/docs/bench/2026-12-06-h100-fast-delta-rule-margin/gdn_fast_state.py" "$OUT/gdn-state.json" "$DRAWS") \
     2>&1 | tee "$OUT/study.txt"
 fi
 if [[ " $STEPS " == *" golden "* ]]; then

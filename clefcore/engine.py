@@ -14,11 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import answers, model, vision
+from . import answers, vision
 from .backends.interface import Backend
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
+from .model.backbone import backbone
+from .model.head import head_rows, heads, heads_from
+from .model.params import load_params
+from .model.prefill import ChunkedPrefill
 from .preparer import NO_IMAGES, Prepared, Preparer
 
 log = logging.getLogger("clefcore")
@@ -85,7 +89,7 @@ class Engine:
         # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
         self.mode = self.ops.mode
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
-        self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
+        self.params = load_params(self.checkpoint, self.ops, progress=progress)
         if images:
             self.vision, self.images_refused = vision.attach(self.checkpoint, self.ops, self.params, progress)
         else:   # a text-only deployment leaves model.visual.* on disk (0.9 GB of GPU memory on the 9B)
@@ -191,11 +195,11 @@ class Engine:
         ops = self.ops
         with self.on_device():
             rows, embeds = self.image_inputs(records)
-            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
+            hs, layers = backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
                                         image_rows=rows, image_embeds=embeds)
             try:
                 # the head is queued behind the backbone without waiting for its guard flags
-                logits = model.heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
+                logits = heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
             finally:
                 ops.check_watched()   # the backbone's guard flags, read once; a bad layer fails the whole batch
         return logits, hs, layers
@@ -287,7 +291,7 @@ def load(path: str | Path, device: str = "cpu", **options) -> Engine:
 
 
 class ChunkedRun:
-    """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (model.ChunkedPrefill),
+    """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (ChunkedPrefill),
     then ``response()``: the joint head over the whole prompt, once. Between steps the engine may run other
     forwards. Guards are read after every step; a trip restarts the run on the range-safe exact path (counted and
     logged as in Engine.forward), a trip there too is a DeviceError. Answers equal the unchunked forward's up to
@@ -302,8 +306,8 @@ class ChunkedRun:
         e, rec = self.engine, self.prepared.record
         with e.on_device():
             rows, embeds = e.image_inputs([rec])
-            return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
-                                        model.head_rows([0, len(rec.input_ids)], [rec.questions]),
+            return ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
+                                        head_rows([0, len(rec.input_ids)], [rec.questions]),
                                         positions=rec.positions, image_rows=rows, image_embeds=embeds)
 
     @property
@@ -339,7 +343,7 @@ class ChunkedRun:
             raise RuntimeError(f"chunked prefill has {self.tokens_left} tokens left")
         e, rec = self.engine, self.prepared.record
         with e.on_device(), self._context():
-            z = model.heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
+            z = heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
                                  [rec.questions])[0]
             e.ops.check_watched()
         return z

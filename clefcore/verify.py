@@ -71,7 +71,7 @@ class _DiskLayer(Mapping):
     use, so the fp32 reference never holds the whole model (36 GB for clef-flash) in host memory."""
 
     def __init__(self, ck, index: int):
-        from .model import stored_groups
+        from .model.params import stored_groups
         self.ck, self.prefix = ck, f"layers.{index}."
         groups = stored_groups(n for n in ck.text_tensors if n.startswith(self.prefix))
         self.parts = {n[len(self.prefix):]: parts for n, parts in groups}   # FUSED parts as load_params stacks them
@@ -99,7 +99,7 @@ class _DiskTable:
 
 
 def streamed_reference_params(ck):
-    from .model import Params
+    from .model.params import Params
     p = Params(ck.text, ck.head_config, _DiskTable(ck.text_tensors["embed_tokens.weight"]), ck.text_f32("norm.weight"),
                _DiskTable(ck.text_tensors["lm_head.weight"]), [_DiskLayer(ck, i) for i in range(ck.text.num_layers)])
     p.head = {n: ck.head_f32(n) for n in ck.head_tensors}
@@ -128,9 +128,11 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
     with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
     too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
     within tolerance and the answers agree."""
-    from . import model, vision
+    from . import vision
     from .backends import cpu
     from .engine import image_inputs, packed_positions
+    from .model.backbone import backbone
+    from .model.head import heads
     recs = records(ck, vision_params is not None)
     lens = [len(r.input_ids) for r in recs]
     ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
@@ -147,8 +149,8 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
         _, gh, gw = recs[1].images[0].grid_thw
         out(f"vision tower, one {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG ({gh} x {gw} patches, {len(rows)} image tokens): "
             f"max abs {d:.3e}, max rel {r_:.3e}" + ("" if r_ <= layer_tol else "  <-- beyond tolerance"))
-    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_c)
-    h_g, kept_g = model.backbone(ops, params, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_g)
+    h_c, kept_c = backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_c)
+    h_g, kept_g = backbone(ops, params, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_g)
     what = " + ".join(f"{n} ({'with an image' if r.images else 'text'})" for n, r in zip(lens, recs))
     out(f"{sum(lens)} tokens = {what}; per-layer residual stream, device vs fp32 numpy:")
     out(f"{'layer':>5} {'kind':18} {'max abs':>10} {'max rel':>10}")
@@ -158,8 +160,8 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
         ok &= r_ <= layer_tol
         out(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
     questions = [r.questions for r in recs]
-    z_c = model.heads(cpu, p_cpu, h_c, ids, cu, questions)
-    z_g = model.heads(ops, params, h_g, ids, cu, questions)
+    z_c = heads(cpu, p_cpu, h_c, ids, cu, questions)
+    z_g = heads(ops, params, h_g, ids, cu, questions)
     out("head logits (device | cpu) and probabilities:")
     for rec, zs_g, zs_c in zip(recs, z_g, z_c):
         if len(recs) > 1:
@@ -179,14 +181,15 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
 
 
 def run(args) -> int:
-    from . import model, vision
+    from . import vision
     from .backends.cuda import CudaOps
     from .checkpoint import Checkpoint
+    from .model.params import load_params
     ck = Checkpoint(args.model, args.revision)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
     bar = terminal_bar(f"loading onto {gpu.device_name}")
-    p_gpu = model.load_params(ck, gpu, progress=bar)
+    p_gpu = load_params(ck, gpu, progress=bar)
     vp, why = (None, "--no-images") if args.no_images else vision.attach(ck, gpu, p_gpu, progress=bar)
     if vp is None:
         print(f"request with an image: not run ({why})")

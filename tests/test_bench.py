@@ -209,11 +209,12 @@ IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
 
 @pytest.fixture(scope="module")
 def tiny_with_tower():
-    from clefcore import model, vision
+    from clefcore import vision
     from clefcore.backends import cpu
     from clefcore.checkpoint import Checkpoint
+    from clefcore.model.params import load_params
     ck = Checkpoint(IMAGES_MODEL)
-    params = model.load_params(ck, cpu)
+    params = load_params(ck, cpu)
     vp, why = vision.attach(ck, cpu, params)
     assert vp is not None, why
     return ck, params, vp
@@ -269,11 +270,12 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
 @gpu
 def test_image_case_on_the_gpu(tiny_with_tower):
     """image.case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
-    from clefcore import model, vision
+    from clefcore import vision
     from clefcore.backends.cuda import CudaOps
+    from clefcore.model.params import load_params
     ck = tiny_with_tower[0]
     ops = CudaOps(0, precision="exact")
-    params = model.load_params(ck, ops)
+    params = load_params(ck, ops)
     vp, why = vision.attach(ck, ops, params)
     assert vp is not None, why
     r = image.case(cupy, ops, params, vp, (64, 48), 2)

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 import clefcore
 from clefcore.errors import RequestError
 from clefcore.jsonvalue import parse_body
+from clefcore.model.backbone import embed_with_images
 from clefcore.preparer import Preparer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,7 +55,7 @@ def test_states_and_logits(fx, engine):
         return
     st = load_file(str(states))
     rows, embeds = engine.image_inputs([p.record])
-    x = clefcore.model.embed_with_images(engine.ops, engine.params, p.record.input_ids, rows, embeds)
+    x = embed_with_images(engine.ops, engine.params, p.record.input_ids, rows, embeds)
     assert np.abs(x - st["inputs_embeds"]).max() / np.abs(st["inputs_embeds"]).max() < 2e-4
     for i, (got, want) in enumerate(zip(layers, st["layer_outputs"], strict=True)):
         rel = np.abs(got - want).max() / np.abs(want).max()

@@ -55,12 +55,12 @@ class EngineStatus:
 
 
 def backend_for(device: str, **options) -> Backend:
-    """``"cpu"`` -> the numpy module; ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
+    """``"cpu"`` -> a CpuOps (numpy); ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
     if device == "cpu":
         if options:
             raise ClefError(f"{', '.join(sorted(options))}: GPU-only options (device is 'cpu')")
-        from .backends import cpu
-        return cpu
+        from .backends.cpu import CpuOps
+        return CpuOps()
     if device == "cuda" or device.startswith("cuda:"):
         try:
             index = int(device.partition(":")[2] or 0)

@@ -129,7 +129,7 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
     too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
     within tolerance and the answers agree."""
     from . import vision
-    from .backends import cpu
+    from .backends.cpu import CpuOps
     from .engine import image_inputs, packed_positions
     from .model.backbone import backbone
     from .model.head import heads
@@ -137,7 +137,7 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
     lens = [len(r.input_ids) for r in recs]
     ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
     cu, pos = np.concatenate([[0], np.cumsum(lens)]), packed_positions(recs)
-    p_cpu = streamed_reference_params(ck)
+    cpu, p_cpu = CpuOps(), streamed_reference_params(ck)
     ok = True
     rows = e_c = e_g = None
     if vision_params is not None:

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from clefcore.backends import cpu  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.checkpoint import Checkpoint, write_safetensors  # noqa: E402
 from clefcore.model.backbone import backbone  # noqa: E402
 from clefcore.model.params import load_params  # noqa: E402
@@ -74,6 +74,7 @@ def save_checkpoint(m, config, out: Path) -> Checkpoint:
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_backbone_matches_transformers(index, tmp_path):
     m, config = hf_model(CONFIGS[index], seed=index)
+    cpu = CpuOps()
     params = load_params(save_checkpoint(m, config, tmp_path / "ckpt"), cpu)
     rng = np.random.default_rng(index)
     seqs = [rng.integers(0, 512, n) for n in LENGTHS]

@@ -210,10 +210,10 @@ IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
 @pytest.fixture(scope="module")
 def tiny_with_tower():
     from clefcore import vision
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.checkpoint import Checkpoint
     from clefcore.model.params import load_params
-    ck = Checkpoint(IMAGES_MODEL)
+    ck, cpu = Checkpoint(IMAGES_MODEL), CpuOps()
     params = load_params(ck, cpu)
     vp, why = vision.attach(ck, cpu, params)
     assert vp is not None, why
@@ -227,10 +227,11 @@ def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_w
     from dataclasses import replace
 
     from clefcore import images
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.encode import mrope_positions
     from clefcore.synth import picture_png
     _, params, vp = tiny_with_tower
+    cpu = CpuOps()
     data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
     rec, px = records.image_record(data, params.text.vocab_size)
     assert px.grid_thw == (1, 14, 20) and rec.image_spans == ((32, 102, 7, 10),)

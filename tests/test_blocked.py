@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
 from clefcore.checkpoint import Checkpoint
 from clefcore.model.backbone import _conv_tail, backbone, block_plan
 from clefcore.model.params import load_params
@@ -82,7 +83,7 @@ def test_conv_with_previous_rows(block):
 
 @pytest.fixture(scope="module")
 def cpu_params():
-    return load_params(Checkpoint(GOLD), cpu)
+    return load_params(Checkpoint(GOLD), CpuOps())
 
 
 CASES = [
@@ -95,10 +96,10 @@ CASES = [
 def test_backbone_blocked_equals_unblocked_cpu(cpu_params, lengths, blocks):
     p = cpu_params
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
-    want, want_layers = backbone(cpu, p, ids, cu, pos, keep_layers=True)
+    want, want_layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True)
     scale = float(np.max(np.abs(want)))
     for block in blocks:
-        got, layers = backbone(cpu, p, ids, cu, pos, keep_layers=True, block=block)
+        got, layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True, block=block)
         err = float(np.max(np.abs(got - want))) / scale
         assert err <= 2e-5, f"block {block}: final states differ by {err:.2e} (relative)"
         for i, (a, b) in enumerate(zip(layers, want_layers)):
@@ -111,7 +112,7 @@ def test_keep_layers_are_copies(cpu_params):
     norm."""
     p = cpu_params
     ids, cu, pos = _stream([40], p.text.vocab_size)
-    hs, layers = backbone(cpu, p, ids, cu, pos, keep_layers=True, block=16)
+    hs, layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True, block=16)
     assert len(layers) == p.text.num_layers
     assert not any(np.shares_memory(a, b) for a in layers for b in layers if a is not b)
     np.testing.assert_allclose(cpu.rmsnorm(layers[-1], p.norm, p.text.rms_eps), hs, rtol=1e-6, atol=1e-6)
@@ -129,7 +130,7 @@ def test_backbone_blocked_equals_unblocked_gpu(cpu_params, lengths, blocks):
     ops = CudaOps(0, precision="exact")
     p = load_params(Checkpoint(GOLD), ops)
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
-    ref, _ = backbone(cpu, cpu_params, ids, cu, pos)
+    ref, _ = backbone(CpuOps(), cpu_params, ids, cu, pos)
     want, want_layers = backbone(ops, p, ids, cu, pos, keep_layers=True, block=0)
     want = ops.to_host(want)
     scale = float(np.max(np.abs(ref)))

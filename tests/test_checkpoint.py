@@ -135,10 +135,10 @@ def test_streamed_reference_params_match_loaded():
     """`clefcore verify` streams the fp32 reference weights from disk layer by layer (so it fits hosts with
     less RAM than the fp32 model); the numbers must be the loaded model's exactly."""
     from clefcore import verify
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.model.backbone import backbone
     from clefcore.model.params import load_params
-    ck = Checkpoint(GOLDEN_MODEL)
+    ck, cpu = Checkpoint(GOLDEN_MODEL), CpuOps()
     loaded, streamed = load_params(ck, cpu), verify.streamed_reference_params(ck)
     ids = np.arange(130) * 7 % ck.text.vocab_size
     h1, k1 = backbone(cpu, loaded, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
@@ -151,7 +151,7 @@ def test_load_progress_bar_on_a_terminal(monkeypatch):
     import io
 
     from clefcore import progress
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.model.params import load_params
 
     class Tty(io.StringIO):
@@ -162,18 +162,18 @@ def test_load_progress_bar_on_a_terminal(monkeypatch):
     out = Tty()
     monkeypatch.setattr("sys.stderr", out)
     ck = Checkpoint(GOLDEN_MODEL)
-    load_params(ck, cpu, progress=progress.terminal_bar("loading"))
+    load_params(ck, CpuOps(), progress=progress.terminal_bar("loading"))
     n = len(ck.text_tensors) + len(ck.head_tensors)
     assert out.getvalue().count("\r") == n and out.getvalue().endswith(f"] {n}/{n}\n")
 
 
 def test_fused_projections_are_stacked_at_load():
     """FUSED parts become one weight (rows in the listed order), stored under the fused name only."""
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.checkpoint import stack_refs
     from clefcore.model.params import FUSED, load_params
     ck = Checkpoint(GOLDEN_MODEL)
-    p = load_params(ck, cpu)
+    p = load_params(ck, CpuOps())
     kinds = {"linear_attn.in_proj.weight": "linear_attention", "self_attn.qkv_proj.weight": "full_attention"}
     assert set(FUSED) == set(kinds)
     for fused, parts in FUSED.items():

@@ -10,14 +10,13 @@ batches and long prompts.
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clefcore import errors
-from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda.graphs import GraphCache
 from clefcore.checkpoint import Checkpoint
 from clefcore.model.backbone import backbone
@@ -44,7 +43,7 @@ class _PadOnly(GraphCache):
 @pytest.fixture(scope="module")
 def cpu_params():
     ck = Checkpoint(GOLD)
-    return ck, load_params(ck, cpu)
+    return ck, load_params(ck, CpuOps())
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 100])
@@ -52,9 +51,10 @@ def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
     ck, p = cpu_params
     ids = np.random.default_rng(T).integers(0, ck.text.vocab_size, T)
     cu, pos = np.array([0, T]), np.arange(T)
-    want, _ = backbone(cpu, p, ids, cu, pos)
+    want, _ = backbone(CpuOps(), p, ids, cu, pos)
     pad = _PadOnly(bucket=64, max_tokens=1024)
-    ops = types.SimpleNamespace(**{**{k: getattr(cpu, k) for k in dir(cpu) if not k.startswith("__")}, "graphs": pad})
+    ops = CpuOps()
+    ops.graphs = pad
     got, _ = backbone(ops, p, ids, cu, pos)
     assert pad.calls and pad.calls[0][1] == -(-T // 64) * 64
     assert got.shape == want.shape

@@ -15,11 +15,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
 
 from clefcore import verify, vision  # noqa: E402
-from clefcore.backends import cpu  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402
 from clefcore.model.params import load_params  # noqa: E402
 
 MODEL = Path(__file__).parent / "golden" / "model"
+cpu = CpuOps()
 
 
 def test_builtin_request_is_valid_and_covers_every_question_type():

@@ -19,6 +19,7 @@ from .backends.interface import Backend
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
+from .example_request import support_ticket
 from .model.backbone import backbone
 from .model.head import head_rows, heads, heads_from
 from .model.params import load_params
@@ -28,19 +29,6 @@ from .preparer import NO_IMAGES, Prepared, Preparer
 log = logging.getLogger("clefcore")
 
 DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
-
-SELF_CHECK_REQUEST = {
-    "model": "clef-flash",
-    "state": "Our checkout started returning errors and orders are blocked.",
-    "questions": {
-        "department": {"type": "choice", "instructions": "Which team should handle the message?",
-                       "criteria": {"billing": "Payments or invoices", "technical": "Bugs or outages"}},
-        "urgency": {"type": "score", "instructions": "How urgent is it?",
-                    "criteria": ["Can wait", "This week", "Today"]},
-        "outage": {"type": "noul", "instructions": "Is a service down?"},
-    },
-}
-
 
 @dataclass(frozen=True)
 class EngineStatus:
@@ -148,7 +136,7 @@ class Engine:
         reserved (0 on the CPU); DeviceError, naming the limits, when they do not fit."""
         longest = self.host.max_length
         whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
-        base = self.prepare(SELF_CHECK_REQUEST)
+        base = self.prepare(support_ticket())
         per = max(batch_tokens // batch_requests, base.num_tokens)
         packed = [padded(base, per).record] * max(1, min(batch_requests, batch_tokens // per))
         single = [padded(base, whole).record]
@@ -225,11 +213,13 @@ class Engine:
         return self.infer([self.prepare(b) for b in bodies])
 
     def self_check(self) -> dict:
-        """Run a built-in request; raise ClefError unless every answer is complete and well-formed."""
-        out = self.decide(SELF_CHECK_REQUEST)
+        """Run the example request (clefcore/example_request.py); raise ClefError unless every answer is complete
+        and well-formed."""
+        body = support_ticket()
+        out = self.decide(body)
         got = out.get("answers", {})
-        if list(got) != list(SELF_CHECK_REQUEST["questions"]):
-            raise ClefError(f"self-check: answers for {list(got)}, expected {list(SELF_CHECK_REQUEST['questions'])}")
+        if list(got) != list(body["questions"]):
+            raise ClefError(f"self-check: answers for {list(got)}, expected {list(body['questions'])}")
         for qid, a in got.items():
             probs = list(a.get("probabilities", {}).values()) or [a["noul"]]
             if not all(0.0 <= p <= 1.0 for p in probs) or (len(probs) > 1 and abs(sum(probs) - 1) > 0.02):

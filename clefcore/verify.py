@@ -1,8 +1,8 @@
 """``clefcore verify --model DIR --device cuda[:N]``: prove a GPU deployment is not silently wrong.
 
-Runs a short built-in request through the GPU path and the fp32 numpy path, prints per-layer max abs / rel
-differences of the residual stream, the head logits side by side (and the answers when ``clefcore.engine``
-can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
+Runs the example request (clefcore/example_request.py) through the GPU path and the fp32 numpy path, prints
+per-layer max abs / rel differences of the residual stream, the head logits side by side (and the answers when
+``clefcore.engine`` can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
 tower (and ``--no-images`` is not given) the same request with an image is packed beside it: the tower's
 output is compared too, and the backbone runs both requests in one forward with M-RoPE positions, as the
 server packs them. The numpy side streams the backbone from disk but holds the tower in fp32 (1.8 GB on
@@ -17,31 +17,18 @@ import numpy as np
 
 from . import precision
 from .checkpoint import to_float32
+from .example_request import support_ticket
 from .options import HelpFormatter, image_options, model_options
 from .progress import terminal_bar
-
-REQUEST = {
-    "model": "clef-flash",
-    "state": {"ticket": "Our checkout started returning errors and orders are blocked since 09:40 UTC.",
-              "customer": {"plan": "enterprise", "region": "eu-west"}, "attempts": [1, 2, 3]},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle it?",
-                 "criteria": {"billing": "payments and invoices", "technical": "outages and bugs",
-                              "sales": "new plans"}},
-        "severity": {"type": "score", "instructions": "How severe is it?",
-                     "criteria": ["minor", "moderate", "major", "critical"]},
-    },
-}
-
 
 # the image of the second request: resized to 320x224 (a real resize), a 7x10 grid of merged tokens (not square)
 IMAGE_SIZE = (320, 208)
 
 
 def image_request() -> dict:
+    """The example request with one picture."""
     from .synth import data_url, picture_png
-    return dict(REQUEST, images=[data_url(picture_png(*IMAGE_SIZE))])
+    return dict(support_ticket(), images=[data_url(picture_png(*IMAGE_SIZE))])
 
 
 def add_arguments(parser):
@@ -107,13 +94,14 @@ def streamed_reference_params(ck):
 
 
 def records(ck, with_image: bool) -> list:
-    """The encoded requests verify runs: REQUEST, and with an image the same request with one."""
+    """The encoded requests verify runs: the example request (clefcore/example_request.py), and with an image the
+    same request with one."""
     from .encode import Encoder
     from .preparer import request_pixels
     from .tokenize import Tokenizer
     from .validate import validate_request
     enc = Encoder(Tokenizer(ck.tokenizer_path))
-    bodies = [REQUEST] + ([image_request()] if with_image else [])
+    bodies = [support_ticket()] + ([image_request()] if with_image else [])
     requests = [validate_request(b, "cloudflare") for b in bodies]
     return [enc.encode(r, 16384, request_pixels(r)) for r in requests]
 
@@ -124,7 +112,7 @@ def _rel(a, b) -> tuple[float, float]:
 
 
 def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print, vision_params=None) -> bool:
-    """Run REQUEST through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
+    """Run the example request through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
     with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
     too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
     within tolerance and the answers agree."""

@@ -23,12 +23,15 @@ MODEL = Path(__file__).parent / "golden" / "model"
 cpu = CpuOps()
 
 
-def test_builtin_request_is_valid_and_covers_every_question_type():
+def test_verify_runs_the_example_request_which_covers_every_question_type():
     from clefcore.encode import Encoder
+    from clefcore.example_request import support_ticket
     from clefcore.tokenize import Tokenizer
     from clefcore.validate import validate_request
     ck = Checkpoint(MODEL)
-    rec = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(verify.REQUEST, "cloudflare"), 16384)
+    rec = verify.records(ck, False)[0]
+    want = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(support_ticket(), "cloudflare"), 16384)
+    assert np.array_equal(rec.input_ids, want.input_ids)
     assert sorted(q.type_index for q in rec.questions) == [0, 1, 2]
     assert len(rec.input_ids) > 100
 

@@ -83,7 +83,7 @@ class SafetensorsFile:
 
 
 def stack_refs(name: str, refs: list[TensorRef]) -> TensorRef:
-    """Tensors with equal column counts as one, rows concatenated (a fused projection, model.FUSED), in their
+    """Tensors with equal column counts as one, rows concatenated (a fused projection, model.params.FUSED), in their
     common dtype (fp32 when they differ); a single ref is returned as it is."""
     if len(refs) == 1:
         return refs[0]

@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 
 from . import answers
-from .engine import DEFAULT_MAX_LENGTH, SELF_CHECK_REQUEST, load
+from .engine import DEFAULT_MAX_LENGTH, load
 from .errors import ClefError, RequestError
+from .example_request import support_ticket
 from .jsonvalue import parse_body
 from .options import HelpFormatter, backend_options, gpu_options, image_options, model_options, serve_options
 from .progress import terminal_bar
@@ -64,7 +65,7 @@ def cmd_decide(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The README's first command: a tiny synthetic model on the CPU and a built-in request."""
+    """The README's first command: a tiny synthetic model on the CPU and the example request."""
     from . import synth
     model = args.model
     if model is None:
@@ -75,7 +76,8 @@ def cmd_demo(args) -> int:
     if args.model is None:
         sys.stderr.write(f"clefcore demo: synthetic random-weight model at {model} on {engine.device}; "
                          "its answers are meaningless (use --model for real weights)\n")
-    _print({"request": SELF_CHECK_REQUEST, "response": engine.decide(SELF_CHECK_REQUEST)})
+    body = support_ticket()
+    _print({"request": body, "response": engine.decide(body)})
     return 0
 
 
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.set_defaults(func=cmd_decide)
 
-    p = sub.add_parser("demo", help="synthesize a tiny random model and answer a built-in request",
+    p = sub.add_parser("demo", help="synthesize a tiny random model and answer the example request",
                        formatter_class=HelpFormatter)
     model_options(p, absent=f"a tiny random-weight model, written to {DEMO_MODEL} the first time")
     _engine_options(p)
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     for name, module, help_text in (
-            ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on a built-in request"),
+            ("verify", "clefcore.verify", "compare the GPU path with the fp32 numpy path on the example request"),
             ("bench", "clefcore.bench", "kernel and end-to-end microbenchmarks"),
             ("serve", "clefcore.server.main", "serve System One over HTTP"),
             ("loadtest", "clefcore.loadtest", "offered load against a server, latency by request class"),

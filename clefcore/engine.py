@@ -14,29 +14,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import answers, model, vision
+from . import answers, vision
 from .backends.interface import Backend
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
+from .example_request import support_ticket
+from .model.backbone import backbone
+from .model.head import head_rows, heads, heads_from
+from .model.params import load_params
+from .model.prefill import ChunkedPrefill
 from .preparer import NO_IMAGES, Prepared, Preparer
 
 log = logging.getLogger("clefcore")
 
 DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
-
-SELF_CHECK_REQUEST = {
-    "model": "clef-flash",
-    "state": "Our checkout started returning errors and orders are blocked.",
-    "questions": {
-        "department": {"type": "choice", "instructions": "Which team should handle the message?",
-                       "criteria": {"billing": "Payments or invoices", "technical": "Bugs or outages"}},
-        "urgency": {"type": "score", "instructions": "How urgent is it?",
-                    "criteria": ["Can wait", "This week", "Today"]},
-        "outage": {"type": "noul", "instructions": "Is a service down?"},
-    },
-}
-
 
 @dataclass(frozen=True)
 class EngineStatus:
@@ -51,12 +43,12 @@ class EngineStatus:
 
 
 def backend_for(device: str, **options) -> Backend:
-    """``"cpu"`` -> the numpy module; ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
+    """``"cpu"`` -> a CpuOps (numpy); ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
     if device == "cpu":
         if options:
             raise ClefError(f"{', '.join(sorted(options))}: GPU-only options (device is 'cpu')")
-        from .backends import cpu
-        return cpu
+        from .backends.cpu import CpuOps
+        return CpuOps()
     if device == "cuda" or device.startswith("cuda:"):
         try:
             index = int(device.partition(":")[2] or 0)
@@ -85,7 +77,7 @@ class Engine:
         # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
         self.mode = self.ops.mode
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
-        self.params = model.load_params(self.checkpoint, self.ops, progress=progress)
+        self.params = load_params(self.checkpoint, self.ops, progress=progress)
         if images:
             self.vision, self.images_refused = vision.attach(self.checkpoint, self.ops, self.params, progress)
         else:   # a text-only deployment leaves model.visual.* on disk (0.9 GB of GPU memory on the 9B)
@@ -144,7 +136,7 @@ class Engine:
         reserved (0 on the CPU); DeviceError, naming the limits, when they do not fit."""
         longest = self.host.max_length
         whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
-        base = self.prepare(SELF_CHECK_REQUEST)
+        base = self.prepare(support_ticket())
         per = max(batch_tokens // batch_requests, base.num_tokens)
         packed = [padded(base, per).record] * max(1, min(batch_requests, batch_tokens // per))
         single = [padded(base, whole).record]
@@ -191,11 +183,11 @@ class Engine:
         ops = self.ops
         with self.on_device():
             rows, embeds = self.image_inputs(records)
-            hs, layers = model.backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
+            hs, layers = backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
                                         image_rows=rows, image_embeds=embeds)
             try:
                 # the head is queued behind the backbone without waiting for its guard flags
-                logits = model.heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
+                logits = heads(ops, self.params, hs, ids, cu, [r.questions for r in records])
             finally:
                 ops.check_watched()   # the backbone's guard flags, read once; a bad layer fails the whole batch
         return logits, hs, layers
@@ -221,11 +213,13 @@ class Engine:
         return self.infer([self.prepare(b) for b in bodies])
 
     def self_check(self) -> dict:
-        """Run a built-in request; raise ClefError unless every answer is complete and well-formed."""
-        out = self.decide(SELF_CHECK_REQUEST)
+        """Run the example request (clefcore/example_request.py); raise ClefError unless every answer is complete
+        and well-formed."""
+        body = support_ticket()
+        out = self.decide(body)
         got = out.get("answers", {})
-        if list(got) != list(SELF_CHECK_REQUEST["questions"]):
-            raise ClefError(f"self-check: answers for {list(got)}, expected {list(SELF_CHECK_REQUEST['questions'])}")
+        if list(got) != list(body["questions"]):
+            raise ClefError(f"self-check: answers for {list(got)}, expected {list(body['questions'])}")
         for qid, a in got.items():
             probs = list(a.get("probabilities", {}).values()) or [a["noul"]]
             if not all(0.0 <= p <= 1.0 for p in probs) or (len(probs) > 1 and abs(sum(probs) - 1) > 0.02):
@@ -287,7 +281,7 @@ def load(path: str | Path, device: str = "cpu", **options) -> Engine:
 
 
 class ChunkedRun:
-    """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (model.ChunkedPrefill),
+    """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (ChunkedPrefill),
     then ``response()``: the joint head over the whole prompt, once. Between steps the engine may run other
     forwards. Guards are read after every step; a trip restarts the run on the range-safe exact path (counted and
     logged as in Engine.forward), a trip there too is a DeviceError. Answers equal the unchunked forward's up to
@@ -302,8 +296,8 @@ class ChunkedRun:
         e, rec = self.engine, self.prepared.record
         with e.on_device():
             rows, embeds = e.image_inputs([rec])
-            return model.ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
-                                        model.head_rows([0, len(rec.input_ids)], [rec.questions]),
+            return ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
+                                        head_rows([0, len(rec.input_ids)], [rec.questions]),
                                         positions=rec.positions, image_rows=rows, image_embeds=embeds)
 
     @property
@@ -339,7 +333,7 @@ class ChunkedRun:
             raise RuntimeError(f"chunked prefill has {self.tokens_left} tokens left")
         e, rec = self.engine, self.prepared.record
         with e.on_device(), self._context():
-            z = model.heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
+            z = heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
                                  [rec.questions])[0]
             e.ops.check_watched()
         return z

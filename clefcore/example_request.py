@@ -1,8 +1,9 @@
 """The example System One request, defined once: a support ticket asking one question of each type.
 
-It is the body the playground page starts from (server/playground/index.html writes the same body in its
-script, for the browser). The OpenAPI schema's example is it with another state and an image, the load test
-sends it with states of chosen sizes, and the server tests send it.
+It is what ``clefcore demo`` answers, the engine's self-check and ``clefcore verify`` run, and the body the
+playground page starts from (the server serves it at GET /example and the page fetches it). The OpenAPI schema's
+example is it with another state and an image, the load test sends it with states of chosen sizes, and the server
+tests send it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``clefcore verify --model DIR --device cuda[:N]``: prove a GPU deployment is not silently wrong.
 
-Runs a short built-in request through the GPU path and the fp32 numpy path, prints per-layer max abs / rel
-differences of the residual stream, the head logits side by side (and the answers when ``clefcore.engine``
-can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
+Runs the example request (clefcore/example_request.py) through the GPU path and the fp32 numpy path, prints
+per-layer max abs / rel differences of the residual stream, the head logits side by side (and the answers when
+``clefcore.engine`` can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
 tower (and ``--no-images`` is not given) the same request with an image is packed beside it: the tower's
 output is compared too, and the backbone runs both requests in one forward with M-RoPE positions, as the
 server packs them. The numpy side streams the backbone from disk but holds the tower in fp32 (1.8 GB on
@@ -17,31 +17,18 @@ import numpy as np
 
 from . import precision
 from .checkpoint import to_float32
+from .example_request import support_ticket
 from .options import HelpFormatter, image_options, model_options
 from .progress import terminal_bar
-
-REQUEST = {
-    "model": "clef-flash",
-    "state": {"ticket": "Our checkout started returning errors and orders are blocked since 09:40 UTC.",
-              "customer": {"plan": "enterprise", "region": "eu-west"}, "attempts": [1, 2, 3]},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle it?",
-                 "criteria": {"billing": "payments and invoices", "technical": "outages and bugs",
-                              "sales": "new plans"}},
-        "severity": {"type": "score", "instructions": "How severe is it?",
-                     "criteria": ["minor", "moderate", "major", "critical"]},
-    },
-}
-
 
 # the image of the second request: resized to 320x224 (a real resize), a 7x10 grid of merged tokens (not square)
 IMAGE_SIZE = (320, 208)
 
 
 def image_request() -> dict:
+    """The example request with one picture."""
     from .synth import data_url, picture_png
-    return dict(REQUEST, images=[data_url(picture_png(*IMAGE_SIZE))])
+    return dict(support_ticket(), images=[data_url(picture_png(*IMAGE_SIZE))])
 
 
 def add_arguments(parser):
@@ -71,7 +58,7 @@ class _DiskLayer(Mapping):
     use, so the fp32 reference never holds the whole model (36 GB for clef-flash) in host memory."""
 
     def __init__(self, ck, index: int):
-        from .model import stored_groups
+        from .model.params import stored_groups
         self.ck, self.prefix = ck, f"layers.{index}."
         groups = stored_groups(n for n in ck.text_tensors if n.startswith(self.prefix))
         self.parts = {n[len(self.prefix):]: parts for n, parts in groups}   # FUSED parts as load_params stacks them
@@ -99,7 +86,7 @@ class _DiskTable:
 
 
 def streamed_reference_params(ck):
-    from .model import Params
+    from .model.params import Params
     p = Params(ck.text, ck.head_config, _DiskTable(ck.text_tensors["embed_tokens.weight"]), ck.text_f32("norm.weight"),
                _DiskTable(ck.text_tensors["lm_head.weight"]), [_DiskLayer(ck, i) for i in range(ck.text.num_layers)])
     p.head = {n: ck.head_f32(n) for n in ck.head_tensors}
@@ -107,13 +94,14 @@ def streamed_reference_params(ck):
 
 
 def records(ck, with_image: bool) -> list:
-    """The encoded requests verify runs: REQUEST, and with an image the same request with one."""
+    """The encoded requests verify runs: the example request (clefcore/example_request.py), and with an image the
+    same request with one."""
     from .encode import Encoder
     from .preparer import request_pixels
     from .tokenize import Tokenizer
     from .validate import validate_request
     enc = Encoder(Tokenizer(ck.tokenizer_path))
-    bodies = [REQUEST] + ([image_request()] if with_image else [])
+    bodies = [support_ticket()] + ([image_request()] if with_image else [])
     requests = [validate_request(b, "cloudflare") for b in bodies]
     return [enc.encode(r, 16384, request_pixels(r)) for r in requests]
 
@@ -124,18 +112,20 @@ def _rel(a, b) -> tuple[float, float]:
 
 
 def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print, vision_params=None) -> bool:
-    """Run REQUEST through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
+    """Run the example request through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
     with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
     too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
     within tolerance and the answers agree."""
-    from . import model, vision
-    from .backends import cpu
+    from . import vision
+    from .backends.cpu import CpuOps
     from .engine import image_inputs, packed_positions
+    from .model.backbone import backbone
+    from .model.head import heads
     recs = records(ck, vision_params is not None)
     lens = [len(r.input_ids) for r in recs]
     ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
     cu, pos = np.concatenate([[0], np.cumsum(lens)]), packed_positions(recs)
-    p_cpu = streamed_reference_params(ck)
+    cpu, p_cpu = CpuOps(), streamed_reference_params(ck)
     ok = True
     rows = e_c = e_g = None
     if vision_params is not None:
@@ -147,8 +137,8 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
         _, gh, gw = recs[1].images[0].grid_thw
         out(f"vision tower, one {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} PNG ({gh} x {gw} patches, {len(rows)} image tokens): "
             f"max abs {d:.3e}, max rel {r_:.3e}" + ("" if r_ <= layer_tol else "  <-- beyond tolerance"))
-    h_c, kept_c = model.backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_c)
-    h_g, kept_g = model.backbone(ops, params, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_g)
+    h_c, kept_c = backbone(cpu, p_cpu, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_c)
+    h_g, kept_g = backbone(ops, params, ids, cu, pos, keep_layers=True, image_rows=rows, image_embeds=e_g)
     what = " + ".join(f"{n} ({'with an image' if r.images else 'text'})" for n, r in zip(lens, recs))
     out(f"{sum(lens)} tokens = {what}; per-layer residual stream, device vs fp32 numpy:")
     out(f"{'layer':>5} {'kind':18} {'max abs':>10} {'max rel':>10}")
@@ -158,8 +148,8 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
         ok &= r_ <= layer_tol
         out(f"{i:5d} {ck.text.layer_types[i]:18} {d:10.3e} {r_:10.3e}{flag}")
     questions = [r.questions for r in recs]
-    z_c = model.heads(cpu, p_cpu, h_c, ids, cu, questions)
-    z_g = model.heads(ops, params, h_g, ids, cu, questions)
+    z_c = heads(cpu, p_cpu, h_c, ids, cu, questions)
+    z_g = heads(ops, params, h_g, ids, cu, questions)
     out("head logits (device | cpu) and probabilities:")
     for rec, zs_g, zs_c in zip(recs, z_g, z_c):
         if len(recs) > 1:
@@ -179,14 +169,15 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
 
 
 def run(args) -> int:
-    from . import model, vision
+    from . import vision
     from .backends.cuda import CudaOps
     from .checkpoint import Checkpoint
+    from .model.params import load_params
     ck = Checkpoint(args.model, args.revision)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
     gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
     bar = terminal_bar(f"loading onto {gpu.device_name}")
-    p_gpu = model.load_params(ck, gpu, progress=bar)
+    p_gpu = load_params(ck, gpu, progress=bar)
     vp, why = (None, "--no-images") if args.no_images else vision.attach(ck, gpu, p_gpu, progress=bar)
     if vp is None:
         print(f"request with an image: not run ({why})")

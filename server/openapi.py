@@ -265,6 +265,10 @@ def _operations(security: list) -> dict[str, dict]:
          "responses": {"200": {"description": "OpenAPI 3.1", "content": _json_content({"type": "object"})}}},
         {"summary": "Playground page", "operationId": "playground", "security": [],
          "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}},
+        {"summary": "The example request, the body the playground starts from", "operationId": "example",
+         "security": [],
+         "responses": {"200": {"description": "a System One request",
+                               "content": _json_content({"$ref": "#/components/schemas/SystemOneRequest"})}}},
     ]
     return {operation["operationId"]: operation for operation in operations}
 

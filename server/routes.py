@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from clefcore.errors import RequestError
+from clefcore.example_request import support_ticket
 from clefcore.options import BODY_TIMEOUT, MAX_BODY_BYTES
 
 from . import errors
@@ -287,6 +288,11 @@ async def _playground(request: web.Request) -> web.Response:
     return web.Response(body=PLAYGROUND.read_bytes(), content_type="text/html", charset="utf-8")
 
 
+async def _example(request: web.Request) -> web.Response:
+    """The body the playground starts from; the page fetches it rather than keep a copy."""
+    return _json(support_ticket())
+
+
 # --- the route table ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -311,6 +317,7 @@ ROUTES = (
     Route("GET", "/metrics", _metrics, "metrics"),
     Route("GET", "/openapi.json", _openapi, "openapi"),
     Route("GET", "/", _playground, "playground"),
+    Route("GET", "/example", _example, "example"),
 )
 
 

@@ -17,9 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from clefcore import model  # noqa: E402
-from clefcore.backends import cpu  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.checkpoint import Checkpoint, write_safetensors  # noqa: E402
+from clefcore.model.backbone import backbone  # noqa: E402
+from clefcore.model.params import load_params  # noqa: E402
 
 GOLDEN_MODEL = Path(__file__).parent / "golden" / "model"
 
@@ -73,7 +74,8 @@ def save_checkpoint(m, config, out: Path) -> Checkpoint:
 @pytest.mark.parametrize("index", range(len(CONFIGS)))
 def test_backbone_matches_transformers(index, tmp_path):
     m, config = hf_model(CONFIGS[index], seed=index)
-    params = model.load_params(save_checkpoint(m, config, tmp_path / "ckpt"), cpu)
+    cpu = CpuOps()
+    params = load_params(save_checkpoint(m, config, tmp_path / "ckpt"), cpu)
     rng = np.random.default_rng(index)
     seqs = [rng.integers(0, 512, n) for n in LENGTHS]
     want = []
@@ -83,11 +85,11 @@ def test_backbone_matches_transformers(index, tmp_path):
         want.append(out.last_hidden_state[0].numpy())
     # one by one, then all packed in one stream
     for ids, w in zip(seqs, want):
-        hs, _ = model.backbone(cpu, params, ids, np.array([0, len(ids)]), np.arange(len(ids)))
+        hs, _ = backbone(cpu, params, ids, np.array([0, len(ids)]), np.arange(len(ids)))
         rel = np.abs(hs - w).max() / np.abs(w).max()
         assert rel < 1e-4, f"config {index}, length {len(ids)}: rel error {rel:.2e}"
     cu = np.concatenate([[0], np.cumsum(LENGTHS)])
-    packed, _ = model.backbone(cpu, params, np.concatenate(seqs), cu,
+    packed, _ = backbone(cpu, params, np.concatenate(seqs), cu,
                                np.concatenate([np.arange(n) for n in LENGTHS]))
     for i, w in enumerate(want):
         rel = np.abs(packed[cu[i]:cu[i + 1]] - w).max() / np.abs(w).max()

@@ -1,5 +1,5 @@
-"""Both backends implement ``clefcore.backends.interface.Backend`` (checked without a GPU: the numpy module itself,
-and CudaOps's class), and nothing outside the interface's module probes a backend with getattr/hasattr."""
+"""Both backends implement ``clefcore.backends.interface.Backend`` (checked without a GPU: a CpuOps, and CudaOps's
+class), and nothing outside the interface's module probes a backend with getattr/hasattr."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda.ops import CudaOps
 from clefcore.backends.interface import Backend
+from clefcore.precision import FP32, Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {n: f for n, f in vars(Backend).items() if inspect.isfunction(f) and not n.startswith("_")}
@@ -34,15 +36,26 @@ def _class_members(cls) -> set[str]:
 def test_the_interface_lists_what_the_model_calls():
     """Every ``ops.<name>`` in the model, the tower and the engine is a member of the interface."""
     called = set()
-    for f in ("clefcore/model.py", "clefcore/vision.py", "clefcore/engine.py"):
-        called |= set(re.findall(r"\bops\.([a-z_0-9]+)", (ROOT / f).read_text()))
+    for f in [*sorted((ROOT / "clefcore" / "model").glob("*.py")), ROOT / "clefcore/vision.py",
+              ROOT / "clefcore/engine.py"]:
+        called |= set(re.findall(r"\bops\.([a-z_0-9]+)", f.read_text()))
     assert called and called <= set(METHODS) | set(DATA), sorted(called - set(METHODS) - set(DATA))
 
 
 def test_numpy_backend_implements_the_interface():
-    assert isinstance(cpu, Backend)
+    ops = CpuOps()
+    assert isinstance(ops, Backend)
     for name, fn in METHODS.items():
-        assert _params(getattr(cpu, name), False) == _params(fn, True), name
+        assert _params(getattr(ops, name), False) == _params(fn, True), name
+
+
+def test_numpy_backend_keeps_its_state_per_instance():
+    """What a caller may set on a backend (plan, token block, graphs) belongs to one CpuOps; the module itself
+    holds only functions and constants, none of the interface's attributes."""
+    a, b = CpuOps(), CpuOps()
+    a.plan, a.token_block, a.graphs = Plan("fp16"), 16, object()
+    assert (b.plan, b.token_block, b.graphs) == (Plan(FP32), 0, None)
+    assert [n for n in DATA if n in vars(cpu)] == []
 
 
 def test_cuda_backend_implements_the_interface():
@@ -58,9 +71,10 @@ def test_a_missing_member_is_caught():
     class Partial:
         pass
 
+    ops = CpuOps()
     for n in DATA + list(METHODS):
         if n != "patch_rows":
-            setattr(Partial, n, getattr(cpu, n))
+            setattr(Partial, n, getattr(ops, n))
     assert not isinstance(Partial(), Backend)
     Partial.patch_rows = staticmethod(cpu.patch_rows)
     assert isinstance(Partial(), Backend)

@@ -211,11 +211,12 @@ IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
 
 @pytest.fixture(scope="module")
 def tiny_with_tower():
-    from clefcore import model, vision
-    from clefcore.backends import cpu
+    from clefcore import vision
+    from clefcore.backends.cpu import CpuOps
     from clefcore.checkpoint import Checkpoint
-    ck = Checkpoint(IMAGES_MODEL)
-    params = model.load_params(ck, cpu)
+    from clefcore.model.params import load_params
+    ck, cpu = Checkpoint(IMAGES_MODEL), CpuOps()
+    params = load_params(ck, cpu)
     vp, why = vision.attach(ck, cpu, params)
     assert vp is not None, why
     return ck, params, vp
@@ -228,10 +229,11 @@ def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_w
     from dataclasses import replace
 
     from clefcore import images
-    from clefcore.backends import cpu
+    from clefcore.backends.cpu import CpuOps
     from clefcore.encode import mrope_positions
     from clefcore.synth import picture_png
     _, params, vp = tiny_with_tower
+    cpu = CpuOps()
     data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
     rec, px = records.image_record(data, params.text.vocab_size)
     assert px.grid_thw == (1, 14, 20) and rec.image_spans == ((32, 102, 7, 10),)
@@ -271,11 +273,12 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
 @gpu
 def test_image_case_on_the_gpu(tiny_with_tower):
     """image.case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
-    from clefcore import model, vision
+    from clefcore import vision
     from clefcore.backends.cuda import CudaOps
+    from clefcore.model.params import load_params
     ck = tiny_with_tower[0]
     ops = CudaOps(0, precision="exact")
-    params = model.load_params(ck, ops)
+    params = load_params(ck, ops)
     vp, why = vision.attach(ck, ops, params)
     assert vp is not None, why
     r = image.case(cupy, ops, params, vp, (64, 48), 2)

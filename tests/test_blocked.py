@@ -1,4 +1,4 @@
-"""Token-blocked prefill (model.backbone, layer-outer / block-inner) equals the unblocked computation.
+"""Token-blocked prefill (clefcore/model/backbone.py, layer-outer / block-inner) equals the unblocked computation.
 
 Block sizes cut sequences at awkward places (1, 2, 63, 64, 65, odd), packed batches put a block boundary
 inside a sequence and several sequences inside one block. The ops that carry state across a block boundary
@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import model
 from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
 from clefcore.checkpoint import Checkpoint
+from clefcore.model.backbone import _conv_tail, backbone, block_plan
+from clefcore.model.params import load_params
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_GPU  # noqa: E402
@@ -39,7 +41,7 @@ def _stream(lengths, vocab):
 # ------------------------------------------------------------------------------------------------ the plan
 
 def test_block_plan():
-    plan = model.block_plan(np.array([0, 5, 5, 12, 20]), 20, 6)
+    plan = block_plan(np.array([0, 5, 5, 12, 20]), 20, 6)
     assert [(b.t0, b.t1) for b in plan] == [(0, 6), (6, 12), (12, 18), (18, 20)]
     assert [list(b.cu) for b in plan] == [[0, 5, 6], [0, 6], [0, 6], [0, 2]]
     assert [(b.cont_in, b.cont_out) for b in plan] == [(False, True), (True, False), (False, True), (True, False)]
@@ -74,14 +76,14 @@ def test_conv_with_previous_rows(block):
         xb = x[t0:t0 + block]
         got = cpu.conv1d_silu(xb, w, np.array([0, len(xb)]), prev=prev)
         np.testing.assert_allclose(got, want[t0:t0 + block], rtol=0, atol=1e-6)
-        prev = model._conv_tail(np, prev, xb, 0, 3)
+        prev = _conv_tail(np, prev, xb, 0, 3)
 
 
 # ------------------------------------------------------------------------------------------- whole model
 
 @pytest.fixture(scope="module")
 def cpu_params():
-    return model.load_params(Checkpoint(GOLD), cpu)
+    return load_params(Checkpoint(GOLD), CpuOps())
 
 
 CASES = [
@@ -94,10 +96,10 @@ CASES = [
 def test_backbone_blocked_equals_unblocked_cpu(cpu_params, lengths, blocks):
     p = cpu_params
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
-    want, want_layers = model.backbone(cpu, p, ids, cu, pos, keep_layers=True)
+    want, want_layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True)
     scale = float(np.max(np.abs(want)))
     for block in blocks:
-        got, layers = model.backbone(cpu, p, ids, cu, pos, keep_layers=True, block=block)
+        got, layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True, block=block)
         err = float(np.max(np.abs(got - want))) / scale
         assert err <= 2e-5, f"block {block}: final states differ by {err:.2e} (relative)"
         for i, (a, b) in enumerate(zip(layers, want_layers)):
@@ -110,7 +112,7 @@ def test_keep_layers_are_copies(cpu_params):
     norm."""
     p = cpu_params
     ids, cu, pos = _stream([40], p.text.vocab_size)
-    hs, layers = model.backbone(cpu, p, ids, cu, pos, keep_layers=True, block=16)
+    hs, layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True, block=16)
     assert len(layers) == p.text.num_layers
     assert not any(np.shares_memory(a, b) for a in layers for b in layers if a is not b)
     np.testing.assert_allclose(cpu.rmsnorm(layers[-1], p.norm, p.text.rms_eps), hs, rtol=1e-6, atol=1e-6)
@@ -126,15 +128,15 @@ def test_backbone_blocked_equals_unblocked_gpu(cpu_params, lengths, blocks):
     # the exact path: blocking is precision-independent logic, and fast's fp16 rounding of every GEMM input would
     # take most of the bound below whenever blocks change a GEMM's row count (and with it the autotuned path)
     ops = CudaOps(0, precision="exact")
-    p = model.load_params(Checkpoint(GOLD), ops)
+    p = load_params(Checkpoint(GOLD), ops)
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
-    ref, _ = model.backbone(cpu, cpu_params, ids, cu, pos)
-    want, want_layers = model.backbone(ops, p, ids, cu, pos, keep_layers=True, block=0)
+    ref, _ = backbone(CpuOps(), cpu_params, ids, cu, pos)
+    want, want_layers = backbone(ops, p, ids, cu, pos, keep_layers=True, block=0)
     want = ops.to_host(want)
     scale = float(np.max(np.abs(ref)))
     print(f"BLOCKED gpu unblocked vs cpu {float(np.max(np.abs(want - ref))) / scale:.2e}")
     for block in blocks:
-        got, layers = model.backbone(ops, p, ids, cu, pos, keep_layers=True, block=block)
+        got, layers = backbone(ops, p, ids, cu, pos, keep_layers=True, block=block)
         got = ops.to_host(got)
         err = float(np.max(np.abs(got - want))) / scale
         err_ref = float(np.max(np.abs(got - ref))) / scale

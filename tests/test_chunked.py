@@ -1,4 +1,4 @@
-"""Chunked prefill (model.ChunkedPrefill, Engine.chunked): a prompt run chunk by chunk through every layer, with the
+"""Chunked prefill (ChunkedPrefill in clefcore/model/prefill.py, Engine.chunked): a prompt run chunk by chunk through every layer, with the
 conv tail, the delta-rule state and each attention layer's K/V rows carried between chunks, answers as the whole
 prompt does, for chunk sizes that cut the prompt anywhere (1 token, odd sizes, one short of it, bigger than it),
 with other forwards run between its steps."""
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import clefcore
-from clefcore import model
+from clefcore.model.head import head_rows, readout
+from clefcore.model.prefill import ChunkedPrefill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_requests import GOLD, accepted  # noqa: E402
@@ -52,8 +53,8 @@ def test_chunked_equals_whole(engine, chunk):
     (whole,), hs, _ = engine.forward([long_.record])
     run = _run(engine, long_, chunk, between=short if chunk in (7, 65) else None)
     # the chunked run keeps only what the head reads: compare that with the same readout of the whole stream
-    seen, want = run._prefill.readout, model.readout(engine.ops, engine.params, hs, run._prefill.readout.rows)
-    assert list(seen.rows) == list(model.head_rows([0, long_.num_tokens], [long_.record.questions]))
+    seen, want = run._prefill.readout, readout(engine.ops, engine.params, hs, run._prefill.readout.rows)
+    assert list(seen.rows) == list(head_rows([0, long_.num_tokens], [long_.record.questions]))
     got = np.concatenate([engine.ops.to_host(seen.mem).ravel(), engine.ops.to_host(seen.picked).ravel()])
     ref = np.concatenate([engine.ops.to_host(want.mem).ravel(), engine.ops.to_host(want.picked).ravel()])
     err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -80,7 +81,7 @@ def test_answers_before_the_last_chunk_are_refused(engine):
     with pytest.raises(RuntimeError, match="tokens left"):
         run.logits()
     with pytest.raises(ValueError):
-        model.ChunkedPrefill(engine.ops, engine.params, p.record.input_ids, 0, [0])
+        ChunkedPrefill(engine.ops, engine.params, p.record.input_ids, 0, [0])
 
 
 def test_the_head_reads_every_rows_memory_but_only_its_spans_and_last_rows(engine):
@@ -88,7 +89,7 @@ def test_the_head_reads_every_rows_memory_but_only_its_spans_and_last_rows(engin
     last row and its question and option spans, placed by the packed stream's offsets."""
     a, b = _longest(engine)
     cu = [0, a.num_tokens, a.num_tokens + b.num_tokens]
-    rows = model.head_rows(cu, [a.record.questions, b.record.questions])
+    rows = head_rows(cu, [a.record.questions, b.record.questions])
     want = {cu[1] - 1, cu[2] - 1}
     for start, rec in ((0, a.record), (cu[1], b.record)):
         for q in rec.questions:
@@ -97,4 +98,4 @@ def test_the_head_reads_every_rows_memory_but_only_its_spans_and_last_rows(engin
     assert list(rows) == sorted(want) and len(rows) < cu[2] // 2
     run = _run(engine, a, 64)
     assert run._prefill.readout.mem.shape[0] == a.num_tokens
-    assert run._prefill.readout.picked.shape[0] == len(model.head_rows(cu[:2], [a.record.questions]))
+    assert run._prefill.readout.picked.shape[0] == len(head_rows(cu[:2], [a.record.questions]))

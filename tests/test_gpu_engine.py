@@ -18,8 +18,10 @@ from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
 
-from clefcore import model  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402
+from clefcore.model.backbone import backbone  # noqa: E402
+from clefcore.model.head import heads  # noqa: E402
+from clefcore.model.params import load_params  # noqa: E402
 
 GOLD = Path(__file__).parent / "golden"
 RECORDS = [json.loads(line) for line in (GOLD / "expected.jsonl").read_text().splitlines() if line.strip()]
@@ -55,7 +57,7 @@ def loaded(request):
     from clefcore.backends.cuda import CudaOps
     ops = CudaOps(0, **cuda_options(request.param))
     ck = Checkpoint(GOLD / "model")
-    params = model.load_params(ck, ops)
+    params = load_params(ck, ops)
     if ops.plan.row.gemm.fp8_lo:      # the fp8 pass must really run (not every matrix falling back to split)
         print(f"split8: {len(ops.twins.by_ptr)} matrices twinned, {ops.twins.skipped} run split")
         assert len(ops.twins.by_ptr) > ops.twins.skipped
@@ -80,9 +82,9 @@ def test_golden_probabilities(loaded):
     for rec in RECORDS:
         ids = np.array(rec["input_ids"], np.int64)
         L = len(ids)
-        hs, _ = model.backbone(ops, params, ids, np.array([0, L]), np.arange(L))
+        hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         ops.check_finite(hs, "final hidden states")
-        logits = model.heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]
+        logits = heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]
         for q, z in zip(rec["questions"], logits):
             p = _softmax(z)
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
@@ -99,7 +101,7 @@ def test_golden_hidden_states(loaded):
         st = load_file(str(f))
         ids = st["input_ids"].astype(np.int64)
         L = len(ids)
-        hs, kept = model.backbone(ops, params, ids, np.array([0, L]), np.arange(L), keep_layers=True)
+        hs, kept = backbone(ops, params, ids, np.array([0, L]), np.arange(L), keep_layers=True)
         ref = st["last_hidden_state"]
         e = float(np.max(np.abs(ops.to_host(hs) - ref)) / np.max(np.abs(ref)))
         per_layer = [float(np.max(np.abs(ops.to_host(x) - st["layer_outputs"][i])) /
@@ -115,11 +117,11 @@ def test_packed_equals_one_by_one(loaded):
     lens = [len(r["input_ids"]) for r in recs]
     cu = np.concatenate([[0], np.cumsum(lens)])
     pos = np.concatenate([np.arange(n) for n in lens])
-    hs, _ = model.backbone(ops, params, ids, cu, pos)
+    hs, _ = backbone(ops, params, ids, cu, pos)
     hs = ops.to_host(hs)
     for i, r in enumerate(recs):
         one = np.array(r["input_ids"], np.int64)
-        h1, _ = model.backbone(ops, params, one, np.array([0, len(one)]), np.arange(len(one)))
+        h1, _ = backbone(ops, params, one, np.array([0, len(one)]), np.arange(len(one)))
         d = float(np.max(np.abs(hs[cu[i]:cu[i + 1]] - ops.to_host(h1))))
         d = d / float(np.max(np.abs(hs[cu[i]:cu[i + 1]])))
         print(f"PACKED {r['name']}: rel diff {d:.2e}")

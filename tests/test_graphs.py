@@ -1,4 +1,4 @@
-"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, model.backbone's padding).
+"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, the padding in model/backbone.py).
 
 CPU: padding a single prompt to its graph bucket changes none of its rows (every op is causal), through the
 real backbone with a stand-in cache that pads but runs eagerly. GPU: a replayed graph gives the eager result
@@ -10,16 +10,17 @@ batches and long prompts.
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from clefcore import errors, model
-from clefcore.backends import cpu
+from clefcore import errors
+from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda.graphs import GraphCache
 from clefcore.checkpoint import Checkpoint
+from clefcore.model.backbone import backbone
+from clefcore.model.params import load_params
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import MARKS  # noqa: E402
@@ -42,7 +43,7 @@ class _PadOnly(GraphCache):
 @pytest.fixture(scope="module")
 def cpu_params():
     ck = Checkpoint(GOLD)
-    return ck, model.load_params(ck, cpu)
+    return ck, load_params(ck, CpuOps())
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 100])
@@ -50,10 +51,11 @@ def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
     ck, p = cpu_params
     ids = np.random.default_rng(T).integers(0, ck.text.vocab_size, T)
     cu, pos = np.array([0, T]), np.arange(T)
-    want, _ = model.backbone(cpu, p, ids, cu, pos)
+    want, _ = backbone(CpuOps(), p, ids, cu, pos)
     pad = _PadOnly(bucket=64, max_tokens=1024)
-    ops = types.SimpleNamespace(**{**{k: getattr(cpu, k) for k in dir(cpu) if not k.startswith("__")}, "graphs": pad})
-    got, _ = model.backbone(ops, p, ids, cu, pos)
+    ops = CpuOps()
+    ops.graphs = pad
+    got, _ = backbone(ops, p, ids, cu, pos)
     assert pad.calls and pad.calls[0][1] == -(-T // 64) * 64
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(np.abs(want).max()))
@@ -75,7 +77,7 @@ def gpu():
     from clefcore.backends.cuda import CudaOps
     ck = Checkpoint(GOLD)
     ops = CudaOps(0, graph_tokens=256)
-    return ck, ops, model.load_params(ck, ops)
+    return ck, ops, load_params(ck, ops)
 
 
 def _eager_padded(ops, p, ids, bucket):
@@ -86,14 +88,14 @@ def _eager_padded(ops, p, ids, bucket):
     keep = ops.graphs.max_tokens
     ops.graphs.max_tokens = 0
     try:
-        h, _ = model.backbone(ops, p, idp, np.array([0, Tp]), np.arange(Tp))
+        h, _ = backbone(ops, p, idp, np.array([0, Tp]), np.arange(Tp))
     finally:
         ops.graphs.max_tokens = keep
     return ops.to_host(h)[:T]
 
 
 def _run(ops, p, ids):
-    h, _ = model.backbone(ops, p, ids, np.array([0, len(ids)]), np.arange(len(ids)))
+    h, _ = backbone(ops, p, ids, np.array([0, len(ids)]), np.arange(len(ids)))
     return ops.to_host(h)
 
 
@@ -153,7 +155,7 @@ def test_packed_and_long_prompts_stay_eager(gpu, _):
     pid = rng.integers(0, ck.text.vocab_size, 100)
     pos = np.concatenate([np.arange(n) for n in lens])
     for _ in range(3):
-        model.backbone(ops, p, pid, cu, pos)
+        backbone(ops, p, pid, cu, pos)
     assert ops.graphs.launches == launches
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import clefcore
 from clefcore.errors import DeviceError
+from clefcore.example_request import support_ticket
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_GPU  # noqa: E402
@@ -47,7 +48,7 @@ def test_a_broken_layer_fails_the_request_and_names_it(engine, layer, name, valu
     restore = _sabotage(engine, layer, name, value)
     try:
         with pytest.raises(DeviceError) as e:
-            engine.decide(clefcore.engine.SELF_CHECK_REQUEST)
+            engine.decide(support_ticket())
         assert message in str(e.value)
         assert ("all" in str(e.value) and "zero" in str(e.value)) if value == 0 else "NaN or Inf" in str(e.value)
     finally:

@@ -1,4 +1,4 @@
-"""The joint head over a packed batch (model.heads) equals the head of each sequence alone, and masked
+"""The joint head over a packed batch (clefcore/model/head.py: heads) equals the head of each sequence alone, and masked
 attention groups equal separate calls: CPU always, the GPU backend when CuPy sees one."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_GPU  # noqa: E402
 
 import clefcore  # noqa: E402
-from clefcore import model  # noqa: E402
 from clefcore.backends import cpu  # noqa: E402
 from clefcore.jsonvalue import parse_body  # noqa: E402
+from clefcore.model.backbone import backbone  # noqa: E402
+from clefcore.model.head import heads  # noqa: E402
 
 GOLD = Path(__file__).parent / "golden"
 REQUESTS = (GOLD / "requests.jsonl").read_bytes().splitlines()
@@ -60,11 +61,11 @@ def test_packed_head_equals_one_by_one(device):
     cu = np.concatenate([[0], np.cumsum(lens)])
     ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
     pos = np.concatenate([np.arange(n) for n in lens])
-    hs, _ = model.backbone(ops, p, ids, cu, pos)
-    packed = model.heads(ops, p, hs, ids, cu, [r.questions for r in recs])
+    hs, _ = backbone(ops, p, ids, cu, pos)
+    packed = heads(ops, p, hs, ids, cu, [r.questions for r in recs])
     assert len(packed) == len(recs)
     for i, r in enumerate(recs):
-        alone = model.heads(ops, p, hs[cu[i]:cu[i + 1]], r.input_ids, np.array([0, lens[i]]), [r.questions])[0]
+        alone = heads(ops, p, hs[cu[i]:cu[i + 1]], r.input_ids, np.array([0, lens[i]]), [r.questions])[0]
         assert [len(z) for z in packed[i]] == [len(q.option_spans) for q in r.questions]
         for zp, za in zip(packed[i], alone):
             np.testing.assert_allclose(zp, za, rtol=0, atol=2e-5 * max(1.0, float(np.abs(za).max())))

@@ -25,6 +25,7 @@ import clefcore
 from clefcore import cli, hub
 from clefcore.checkpoint import Checkpoint
 from clefcore.errors import CheckpointError
+from clefcore.example_request import support_ticket
 
 MODEL = Path(__file__).parent / "golden" / "model"
 REPO = "Cloudflare/clef-flash"
@@ -71,8 +72,8 @@ def test_a_hub_id_loads_the_snapshot_refs_main_names(cache):
     engine = clefcore.load(REPO)
     assert engine.checkpoint.path == snapshot_of(cache, MAIN)
     assert engine.model_name == "clef-flash"              # the repository's name, not the commit's
-    answer = engine.decide(clefcore.engine.SELF_CHECK_REQUEST)
-    assert answer == clefcore.load(MODEL).decide(clefcore.engine.SELF_CHECK_REQUEST)
+    answer = engine.decide(support_ticket())
+    assert answer == clefcore.load(MODEL).decide(support_ticket())
 
 
 @pytest.mark.parametrize("revision,commit", [("main", MAIN), ("v1", TAGGED), ("release/2025", TAGGED),
@@ -181,11 +182,11 @@ def test_a_directory_loads_as_before_and_takes_no_revision(cache, tmp_path):
 
 def test_the_command_line_takes_a_hub_id_and_a_revision(cache, tmp_path, capsys):
     request = tmp_path / "request.json"
-    request.write_text(json.dumps(clefcore.engine.SELF_CHECK_REQUEST))
+    request.write_text(json.dumps(support_ticket()))
     add_snapshot(cache, "d" * 40, refs=("broken",), drop=("joint_head.safetensors",))
     assert cli.main(["decide", "--model", REPO, "--revision", "v1", str(request)]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert answer == clefcore.load(MODEL).decide(clefcore.engine.SELF_CHECK_REQUEST)
+    assert answer == clefcore.load(MODEL).decide(support_ticket())
     assert cli.main(["decide", "--model", REPO, "--revision", "broken", str(request)]) == 1
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["type"] == "checkpoint_error" and "joint_head.safetensors: file not found" in error["message"]
@@ -203,12 +204,12 @@ def test_the_service_serves_a_hub_id_at_its_revision(cache):
         service = Service(ServiceConfig(model=REPO, revision=revision))
         try:
             await service.start()
-            return service.status.model_name, await service.decide(clefcore.engine.SELF_CHECK_REQUEST)
+            return service.status.model_name, await service.decide(support_ticket())
         finally:
             await service.stop()
 
     name, answer = asyncio.run(main("v1"))
     assert name == "clef-flash"
-    assert answer == clefcore.load(MODEL).decide(clefcore.engine.SELF_CHECK_REQUEST)
+    assert answer == clefcore.load(MODEL).decide(support_ticket())
     with pytest.raises(CheckpointError, match="joint_head.safetensors: file not found"):
         asyncio.run(main(None))

@@ -15,7 +15,9 @@ from safetensors.numpy import load_file
 
 import clefcore
 from clefcore.errors import RequestError
+from clefcore.example_request import support_ticket
 from clefcore.jsonvalue import parse_body
+from clefcore.model.backbone import embed_with_images
 from clefcore.preparer import Preparer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,7 +56,7 @@ def test_states_and_logits(fx, engine):
         return
     st = load_file(str(states))
     rows, embeds = engine.image_inputs([p.record])
-    x = clefcore.model.embed_with_images(engine.ops, engine.params, p.record.input_ids, rows, embeds)
+    x = embed_with_images(engine.ops, engine.params, p.record.input_ids, rows, embeds)
     assert np.abs(x - st["inputs_embeds"]).max() / np.abs(st["inputs_embeds"]).max() < 2e-4
     for i, (got, want) in enumerate(zip(layers, st["layer_outputs"], strict=True)):
         rel = np.abs(got - want).max() / np.abs(want).max()
@@ -160,8 +162,8 @@ def test_synth_vision_writes_a_complete_tower(tmp_path):
     out = synth.write("tiny", 0, tmp_path / "tiny", jobs=1, vision=True)
     eng = clefcore.load(out)
     assert eng.vision is not None and eng.vision.config.depth == 2
-    body = dict(clefcore.engine.SELF_CHECK_REQUEST, images=[synth.data_url(synth.picture_png(64, 48))])
-    assert eng.decide(body)["usage"]["input_tokens"] == eng.decide(clefcore.engine.SELF_CHECK_REQUEST)[
+    body = dict(support_ticket(), images=[synth.data_url(synth.picture_png(64, 48))])
+    assert eng.decide(body)["usage"]["input_tokens"] == eng.decide(support_ticket())[
         "usage"]["input_tokens"] + 70 + 3
     plan = {n: spec for _, shard in synth._text_shards("clef-flash", 0, vision=True) for n, spec in shard.items()}
     tower = {n: spec[1] for n, spec in plan.items() if n.startswith(PREFIX)}

@@ -616,7 +616,7 @@ def test_kv_write_from_a_projection_slice(ops, n):
     assert (got[:t0] == 7).all() and (got[t0 + n:] == 7).all()
 
 
-# ------------------------------------------------------------------- token-blocked prefill (model.backbone)
+# ------------------------------------------------------------- token-blocked prefill (model/backbone.py)
 
 @pytest.mark.parametrize("cu", [[0, 300], [0, 1, 64, 129, 259], [0, 65, 130, 131]])
 @pytest.mark.parametrize("block", [1, 63, 64, 65, 100])
@@ -642,7 +642,7 @@ def test_attention_query_offset_fp16_cache(ops, cu, block, D, hq, hkv):
 
 @pytest.mark.parametrize("block", [1, 2, 3, 5, 64])
 def test_conv1d_prev_rows(ops, block):
-    from clefcore import model
+    from clefcore.model.backbone import _conv_tail
     T, C = 130, 72
     x, w = r(T, 3 * C), r(C, 4)
     ref = cpu.conv1d_silu(np.ascontiguousarray(x[:, C:2 * C]), w, np.array([0, T]))
@@ -651,7 +651,7 @@ def test_conv1d_prev_rows(ops, block):
     for t0 in range(0, T, block):
         xb = xd[t0:t0 + block]
         got.append(ops.to_host(ops.conv1d_silu(xb, wd, np.array([0, xb.shape[0]]), prev=prev)))
-        prev = model._conv_tail(ops.xp, prev, xb, 0, 3)
+        prev = _conv_tail(ops.xp, prev, xb, 0, 3)
     check(f"conv1d prev block{block}", np.concatenate(got), ref, 1e-5)
 
 

@@ -77,10 +77,11 @@ def test_freelist_never_hands_out_a_byte_twice(seed):
 def test_arena_on_the_gpu():
     import cupy
 
-    from clefcore import model
     from clefcore.backends.cuda import CudaOps
     from clefcore.checkpoint import Checkpoint
     from clefcore.errors import DeviceError
+    from clefcore.model.backbone import backbone
+    from clefcore.model.params import load_params
 
     arena = pool.Arena(64 << 20, 0)
     arena.activate()
@@ -97,14 +98,14 @@ def test_arena_on_the_gpu():
     gemm = "cublas" if HAVE_CUBLAS else "wmma"     # one GEMM path for both, whichever this machine can load
     ops = CudaOps(0, token_block=64, gemm=gemm)
     ref = CudaOps(0, token_block=64, gemm=gemm)
-    p, pr = model.load_params(ck, ops), model.load_params(ck, ref)
+    p, pr = load_params(ck, ops), load_params(ck, ref)
     ids = np.arange(300) % 1900
     cu, pos = np.array([0, 130, 300]), np.r_[np.arange(130), np.arange(170)]
 
     def forward():
         ops.begin_forward()
         try:
-            return ops.to_host(model.backbone(ops, p, ids, cu, pos)[0])
+            return ops.to_host(backbone(ops, p, ids, cu, pos)[0])
         finally:
             ops.end_forward()
 
@@ -119,7 +120,7 @@ def test_arena_on_the_gpu():
     assert default.total_bytes() == before           # nothing came from CuPy's own pool: no cudaMalloc
     assert ops.arena.in_use == 0                     # and everything went back: the memoised index tables
     assert tables.in_use > 0 and tables.overflows == 0   # live in an arena of their own
-    want = ref.to_host(model.backbone(ref, pr, ids, cu, pos)[0])
+    want = ref.to_host(backbone(ref, pr, ids, cu, pos)[0])
     assert np.max(np.abs(h - want)) <= 1e-5 * np.max(np.abs(want))
 
     # a worst case larger than the device: the error says how much there was

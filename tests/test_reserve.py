@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import clefcore
-from clefcore.engine import SELF_CHECK_REQUEST, padded
+from clefcore.engine import padded
+from clefcore.example_request import support_ticket
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_requests import GOLD, accepted  # noqa: E402
@@ -30,7 +31,7 @@ def cpu_engine():
 
 @pytest.mark.parametrize("tokens", [1, 300, 1001])
 def test_padded_lengthens_the_state_only(cpu_engine, tokens):
-    base = cpu_engine.prepare(SELF_CHECK_REQUEST)
+    base = cpu_engine.prepare(support_ticket())
     p = padded(base, tokens)
     r, b = p.record, base.record
     assert p.num_tokens == max(tokens, base.num_tokens)
@@ -44,7 +45,7 @@ def test_padded_lengthens_the_state_only(cpu_engine, tokens):
         for o, bo in zip(q.option_spans, bq.option_spans):
             assert np.array_equal(r.input_ids[slice(*o)], b.input_ids[slice(*bo)])
     out = cpu_engine.infer([p])[0]                    # a well-formed decision
-    assert list(out["answers"]) == list(SELF_CHECK_REQUEST["questions"])
+    assert list(out["answers"]) == list(support_ticket()["questions"])
 
 
 def test_the_cpu_reserves_nothing(cpu_engine):
@@ -64,7 +65,7 @@ def _traffic(engine):
     """Batches, single prompts and a chunked prompt with a batch between its steps; every probability."""
     prepared = accepted(engine)
     out = [engine.infer(prepared[:4]), engine.infer(prepared[:1]), engine.infer(prepared[:1])]
-    long = padded(engine.prepare(SELF_CHECK_REQUEST), 2000)
+    long = padded(engine.prepare(support_ticket()), 2000)
     run = engine.chunked(long, LIMITS["chunk_tokens"])
     while not run.step():
         out.append(engine.infer(prepared[1:3]))
@@ -93,7 +94,7 @@ def test_after_the_reservation_nothing_allocates_and_answers_are_unchanged():
     np.testing.assert_allclose(_numbers(got), _numbers(want), rtol=1e-6, atol=1e-7)   # the same kernels
 
     # beyond the limits (a batch 4x --max-batch-tokens): answered all the same, from CuPy's pool, and counted
-    big = padded(engine.prepare(SELF_CHECK_REQUEST), LIMITS["batch_tokens"])
+    big = padded(engine.prepare(support_ticket()), LIMITS["batch_tokens"])
     np.testing.assert_allclose(_numbers(a for r in engine.infer([big] * 4) for a in r["answers"].values()),
                                _numbers(a for r in ref.infer([big] * 4) for a in r["answers"].values()),
                                rtol=1e-6, atol=1e-7)

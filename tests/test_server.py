@@ -297,5 +297,5 @@ def test_api_key():
         assert s.get("/v1/models").status == 401
         cf = s.post(f"{CF}/clef", SUPPORT_TICKET)
         assert cf.status == 401 and cf.json()["errors"][0]["code"] == 10000
-        for open_path in ("/health", "/live", "/metrics", "/openapi.json", "/"):
+        for open_path in ("/health", "/live", "/metrics", "/openapi.json", "/", "/example"):
             assert s.get(open_path).status == 200, open_path

@@ -1,11 +1,12 @@
 """The playground page (server/playground/index.html).
 
 Without a browser: the served page carries the image picker (accept list, 4 images, 4 MiB each, 8 MiB in
-all: the server's own limits, from clefcore.images), stays dependency-free, and the body it builds with a
-picked image (a data URL in `images`, as FileReader.readAsDataURL writes it) is answered by a real server
+all: the server's own limits, from clefcore.images), stays dependency-free, starts from the example request that
+the server serves (GET /example: clefcore/example_request.py) and keeps no copy of it, and the body it builds
+with a picked image (a data URL in `images`, as FileReader.readAsDataURL writes it) is answered by a real server
 with more input tokens than the same body without it.
 
-In headless Chromium: it loads, submits the example request, shows one block of bars per question, and a
+In headless Chromium: it loads, shows the served example in its editor, submits it, shows one block of bars per question, and a
 screenshot is written to pytest's tmp dir (or to $CLEF_SCREENSHOT_DIR when set, e.g. to keep it as a CI
 artifact); images are picked, refused over the limits with an inline message, removed and sent. Needs
 Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`;
@@ -25,9 +26,10 @@ from pathlib import Path
 import pytest
 
 from clefcore import images
+from clefcore.example_request import support_ticket
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import SUPPORT_TICKET, Server, check_client_rules  # noqa: E402
+from server_harness import Server, check_client_rules  # noqa: E402
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 DRIVER = shutil.which("chromedriver")
@@ -93,10 +95,34 @@ def test_page_has_the_image_picker_with_the_servers_limits(server):
     assert "http://" not in html and "https://" not in html
 
 
+def _texts(value) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in [k, *_texts(v)]]
+    if isinstance(value, list):
+        return [t for v in value for t in _texts(v)]
+    return []
+
+
+def test_page_starts_from_the_example_the_server_serves(server):
+    served = server.get("/example")
+    assert served.status == 200 and served.headers["content-type"].startswith("application/json"), served
+    assert served.json() == support_ticket()
+    html, _ = _page(server)
+    # the script fetches it (relative to the page, as the decide call) before Decide is enabled ...
+    assert 'fetch("example")' in html and '<button id="send" type="button" disabled>' in html
+    # ... and keeps no copy of its own: none of the example's sentences is in the page
+    sentences = [t for t in _texts(support_ticket()) if " " in t]
+    assert len(sentences) >= 8
+    assert [t for t in sentences if t in html] == []
+
+
 def test_playground_body_with_an_image_is_answered(server):
-    """Exactly the body the page sends: its JSON (JSON.stringify, compact) with `images` set to the picked
-    files' data URLs."""
-    body = dict(json.loads(json.dumps(SUPPORT_TICKET)), model="clef-flash")
+    """Exactly the body the page sends: the served example's JSON (JSON.stringify, compact) with `images` set to
+    the picked files' data URLs."""
+    body = server.get("/example").json()
     text_only = server.post("/v1/systemone", json.dumps(body, separators=(",", ":")))
     assert text_only.status == 200, text_only
     body["images"] = ["data:image/png;base64," + base64.b64encode(png()).decode("ascii")]
@@ -142,7 +168,12 @@ def test_playground_shows_bars_in_headless_chromium(browser, tmp_path):
         server.wait_ready()
         browser.get(server.base + "/")
         assert "clefcore" in browser.title
-        browser.find_element(By.ID, "send").click()
+        send = browser.find_element(By.ID, "send")
+        WebDriverWait(browser, 10).until(lambda _: send.is_enabled())      # the example has arrived
+        editor = browser.find_element(By.ID, "body").get_attribute("value")
+        assert json.loads(editor) == server.get("/example").json()
+        assert browser.find_element(By.ID, "state").get_attribute("value") == support_ticket()["state"]
+        send.click()
         WebDriverWait(browser, 30).until(
             ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
         questions = browser.find_elements(By.CSS_SELECTOR, "#answers .question")
@@ -192,7 +223,9 @@ def test_playground_picks_checks_removes_and_sends_images(browser, server, tmp_p
         thumbs()[0].find_element(By.CSS_SELECTOR, "button.remove").click()
     assert len(thumbs()) == 1 and picker.is_enabled() and error() == ""
 
-    browser.find_element(By.ID, "send").click()
+    send = browser.find_element(By.ID, "send")
+    WebDriverWait(browser, 10).until(lambda _: send.is_enabled())
+    send.click()
     WebDriverWait(browser, 30).until(
         ec.presence_of_element_located((By.CSS_SELECTOR, "body[data-answered='1']")))
     assert browser.find_element(By.ID, "error").text == ""

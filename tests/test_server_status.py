@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clefcore.backends import cpu as cpu_backend
+from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda.ops import CudaOps
 from clefcore.engine import EngineStatus
 from clefcore.server.engine_status import describe
@@ -23,7 +23,7 @@ def gpu_engine(cublas_missing, fallbacks=0, arena=None, tables=None):
 
 
 def cpu_engine():
-    return EngineStatus("m", "cpu", "fp32", None, cpu_backend.status(), 0, 0)
+    return EngineStatus("m", "cpu", "fp32", None, CpuOps().status(), 0, 0)
 
 
 def sample(text: str, name: str) -> float:

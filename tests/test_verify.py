@@ -14,26 +14,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
 
-from clefcore import model, verify, vision  # noqa: E402
-from clefcore.backends import cpu  # noqa: E402
+from clefcore import verify, vision  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402
+from clefcore.model.params import load_params  # noqa: E402
 
 MODEL = Path(__file__).parent / "golden" / "model"
+cpu = CpuOps()
 
 
-def test_builtin_request_is_valid_and_covers_every_question_type():
+def test_verify_runs_the_example_request_which_covers_every_question_type():
     from clefcore.encode import Encoder
+    from clefcore.example_request import support_ticket
     from clefcore.tokenize import Tokenizer
     from clefcore.validate import validate_request
     ck = Checkpoint(MODEL)
-    rec = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(verify.REQUEST, "cloudflare"), 16384)
+    rec = verify.records(ck, False)[0]
+    want = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(support_ticket(), "cloudflare"), 16384)
+    assert np.array_equal(rec.input_ids, want.input_ids)
     assert sorted(q.type_index for q in rec.questions) == [0, 1, 2]
     assert len(rec.input_ids) > 100
 
 
 def loaded():
     ck = Checkpoint(MODEL)
-    p = model.load_params(ck, cpu)
+    p = load_params(ck, cpu)
     vp, why = vision.attach(ck, cpu, p)
     assert vp is not None, why
     return ck, p, vp
@@ -81,7 +86,7 @@ def test_compare_flags_a_perturbed_vision_tower():
 def test_compare_without_the_tower_runs_the_text_request_alone():
     ck = Checkpoint(MODEL)
     lines = []
-    assert verify.compare(ck, cpu, model.load_params(ck, cpu), out=lines.append)
+    assert verify.compare(ck, cpu, load_params(ck, cpu), out=lines.append)
     assert "(text); per-layer" in lines[0] and not any("image" in line for line in lines)
 
 

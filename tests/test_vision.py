@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +11,15 @@ from safetensors.numpy import load_file
 
 from clefcore import vision
 from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
 from clefcore.checkpoint import Checkpoint
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import EXPECTED, MODEL, fixture_file, image_file  # noqa: E402
 
-PARAMS = vision.load_vision(Checkpoint(MODEL), cpu)
+NUMPY = CpuOps()
+PARAMS = vision.load_vision(Checkpoint(MODEL), NUMPY)
 TOL = 1e-5   # relative to the tensor's largest value: the fixture README's suggestion for the vision tensors
 
 
@@ -43,7 +44,7 @@ def test_stages_match_the_reference(fx):
         pytest.skip("states or images only in ../shared/golden-images (or not kept there)")
     st = load_file(str(states))
     keep = {}
-    out = vision.tower(cpu, PARAMS, pixels, [tuple(img["grid_thw"]) for img in fx["images"]], keep)
+    out = vision.tower(NUMPY, PARAMS, pixels, [tuple(img["grid_thw"]) for img in fx["images"]], keep)
     assert rel(keep["patch_embeds"], st["vision_patch_embeds"]) < TOL
     assert rel(keep["pos_embeds"], st["vision_pos_embeds"]) < TOL
     assert len(keep["blocks"]) == len(st["vision_block_outputs"])
@@ -56,11 +57,11 @@ def test_each_image_attends_only_to_itself():
     a = load_file(str(image_file("shapes_64x48")))
     b = load_file(str(image_file("banner_300x40_palette")))
     grids = [tuple(a["image_grid_thw"][0]), tuple(b["image_grid_thw"][0])]
-    both = vision.tower(cpu, PARAMS, np.concatenate([a["pixel_values"], b["pixel_values"]]), grids)
-    alone = vision.tower(cpu, PARAMS, a["pixel_values"], grids[:1])
+    both = vision.tower(NUMPY, PARAMS, np.concatenate([a["pixel_values"], b["pixel_values"]]), grids)
+    alone = vision.tower(NUMPY, PARAMS, a["pixel_values"], grids[:1])
     n = len(alone)
     np.testing.assert_allclose(both[:n], alone, rtol=0, atol=1e-6 * np.abs(alone).max())
-    other = vision.tower(cpu, PARAMS, b["pixel_values"], grids[1:])
+    other = vision.tower(NUMPY, PARAMS, b["pixel_values"], grids[1:])
     np.testing.assert_allclose(both[n:], other, rtol=0, atol=1e-6 * np.abs(other).max())
 
 
@@ -118,8 +119,9 @@ class _GraphStandIn:
 
 def _graph_ops(path, limit):
     """The numpy backend on the plan ``path``, with graphs for the tower."""
-    members = {n: v for n, v in vars(cpu).items() if not n.startswith("__")}
-    return types.SimpleNamespace(**{**members, "plan": Plan(path), "tower_graphs": _GraphStandIn(limit)})
+    ops = CpuOps()
+    ops.plan, ops.tower_graphs = Plan(path), _GraphStandIn(limit)
+    return ops
 
 
 def test_tower_graph_path_answers_as_eager_and_hands_out_its_own_copy():
@@ -128,7 +130,7 @@ def test_tower_graph_path_answers_as_eager_and_hands_out_its_own_copy():
     a = load_file(str(image_file("shapes_64x48")))
     grids = [tuple(a["image_grid_thw"][0])]
     px = [a["pixel_values"], -a["pixel_values"]]
-    eager = [vision.tower(cpu, PARAMS, x, grids) for x in px]
+    eager = [vision.tower(NUMPY, PARAMS, x, grids) for x in px]
     ops = _graph_ops("fp16", limit=1024)
     got = [vision.tower(ops, PARAMS, x, grids) for x in px]
     assert ops.tower_graphs.keys == [("vision tower", tuple(grids), Plan("fp16"))] * 2

@@ -19,7 +19,7 @@ cupy = pytest.importorskip("cupy")
 
 import clefcore  # noqa: E402
 from clefcore import vision  # noqa: E402
-from clefcore.backends import cpu  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from golden_images_data import EXPECTED, MODEL  # noqa: E402
 from test_gpu_engine import BOUND, STATES_BOUND, _modes, _softmax, cuda_options  # noqa: E402
 from test_images_golden import OK, prepared  # noqa: E402
@@ -70,7 +70,7 @@ def test_tower_stages_against_numpy(engine, reference):
     pixels, grids = np.concatenate([px.values for px in images]), [px.grid_thw for px in images]
     got, want = {}, {}
     out = vision.tower(engine.ops, engine.vision, pixels, grids, got)
-    ref = vision.tower(cpu, reference.vision, pixels, grids, want)
+    ref = vision.tower(CpuOps(), reference.vision, pixels, grids, want)
     host = engine.ops.to_host
     stages = [("patch embeddings", got["patch_embeds"], want["patch_embeds"]),
               ("position embeddings", got["pos_embeds"], want["pos_embeds"])]
@@ -159,7 +159,7 @@ def test_release_shaped_tower_against_numpy(engine, release_tower):
     host = vision.VisionParams(cfg, {k: ops.to_host(w).astype(np.float32) for k, w in gpu.w.items()})
     got, want = {}, {}
     out = ops.to_host(vision.tower(ops, gpu, px.values, [px.grid_thw], got))
-    ref = vision.tower(cpu, host, px.values, [px.grid_thw], want)
+    ref = vision.tower(CpuOps(), host, px.values, [px.grid_thw], want)
     errors = [float(np.max(np.abs(ops.to_host(a) - b)) / np.max(np.abs(b)))
               for a, b in zip(got["blocks"] + [out], want["blocks"] + [ref])]
     print(f"RELEASE TOWER ({_label(engine)}): worst block {max(errors[:-1]):.2e}, merger {errors[-1]:.2e}")

@@ -1,9 +1,11 @@
 """The fp32 numpy backend: the engine's ground truth and every CUDA kernel's reference.
 
-This module is a ``Backend`` (clefcore/backends/interface.py): its functions and attributes are the interface's
-members, with the same names and parameters as ``CudaOps``'s; the helpers beyond it are the kernels' references.
-Activations are ``[tokens, ...]`` row-major; several sequences may be packed into one token stream, described by
-``cu_seqlens`` (int array of sequence starts plus the total, like ``[0, 300, 512]``).
+``CpuOps`` (at the end) is the ``Backend`` (clefcore/backends/interface.py), with the same member names and
+parameters as ``CudaOps``. Its ops are this module's functions of the same name: pure numpy, no state, so the
+kernels' tests call them directly as references (with the helpers beyond the interface: ``silu``,
+``gelu_tanh``, ``bidirectional_attention``...). Activations are ``[tokens, ...]`` row-major; several sequences
+may be packed into one token stream, described by ``cu_seqlens`` (int array of sequence starts plus the total,
+like ``[0, 300, 512]``).
 """
 
 from __future__ import annotations
@@ -16,91 +18,8 @@ from ..checkpoint import TensorRef, to_float32
 from ..errors import GuardError
 from ..precision import FP32, Plan
 
-xp = np
-name = "cpu"
-mode = FP32
-plan = Plan(FP32)
-graphs = None            # nothing to replay: numpy has no launch overhead to save
-tower_graphs = None
-falls_back = False       # fp32 throughout: there is no faster path to fall back from
-
 ATTN_QUERY_BLOCK = 256   # query rows per block: bounds the score matrix, never L x L
 GDN_CHUNK = 64
-# model.backbone's token block (layer-outer, block-inner; see its doc): 0 = the whole stream at once on the CPU.
-# The GPU backend's knob is CudaOps(token_block=...). Results do not depend on it beyond fp rounding.
-token_block = 0
-
-
-def reserve(worst_case) -> int:
-    """Nothing to reserve: numpy allocates from the host's memory as it goes."""
-    return 0
-
-
-def begin_forward():
-    """Per-forward hooks of the interface: the CUDA backend routes allocations to its arena here; numpy needs
-    nothing."""
-
-
-def end_forward():
-    pass
-
-
-def fallback():
-    """The interface's range-safe path: numpy's fp32 is that path already (falls_back is False)."""
-    return nullcontext()
-
-
-def memory_in_use() -> int:
-    """No device memory: the server's device-memory gauge reads 0."""
-    return 0
-
-
-def status() -> dict:
-    """Nothing beyond the mode for /health: no GEMM library to miss."""
-    return {}
-
-
-def check_finite(x, what: str = "output") -> None:
-    """Raise GuardError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
-    x = np.asarray(x)
-    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
-    if bad:
-        raise GuardError(f"{what}: {bad} of {x.size} values are NaN or Inf", what)
-    if x.size and not np.any(x):
-        raise GuardError(f"{what}: all {x.size} values are zero", what)
-
-
-# the per-layer guard of model.backbone: on the CPU there is nothing to defer
-watch = check_finite
-
-
-def check_watched() -> None:
-    pass
-
-
-def fp16_summary() -> None:
-    """Weights stay fp32 here: nothing was saturated or flushed (the CUDA backend reports its fp16 conversion)."""
-    return None
-
-
-def asarray(x):
-    return np.asarray(x)
-
-
-def to_host(x) -> np.ndarray:
-    return np.asarray(x)
-
-
-def weight(w) -> np.ndarray:
-    """How a checkpoint tensor (TensorRef, or an fp32 host array) is stored for this backend: fp32."""
-    if isinstance(w, TensorRef):
-        return to_float32(w)
-    return np.ascontiguousarray(w, dtype=np.float32)
-
-
-def table(ref) -> np.ndarray:
-    """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
-    return to_float32(ref)
 
 
 def gather_rows(table, ids):
@@ -151,7 +70,8 @@ def sigmoid_gate(o, gate):
 
 def rope_tables(positions, rotary_dim, theta):
     """cos/sin [T, rotary_dim/2] in fp32, as transformers builds them (inv_freq in fp32). positions [T], or
-    [T, rotary_dim/2] with a position per frequency (M-RoPE: model.rope picks each frequency's axis)."""
+    [T, rotary_dim/2] with a position per frequency (M-RoPE: rope in model/backbone.py picks each frequency's
+    axis)."""
     inv = 1.0 / (np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
     pos = positions.astype(np.float32)
     ang = (pos[:, None] if pos.ndim == 1 else pos) * inv.astype(np.float32)[None, :]
@@ -455,3 +375,119 @@ def bidirectional_attention(q, k, v, cu_seqlens, scale):
             sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
             out[b0:b1] = ((sc / sc.sum(axis=-1, keepdims=True)) @ vv).transpose(1, 0, 2)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ the backend
+
+class CpuOps:
+    """The numpy ``Backend``: the ops are the functions above; the rest is the interface's plumbing, which numpy
+    mostly does not need (no device memory, no deferred guards, no faster path to fall back from)."""
+
+    name = "cpu"
+    xp = np
+    mode = FP32
+    falls_back = False       # fp32 throughout: there is no faster path to fall back from
+
+    plan: Plan
+    token_block: int
+    graphs: None
+    tower_graphs: None
+
+    def __init__(self):
+        self.plan = Plan(FP32)
+        # model/backbone.py's token block (layer-outer, block-inner; see its doc): 0 = the whole stream at once.
+        # The GPU's knob is CudaOps(token_block=...); results do not depend on it beyond fp rounding.
+        self.token_block = 0
+        self.graphs = None       # nothing to replay: numpy has no launch overhead to save
+        self.tower_graphs = None
+
+    # ------------------------------------------------------------------------------ forward and guards
+    def fallback(self):
+        """The range-safe path: numpy's fp32 is that path already (falls_back is False)."""
+        return nullcontext()
+
+    def reserve(self, worst_case) -> int:
+        """Nothing to reserve: numpy allocates from the host's memory as it goes."""
+        return 0
+
+    def begin_forward(self) -> None:
+        """The CUDA backend routes allocations to its arena here; numpy needs nothing."""
+
+    def end_forward(self) -> None:
+        pass
+
+    def watch(self, x, what: str) -> None:
+        """Raise GuardError at once when x holds NaN/Inf or is entirely zero (a silently dead kernel): on the CPU
+        there is nothing to defer."""
+        x = np.asarray(x)
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise GuardError(f"{what}: {bad} of {x.size} values are NaN or Inf", what)
+        if x.size and not np.any(x):
+            raise GuardError(f"{what}: all {x.size} values are zero", what)
+
+    def check_watched(self) -> None:
+        pass
+
+    def memory_in_use(self) -> int:
+        """No device memory: the server's device-memory gauge reads 0."""
+        return 0
+
+    def status(self) -> dict:
+        """Nothing beyond the mode for /health: no GEMM library to miss."""
+        return {}
+
+    def fp16_summary(self) -> None:
+        """Weights stay fp32 here: nothing was saturated or flushed (the CUDA backend reports its conversion)."""
+        return None
+
+    # ---------------------------------------------------------------------------------- data movement
+    def asarray(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def to_host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def weight(self, w) -> np.ndarray:
+        """How a checkpoint tensor (TensorRef, or an fp32 host array) is stored for this backend: fp32."""
+        if isinstance(w, TensorRef):
+            return to_float32(w)
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def table(self, ref) -> np.ndarray:
+        """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
+        return to_float32(ref)
+
+    gather_rows = staticmethod(gather_rows)
+    embed = staticmethod(embed)
+
+    # ----------------------------------------------------------------------------------------- backbone
+    rmsnorm = staticmethod(rmsnorm)
+    add_rmsnorm = staticmethod(add_rmsnorm)
+    linear = staticmethod(linear)
+    mlp = staticmethod(mlp)
+    rope_tables = staticmethod(rope_tables)
+    rotary = staticmethod(rotary)
+    kv_cache = staticmethod(kv_cache)
+    kv_write = staticmethod(kv_write)
+    attention = staticmethod(attention)
+    sigmoid_gate = staticmethod(sigmoid_gate)
+    conv1d_silu = staticmethod(conv1d_silu)
+    l2norm = staticmethod(l2norm)
+    gdn_gates = staticmethod(gdn_gates)
+    gated_delta_rule = staticmethod(gated_delta_rule)
+    gated_rmsnorm = staticmethod(gated_rmsnorm)
+
+    # --------------------------------------------------------------------------------------------- head
+    layernorm = staticmethod(layernorm)
+    gelu = staticmethod(gelu)
+    sigmoid = staticmethod(sigmoid)
+    mha = staticmethod(mha)
+    span_means = staticmethod(span_means)
+    normalize = staticmethod(normalize)
+    segment_softmax_sum = staticmethod(segment_softmax_sum)
+
+    # ------------------------------------------------------------------------------------- vision tower
+    patch_rows = staticmethod(patch_rows)
+    vision_attention = staticmethod(vision_attention)
+    vision_mlp = staticmethod(vision_mlp)

@@ -1,10 +1,11 @@
 """``Backend``: what the model, the vision tower and the engine need from a backend, written down once.
 
-Two implementations: ``clefcore.backends.cpu`` (the fp32 numpy module: ground truth and every kernel's reference)
-and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model``, ``clefcore.vision`` and
+Two implementations: ``clefcore.backends.cpu.CpuOps`` (fp32 numpy: ground truth, its ops every kernel's
+reference) and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model``, ``clefcore.vision`` and
 ``clefcore.engine`` call only what is listed here, under these names and parameter names, and never probe a
 backend for anything else (tests/test_backend_interface.py holds both backends to it). A new op starts here: its
-numpy reference in cpu.py, then its kernel in cuda/ and its method in a ``CudaOps`` mixin.
+numpy reference in cpu.py (a function, and ``CpuOps``'s member of that name), then its kernel in cuda/ and its
+method in a ``CudaOps`` mixin.
 
 Activations are ``[tokens, ...]`` row-major arrays of the backend's array module (``xp``); several sequences may
 be packed into one token stream, described by ``cu_seqlens`` (sequence starts plus the total, like
@@ -40,7 +41,7 @@ class Backend(Protocol):
     xp: Any                    # the array module: numpy or cupy
     mode: str                  # fast / exact (a GPU), fp32 (numpy): what the engine runs as, fixed at load
     plan: Plan                 # the next forward's kernel path and its row (precision.TABLE); fallback() switches it
-    token_block: int           # model.backbone's default token block (0 = the whole stream at once)
+    token_block: int           # the backbone's default token block (0 = the whole stream at once)
     graphs: Graphs | None      # short single-sequence prompts' graphs, or None (never replayed)
     tower_graphs: Graphs | None   # the vision tower's graphs, or None
     falls_back: bool           # has a range-safe path to answer a batch again after a guard tripped

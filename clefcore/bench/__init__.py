@@ -129,7 +129,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         if args.model:
             from ..checkpoint import Checkpoint
-            from ..model import load_params
+            from ..model.params import load_params
             ck = Checkpoint(args.model, args.revision)
             params = load_params(ck, ops)
             text_cfg = ck.text

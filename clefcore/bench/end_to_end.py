@@ -53,8 +53,10 @@ def forward_run(ops, params, records, vp=None, image=None):
     ``image`` for records[0]'s one image, each call first makes its pixels on the host: from file bytes, decoding
     then preprocessing; from a decoded [H, W, 3] uint8 array, preprocessing only. Then the vision tower (``vp``)
     runs before the backbone."""
-    from .. import images, model
+    from .. import images
     from ..engine import image_inputs, packed_positions
+    from ..model.backbone import backbone
+    from ..model.head import heads
     from ..preprocess import preprocess
     lens = [len(r.input_ids) for r in records]
     ids = np.concatenate([r.input_ids for r in records])
@@ -67,8 +69,8 @@ def forward_run(ops, params, records, vp=None, image=None):
             rgb = images.decode(image, 0) if isinstance(image, bytes) else image
             recs = [replace(records[0], images=(preprocess(rgb),))] + records[1:]
         rows, embeds = image_inputs(ops, vp, recs)
-        hs, _ = model.backbone(ops, params, ids, cu, pos, check=False, image_rows=rows, image_embeds=embeds)
-        outs = model.heads(ops, params, hs, ids, cu, [r.questions for r in recs])
+        hs, _ = backbone(ops, params, ids, cu, pos, check=False, image_rows=rows, image_embeds=embeds)
+        outs = heads(ops, params, hs, ids, cu, [r.questions for r in recs])
         ops.check_watched()
         return outs
     return run
@@ -78,8 +80,9 @@ def breakdown(cp, ops, params, records, reps) -> dict:
     """Where one forward of ``records`` spends its time, for short prompts whose host time matters: the backbone
     (a CUDA graph where one fits) and the joint head, each timed to the GPU's end (``*_ms``), and the head's host
     time alone (``head_launch_ms``: until its last launch returns, no synchronisation). Median of ``reps``."""
-    from .. import model
     from ..engine import packed_positions
+    from ..model.backbone import backbone
+    from ..model.head import heads
     lens = [len(r.input_ids) for r in records]
     ids = np.concatenate([r.input_ids for r in records])
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -90,10 +93,10 @@ def breakdown(cp, ops, params, records, reps) -> dict:
     for _ in range(reps + 1):                      # the first run is a warm-up
         sync()
         t0 = time.perf_counter()
-        hs, _ = model.backbone(ops, params, ids, cu, pos, check=False)
+        hs, _ = backbone(ops, params, ids, cu, pos, check=False)
         sync()
         t1 = time.perf_counter()
-        model.heads(ops, params, hs, ids, cu, qs)
+        heads(ops, params, hs, ids, cu, qs)
         t2 = time.perf_counter()
         ops.check_watched()
         sync()

@@ -24,7 +24,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
     stacks them, conv taps squeezed to [C, K]."""
     from ..backends.cuda.ops import DeviceTable
     from ..checkpoint import expected_head_shapes, expected_text_shapes
-    from ..model import Params, stored_groups
+    from ..model.params import Params, stored_groups
     rs = cp.random.RandomState(0)
     layers = [dict() for _ in range(text_cfg.num_layers)]
     p = Params(text_cfg, head_cfg, None, None, None, layers)

@@ -19,6 +19,14 @@ VALIDATIONS = ("cloudflare", "reference")
 ON_OVERFLOW = ("truncate", "reject")
 SPREADS = ("queue", "workers")        # --spread: how several devices share the load (queue: the default)
 MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
+# --max-batch-tokens and --chunk-tokens at auto: the tokens of a step that takes --step-budget at the measured
+# rate, within these bounds. The floor keeps an ordinary decision (the schema and a short state: a few hundred
+# to a thousand tokens) in one piece, packed with others rather than chunked, and a slow device's steps from
+# shrinking to where the cost of a forward itself dominates; the cap is what the device memory is reserved for
+# at start, twice the 4096 that both limits were by default before they were sized by time.
+STEP_FLOOR_TOKENS = 1024
+STEP_CAP_TOKENS = 8192
+STEP_BUDGET_S = 0.15   # ~4.2k tokens at the H100's ~28k prompt tokens per second of device time
 
 
 def device_list(text: str) -> tuple[str, ...]:
@@ -76,28 +84,31 @@ class ServiceConfig:
     gemm: str | None = None
     token_block: int | None = None
     graph_tokens: int | None = None
-    max_batch_tokens: int = 4096
+    max_batch_tokens: int | None = None     # None: auto (step_budget at the measured rate)
     max_batch_requests: int = 32
     max_queue: int = 256
     request_timeout: float = 30.0
     max_queue_wait: float | None = None     # None: half of request_timeout (wait_budget)
     min_queue_wait: float = 1.0
-    chunk_tokens: int = 4096
+    chunk_tokens: int | None = None         # None: auto, as max_batch_tokens; 0: never chunk
+    step_budget: float = STEP_BUDGET_S      # seconds of device time an auto-sized step is cut to
     age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
                                             # worker's place in --device (set by the supervisor)
 
     def __post_init__(self) -> None:
-        for name in ("context_length", "max_batch_tokens", "max_batch_requests", "max_queue", "request_timeout",
-                     "min_queue_wait"):
+        for name in ("context_length", "max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
+                     "step_budget"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_batch_tokens is not None and not self.max_batch_tokens > 0:
+            raise ValueError(f"max_batch_tokens must be > 0 or None (auto), got {self.max_batch_tokens}")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
             raise ValueError(f"max_queue_wait must be > 0 or None, got {self.max_queue_wait}")
         if not self.devices:
             raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
-        if self.chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 or None (auto), got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
             raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
         for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES),
@@ -114,6 +125,14 @@ class ServiceConfig:
     def devices(self) -> tuple[str, ...]:
         """The devices ``device`` names, in order: the Service runs one device process (a lane) on each."""
         return device_list(self.device)
+
+    @property
+    def reserve_limits(self) -> dict:
+        """``Engine.reserve``'s limits: the largest batch and chunk these settings can ever run, so an auto size
+        counts at its cap (STEP_CAP_TOKENS)."""
+        return dict(batch_tokens=STEP_CAP_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens,
+                    batch_requests=self.max_batch_requests,
+                    chunk_tokens=STEP_CAP_TOKENS if self.chunk_tokens is None else self.chunk_tokens)
 
     @property
     def wait_budget(self) -> float:
@@ -139,6 +158,14 @@ def _non_negative(kind):
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
         return value
     parse.__name__ = kind.__name__
+    return parse
+
+
+def _or_auto(kind):
+    """A flag's parser that reads ``auto`` as None (sized as the service runs) and anything else with ``kind``."""
+    def parse(text: str):
+        return None if text.strip().lower() == "auto" else kind(text)
+    parse.__name__ = kind.__name__ + " or auto"
     return parse
 
 
@@ -193,8 +220,11 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
                         help="largest request body accepted in bytes, 413 above (default: %(default)s)")
-    parser.add_argument("--max-batch-tokens", type=_positive(int), default=d.max_batch_tokens,
-                        help="token budget of one packed forward (default: %(default)s)")
+    auto = (f"auto: the tokens of a step of --step-budget at the device's measured rate, kept current as it "
+            f"serves, between {STEP_FLOOR_TOKENS} and {STEP_CAP_TOKENS} (the device memory is reserved for "
+            f"{STEP_CAP_TOKENS})")
+    parser.add_argument("--max-batch-tokens", type=_or_auto(_positive(int)), default="auto",
+                        help=f"token budget of one packed forward: a number, or {auto} (default: %(default)s)")
     parser.add_argument("--max-batch-requests", type=_positive(int), default=d.max_batch_requests,
                         help="requests in one packed forward (default: %(default)s)")
     parser.add_argument("--max-queue", type=_positive(int), default=d.max_queue,
@@ -209,9 +239,13 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-queue-wait", type=_positive(float), default=d.min_queue_wait,
                         help="the wait any request tolerates, however short it is; never less than one "
                              "device step, one chunk and its own run (default: %(default)s)")
-    parser.add_argument("--chunk-tokens", type=_non_negative(int), default=d.chunk_tokens,
+    parser.add_argument("--chunk-tokens", type=_or_auto(_non_negative(int)), default="auto",
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
-                             "short ones; 0: off (default: %(default)s)")
+                             f"short ones: a number, 0 (never), or {auto} (default: %(default)s)")
+    parser.add_argument("--step-budget", type=_positive(float), default=d.step_budget,
+                        help="seconds of device time that an auto-sized step (--max-batch-tokens, "
+                             "--chunk-tokens) takes at the measured rate: about what a short request waits for "
+                             "the step ahead of it (default: %(default)s)")
     parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
                              "(first in, first out) or auto (default: auto, the measured device rate)")

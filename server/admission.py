@@ -41,22 +41,29 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-# Start values, replaced by the measured rate within a few forwards: the H200 packs ~24k prompt tokens/s on
-# clef-flash; the CPU path serves the tiny test model at a few thousand.
+# Guesses that size the forward measuring the rate at start: the H200 packs ~24k prompt tokens/s on clef-flash;
+# the CPU path serves the tiny test model at a few thousand.
 START_RATE = {"cpu": 2_000.0, "cuda": 20_000.0}
 # Weight of one forward of `_HALF_TOKENS` tokens in the mean; larger forwards weigh more, up to 0.5.
 _HALF_TOKENS = 8_192
 _MAX_WEIGHT = 0.5
-# The share of time long prompts are counted on when whole prompts were (nearly) always waiting: the work
-# before them is then counted ~20x, past any budget, without dividing by zero.
-MIN_SPARE = 0.05
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
 
 def start_rate(device: str) -> float:
-    """The rate assumed for ``device`` ("cpu", "cuda", "cuda:N") until forwards measure it."""
+    """The rate guessed for ``device`` ("cpu", "cuda", "cuda:N") before anything is measured: it sizes the
+    forward that measures it at start."""
     return START_RATE["cpu" if device == "cpu" else "cuda"]
+
+
+def measured_rate(runs: list[tuple[int, float]]) -> float:
+    """Tokens per second of device time over ``runs`` ((tokens, seconds) each: the Service's measurement at
+    start, one per device)."""
+    tokens, seconds = sum(t for t, _ in runs), sum(s for _, s in runs)
+    if not (tokens > 0 and seconds > 0):
+        raise ValueError(f"a rate needs tokens and time, got {tokens} tokens in {seconds} s")
+    return tokens / seconds
 
 
 class RateMeter:

@@ -13,15 +13,23 @@ and everything below then reads as it did before lanes existed.
 A device failure of a packed batch is retried request by request: only the request(s) that fail alone
 get a 500, the rest of the batch is answered normally.
 
+Steps: a packed batch is at most ``max_batch_tokens``, a chunk ``chunk_tokens``; each is a fixed number or auto,
+the tokens of a step of ``step_budget`` seconds at the measured rate (server/steps.py), read again for every step.
+
 Overload (issues 20, 28): a request is admitted while the work that runs before it plus its own fits the wait
-its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once. Prompts
-that run whole are ordered shortest first with aging. A prompt longer than ``chunk_tokens`` runs as a
-ChunkedRun, one chunk per step, one prompt at a time: the next one starts only when no whole prompt waits, and
-each next chunk of the one started takes its turn in the same order as a queued request of a chunk's size that
-arrived when the previous step ended. So a short request waits for at most one chunk, a long prompt once
-started keeps moving under a stream of short ones, and long prompts not yet started are what gives way when
-short work needs the device: a queued one whose expected answer moves past its budget is refused then
-(``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
+its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once.
+
+Order: one order over all the work, shortest first with aging. A queued request's key is its arrival plus its
+prompt tokens over the age rate (``age_rate``, by default the measured device rate): a request passes a longer
+one that arrived less than (difference in tokens) / age rate seconds before it, and never one that arrived
+earlier than that, so no request waits behind shorter ones for longer than its own size's worth of aging.
+Prompts that run whole are packed from the head of that order. A prompt longer than the chunk size runs as a
+ChunkedRun, one chunk per step, one prompt at a time on a device: it starts when its key comes first, and each
+next chunk takes its turn as a request of a chunk's size that arrived when the previous step ended. So a short
+request waits for about one step, a long prompt starts after at most its own size's worth of aging and then keeps
+moving under a stream of short ones, and long prompts not yet started are what gives way when short work
+overfills the device: a queued one whose expected answer moves past its budget is refused then (``evicted``),
+as is the largest queued one when the queue's count bound would refuse a smaller request.
 
 Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
 model on the same kind of device). A chunked run's state lives in the device process of the lane that started
@@ -41,6 +49,7 @@ from typing import Any
 
 from clefcore.engine import EngineStatus
 from clefcore.errors import DeviceError
+from clefcore.options import STEP_BUDGET_S
 from clefcore.scheduler import Entry, Scheduler
 
 from . import admission
@@ -48,6 +57,7 @@ from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_process import DeviceProcess, Step
 from .logs import log
 from .metrics import Metrics
+from .steps import StepSize
 
 
 class QueueFull(Exception):
@@ -114,12 +124,16 @@ class _Lane:
 
 class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, max_queue: int,
-                 max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
-                 chunk_tokens: int = 0, age_rate: float | None = None, first_lane: int = 0):
+                 max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
+                 chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
+                 first_lane: int = 0):
         """``devices``: the device process of each lane.
+        ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
-        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
-        ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
+        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never; None: auto).
+        ``step_budget``: the seconds an auto-sized step takes at the measured rate.
+        ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
+        (admission.measured_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate; inf: first in, first out). ``first_lane``: the busy counter's label of the first device (its place
         in --device)."""
@@ -127,14 +141,14 @@ class Batcher:
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
         self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
-        self._max_tokens = max_batch_tokens
+        self._batch_size = StepSize(max_batch_tokens, step_budget)
+        self._chunk_size = StepSize(chunk_tokens, step_budget)
         self._max_requests = max_batch_requests
         self._budgets = budgets
         # when whole prompts have been waiting since (None: none waits), and the recent share of such time
         self._whole_waiting_since: float | None = None
         self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
-        self._chunk = chunk_tokens
         self._lanes = [_Lane(device, str(first_lane + i)) for i, device in enumerate(devices)]
         for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
             metrics.device_busy.labels(lane.label)
@@ -144,6 +158,7 @@ class Batcher:
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
         self._long_keys: dict[Entry, float] = {}
         self._holds: set[Hold] = set()   # bodies past the arrival check, not yet queued
+        self._follow()
 
     @property
     def capacity(self) -> int:
@@ -163,6 +178,16 @@ class Batcher:
     def rate(self) -> float:
         return self._rate.rate
 
+    @property
+    def batch_tokens(self) -> int:
+        """The most prompt tokens of a packed batch now."""
+        return self._batch_size.at(self._rate.rate)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The tokens of a chunk now; a longer prompt is queued to run chunked (0: none is)."""
+        return self._chunk_size.at(self._rate.rate)
+
     def backlog_tokens(self) -> int:
         """Tokens of accepted work not yet done: queued short prompts, the batches on the devices, queued long
         prompts and what is left of those running chunked."""
@@ -171,52 +196,76 @@ class Batcher:
         return tokens + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
 
     def _chunked(self, tokens: int) -> bool:
-        return 0 < self._chunk < tokens
+        return 0 < self.chunk_tokens < tokens
 
     def _chunk_key(self, lane: _Lane) -> float:
         """The lane's next chunk step's place in the scheduler's order: that of a queued request of the chunk's
         size that arrived when the chunk became due (inf: no chunked run started there)."""
         if lane.active is None:
             return math.inf
-        return lane.active.ready_at + min(self._chunk, lane.active.tokens_left) / self._scheduler.age_rate
+        return lane.active.ready_at + min(self.chunk_tokens, lane.active.tokens_left) / self._scheduler.age_rate
 
     def _step_left(self, lane: _Lane, now: float) -> float:
         """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
         return max(0.0, lane.step_tokens - (now - lane.step_started) * self._rate.rate)
 
-    def budget(self, tokens: int) -> float:
-        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than
-        what the order alone can make it wait: one device step on each lane (a chunk, or the step running there
-        now if longer), each lane's next chunk, and its own run, the lanes' share over all of them."""
-        n = len(self._lanes)
-        steps = sum(max(self._chunk, lane.step_tokens) for lane in self._lanes)
-        return max(self._budgets(tokens), (steps + n * self._chunk + n * tokens) / (n * self._rate.rate))
+    def budget(self, tokens: int, now: float | None = None) -> float:
+        """The wait a request of ``tokens`` may be admitted into at ``now``: its caller's tolerance, and never less
+        than what the order alone can make it wait: one device step on each lane (a chunk, or the step running
+        there now if longer), each lane's next chunk, and its own run, the lanes' share over all of them; for a
+        prompt that runs chunked, also the shorter work that aging lets pass it while whole prompts keep coming
+        (``_passing``, for a prompt arriving now)."""
+        n, chunk = len(self._lanes), self.chunk_tokens
+        steps = sum(max(chunk, lane.step_tokens) for lane in self._lanes)
+        floor = (steps + n * chunk + n * tokens) / (n * self._rate.rate)
+        if self._chunked(tokens):
+            floor += self._passing(tokens, tokens / self._scheduler.age_rate, time.monotonic() if now is None else now)
+        return max(self._budgets(tokens), floor)
 
-    def _long_ahead(self, now: float) -> float:
-        """Tokens that run before any long prompt not yet started: the whole batches on the devices, every
-        queued whole prompt and the rest of the chunked runs."""
-        ahead = self._scheduler.live_tokens + sum(lane.active.tokens_left for lane in self._lanes
-                                                  if lane.active is not None)
-        return ahead + sum(self._step_left(lane, now) for lane in self._lanes if lane.running)
+    def _before_long(self, key: float, now: float) -> float:
+        """Tokens that run before a long prompt of order ``key`` starts, besides the long prompts queued ahead
+        of it: the whole prompts whose keys come first, what is left of the steps on the devices and the rest
+        of the chunked runs (a lane runs one at a time)."""
+        ahead = self._scheduler.tokens_before(key) + sum(self._step_left(lane, now) for lane in self._lanes)
+        return ahead + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
 
-    def _long_rate(self, now: float) -> float:
-        """Tokens per second the work before a long prompt not yet started drains at: the lanes' rate times
-        the recent share of time no whole prompt was waiting (it starts only then; whole prompts keep arriving
-        and pass it). Once started, its chunks take their turns on its lane, so its own tokens count at one
-        device's full rate."""
-        return len(self._lanes) * self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
+    def _passing(self, tokens: int, aging_s: float, now: float) -> float:
+        """Seconds of newer, shorter work that aging lets pass a chunked prompt of ``tokens``: whatever arrives in
+        the ``aging_s`` seconds until its key comes up (at most that long), and as much again while it runs, each
+        chunk letting pass what arrives within that chunk's aging of it (tokens / age rate in all). Counted in the
+        share of recent time in which whole prompts were waiting: when they stop coming nothing passes."""
+        return self._whole_waiting.share(now) * (aging_s + tokens / self._scheduler.age_rate)
+
+    def _long_wait(self, tokens: int, key: float, now: float, ahead: float, aging_s: float) -> float:
+        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key``: ``ahead`` (the long prompts
+        before it, bodies held) and ``_before_long`` over the lanes' rate, its own run on one device and the
+        shorter work that passes it meanwhile (``aging_s``: the arrivals before it starts that are counted)."""
+        ahead += self._before_long(key, now)
+        return (ahead / (len(self._lanes) * self._rate.rate) + tokens / self._rate.rate
+                + self._passing(tokens, aging_s, now))
+
+    def _starting_before(self, key: float) -> float:
+        """Tokens of first chunks of long prompts that start before a whole prompt of order ``key``: those
+        whose keys come first, one on each lane that runs no chunked prompt."""
+        free = sum(1 for lane in self._lanes if lane.active is None)
+        if not free or not self._long_keys:
+            return 0.0
+        first = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)[:free]
+        return sum(min(self.chunk_tokens, tokens) for _, tokens in first)
 
     def expected_wait(self, tokens: int, now: float, held: float = 0.0) -> float:
         """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc): the work
         ahead of it over the lanes' rate, then its own run on one device. ``held``: tokens of bodies still being
-        prepared that will queue ahead of it."""
+        prepared that will queue ahead of it. A chunked one also waits for the shorter work that passes it
+        (``_long_wait``)."""
         if self._chunked(tokens):
-            ahead = held + self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
-            return ahead / self._long_rate(now) + tokens / self._rate.rate
+            key = self._long.key(tokens, now)
+            return self._long_wait(tokens, key, now, held + self._long.tokens_before(key), key - now)
         key = self._scheduler.key(tokens, now)
         ahead = held + sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
-        ahead += sum(min(self._chunk, lane.active.tokens_left) for lane in self._lanes
-                     if self._chunk_key(lane) <= key)
+        chunk = self.chunk_tokens
+        ahead += sum(min(chunk, lane.active.tokens_left) for lane in self._lanes if self._chunk_key(lane) <= key)
+        ahead += self._starting_before(key)
         # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
         n = len(self._lanes)
         return (ahead + n * tokens) / (n * self._rate.rate)
@@ -227,10 +276,10 @@ class Batcher:
         victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
         return victim if victim is not None and victim.tokens > tokens else None
 
-    def _admission_budget(self, tokens: int) -> float:
-        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one while the
-        rate is still a guess."""
-        budget = self.budget(tokens)
+    def _admission_budget(self, tokens: int, now: float) -> float:
+        """The budget a request of ``tokens`` is judged against at ``now``: ``budget``, or the largest one while
+        the rate is still a guess."""
+        budget = self.budget(tokens, now)
         return budget if self._rate.samples else max(budget, self._budgets.max_s)
 
     def refusal(self, tokens: int, now: float | None = None, held: float = 0.0) -> Refusal | None:
@@ -239,7 +288,7 @@ class Batcher:
         judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
         admitted without bound)."""
         now = time.monotonic() if now is None else now
-        budget = self._admission_budget(tokens)
+        budget = self._admission_budget(tokens, now)
         wait = self.expected_wait(tokens, now, held)
         if self.full() and self._evictable(tokens) is None:
             return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
@@ -302,11 +351,18 @@ class Batcher:
 
     def _observe_rate(self, tokens: int, seconds: float) -> None:
         self._rate.observe(tokens, seconds)
-        self._metrics.device_rate.set(self._rate.rate)
+        self._follow()
+
+    def _follow(self) -> None:
+        """The measured rate moved: the auto step sizes and, by default, the aging follow it."""
+        rate = self._rate.rate
+        self._metrics.device_rate.set(rate)
+        self._metrics.step_tokens.labels("max_batch_tokens").set(self.batch_tokens)
+        self._metrics.step_tokens.labels("chunk_tokens").set(self.chunk_tokens)
         if self._follow_rate:
             # A short prompt passes a long one that arrived less than the long one's own run time earlier.
-            self._scheduler.set_age_rate(self._rate.rate)
-            self._long.set_age_rate(self._rate.rate)
+            self._scheduler.set_age_rate(rate)
+            self._long.set_age_rate(rate)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -337,7 +393,7 @@ class Batcher:
         now = time.monotonic()
         # promised by the end of its budget: the batch it rides is cut to keep that (pyx/scheduler.pyx)
         tokens = prepared.num_tokens
-        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens))
+        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens, now))
         refused = self.refusal(entry.tokens, now)
         if refused is not None:
             self._count_refusal(refused.reason, entry.tokens)
@@ -393,17 +449,19 @@ class Batcher:
 
     def _evict_late(self, now: float) -> None:
         """Queued long prompts, in the order they would start, whose expected answer has moved past their
-        budget (whole prompts passed them meanwhile) are refused now rather than answered late."""
+        budget (whole prompts passed them meanwhile) are refused now rather than answered late. Counted as
+        expected_wait does, but for the arrivals still to come before each starts: those that came are in the
+        queue now, and the guess of the rest (the recent share) would move its answer later by a part of every
+        second it waits, and refuse it for a guess that admitted it."""
         if not self._long_keys or not self._rate.samples:
             return
-        ahead = self._long_ahead(now)
-        rate = self._long_rate(now)
-        for entry, _ in sorted(self._long_keys.items(), key=lambda item: item[1]):
-            wait = ahead / rate + entry.tokens / self._rate.rate
-            if now + wait > entry.enqueued_at + self.budget(entry.tokens):
+        longs = 0.0   # the long prompts kept before this one
+        for entry, key in sorted(self._long_keys.items(), key=lambda item: item[1]):
+            wait = self._long_wait(entry.tokens, key, now, longs, 0.0)
+            if now + wait > entry.enqueued_at + self.budget(entry.tokens, now):
                 self._evict(entry, wait)
             else:
-                ahead += entry.tokens
+                longs += entry.tokens
 
     async def _dispatch(self, lane: _Lane) -> None:
         while True:
@@ -413,15 +471,15 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
             self._evict_late(time.monotonic())
-            # The lane's started run's next chunk goes when it is first in the scheduler's order; the next
-            # long prompt starts only when no whole prompt waits (see the module doc).
-            if lane.active is not None and (len(self._scheduler) == 0
-                                            or self._chunk_key(lane) <= self._scheduler.head_key()):
+            # Whatever comes first in the order (module doc): the lane's started run's next chunk, or where the
+            # lane runs none, the next long prompt's start; else the whole prompts at the head.
+            whole = self._scheduler.head_key()    # inf: none waits
+            if lane.active is not None:
+                await (self._chunk_step(lane) if self._chunk_key(lane) <= whole else self._short_batch(lane))
+            elif len(self._long) and self._long.head_key() <= whole:
                 await self._chunk_step(lane)
             elif len(self._scheduler):
                 await self._short_batch(lane)
-            elif len(self._long):
-                await self._chunk_step(lane)
 
     def _expire(self, entries) -> None:
         """Answer the entries a queue dropped past their deadline with a timeout."""
@@ -434,7 +492,7 @@ class Batcher:
     async def _short_batch(self, lane: _Lane) -> None:
         # promises are weighed once the rate is measured (a guess would cut batches for nothing)
         rate = self._rate.rate if self._rate.samples else math.inf
-        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic(), rate)
+        batch = self._scheduler.take(self.batch_tokens, self._max_requests, time.monotonic(), rate)
         if len(self._scheduler) == 0:
             self._whole_waiting_since = None
         self._expire(batch.expired)
@@ -504,11 +562,12 @@ class Batcher:
                 await lane.device.drop()   # its state on the device goes now, not at the next long prompt
             return
         self._metrics.running.inc()
-        lane.step_tokens = min(self._chunk, active.tokens_left)
+        chunk = self.chunk_tokens
+        lane.step_tokens = min(chunk, active.tokens_left)
         lane.step_started = now
         active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            step = await lane.device.step(None if active.begun else active.entry.payload[0])
+            step = await lane.device.step(None if active.begun else active.entry.payload[0], chunk)
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
         finally:

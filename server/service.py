@@ -44,6 +44,7 @@ from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import Metrics
 from .prepare import PrepareGate
+from .steps import StepSize
 from .testhooks import TestHooks
 
 __all__ = ["Service", "ServiceConfig", "ServiceError", "Unavailable", "Overloaded", "TimedOut",
@@ -108,8 +109,7 @@ class Service:
             # several: each device process sees only its own GPU, as cuda:0; one sees what the server sees
             with gpus.alone(device) if several else contextlib.nullcontext(device) as loads_as:
                 self._loads_as.append(loads_as)
-                self.devices.append(DeviceProcess(self.hooks, config.chunk_tokens,
-                                                  f"clef-device-{i}" if several else "clef-device"))
+                self.devices.append(DeviceProcess(self.hooks, f"clef-device-{i}" if several else "clef-device"))
         self.metrics.devices.set(len(self.devices))
         self.preparer: Preparer | None = None   # both set once the model is loaded and self-checked
         self.batcher: Batcher | None = None
@@ -130,8 +130,9 @@ class Service:
 
     # --- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model in the device process, warm it up and self-check it, then take requests (``ready``).
-        A failure is logged, leaves the service ``failed`` and is raised."""
+        """Load the model in the device process, warm it up, self-check it and measure its rate (which sizes
+        auto steps from the first request on), then take requests (``ready``). A failure is logged, leaves the
+        service ``failed`` and is raised."""
         cfg = self.config
         started = time.monotonic()
         if self.hooks.load_delay_s:
@@ -139,12 +140,14 @@ class Service:
         try:
             engines = await asyncio.gather(*(device.load(dict(
                 path=cfg.model, device=loads_as, max_length=cfg.context_length, confidence=cfg.confidence,
-                validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)), dict(
-                batch_tokens=cfg.max_batch_tokens, batch_requests=cfg.max_batch_requests, chunk_tokens=cfg.chunk_tokens))
+                validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)), cfg.reserve_limits)
                 for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
             self.lifecycle.set(LOADING, "warming up and running the self-check")
             await asyncio.gather(*(device.self_check() for device in self.devices))
+            # at the step size the device kind's guessed rate gives: near the size the measurement then sets
+            guess = StepSize(None, cfg.step_budget).at(admission.start_rate(cfg.devices[0]))
+            measured = await asyncio.gather(*(device.measure(guess) for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: Preparer(
                 Checkpoint(cfg.model), cfg.context_length, cfg.validation, engine.images_refused))
@@ -158,8 +161,8 @@ class Service:
         self.batcher = Batcher(self.devices, self.metrics, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
-                               start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
-                               age_rate=cfg.age_rate, first_lane=cfg.first_lane)
+                               start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
+                               step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
@@ -167,7 +170,8 @@ class Service:
         self.metrics.ready.set(1)
         log("ready", model=engine.model_name, device=self.status.device, load_s=round(time.monotonic() - started, 3),
             images=engine.images_refused or "answered", device_memory_bytes=self.status.memory_in_use,
-            reserved_bytes=self.status.backend.get("reserved_bytes", 0))
+            reserved_bytes=self.status.backend.get("reserved_bytes", 0), rate_tokens_per_s=round(self.batcher.rate),
+            max_batch_tokens=self.batcher.batch_tokens, chunk_tokens=self.batcher.chunk_tokens)
 
     def _device_lost(self, reason: str) -> None:
         """A device process died: the service fails and asks to be stopped (``clefcore serve`` then exits

@@ -11,7 +11,7 @@ import pytest
 
 from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
+from clefcore.server.admission import (BodySizer, Budgets, RateMeter, RecentShare, Refusal,
                                       retry_after, size_class)
 from clefcore.server.batcher import Batcher, QueueFull
 from clefcore.server.metrics import Metrics
@@ -171,24 +171,47 @@ def test_over_budget_a_short_request_is_refused_with_retry_after():
     loop.close()
 
 
-def test_the_work_before_a_long_prompt_counts_over_the_time_no_whole_prompt_waits():
+def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompts_keep_coming():
     loop = asyncio.new_event_loop()
     b = batcher()
     now = time.monotonic()
     b._scheduler.push(entry(loop, 300, now))
-    # nothing waited lately: 0.3 s of whole work, then its own 5 s, within a step, a chunk and its own 5 s
+    # nothing waited lately: the whole prompt whose key comes first (0.3 s), then its own 5 s, within a step, a
+    # chunk and its own 5 s
     assert b.expected_wait(5_000, now) == pytest.approx(5.3)
+    assert b.budget(5_000, now) == pytest.approx(7.0)
     assert b.refusal(5_000, now) is None
     t = now - 10.0
     b._whole_waiting.step(t, 0.0)
     while t < now:                                              # whole prompts were waiting for 10 s
         t += 0.1
         b._whole_waiting.step(t, 0.1)
-    refusal = b.refusal(5_000, now)                             # it would start only once they stop coming
-    assert refusal.reason == "queued_work"
-    assert refusal.wait_s == pytest.approx(0.3 / MIN_SPARE + 5.0, rel=0.05)
-    assert refusal.retry_after_s == 4                           # 11 s against 7 s
-    assert b.refusal(500, now) is None                          # a whole prompt is not held back by it
+    share = b._whole_waiting.share(now)
+    assert share > 0.99
+    # shorter arrivals pass it until its key comes up (5 s of aging at 1,000 tokens/s), and as much again
+    # between its chunks: what the order alone can make it wait, which its budget's floor counts too
+    assert b.expected_wait(5_000, now) == pytest.approx(5.3 + 10 * share)
+    assert b.budget(5_000, now) == pytest.approx(7.0 + 10 * share)
+    assert b.refusal(5_000, now) is None
+    queue_long(b, entry(loop, 2_000, now - 10))                 # a long prompt ahead of it: 2 s more
+    refusal = b.refusal(5_000, now)
+    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(7.3 + 10 * share)
+    assert refusal.retry_after_s == 1                           # 17.3 s against 17 s
+    # a whole prompt is not held back by them: one chunk of the long prompt that starts first (its key came)
+    assert b.expected_wait(500, now) == pytest.approx(1.8)
+    assert b.refusal(500, now) is None
+    loop.close()
+
+
+def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    now = time.monotonic()
+    queue_long(b, entry(loop, 3_000, now - 2.95))               # key now + 0.05: it starts before the next one
+    assert b.expected_wait(100, now) == pytest.approx(1.1)      # its first chunk, then its own 100
+    assert b.expected_wait(40, now) == pytest.approx(0.04)      # key now + 0.04: this one first
+    b._lanes[0].active = SimpleNamespace(ready_at=now + 10, tokens_left=500)   # the lane runs another one:
+    assert b.expected_wait(100, now) == pytest.approx(0.1)      # no new one starts there
     loop.close()
 
 

@@ -113,13 +113,13 @@ class FakeDevice:
         await asyncio.sleep(0.01)
         return [({"by": self.name, "prompt": p.name}, None) for p in prepared], 0.01
 
-    async def step(self, prepared):
+    async def step(self, prepared, tokens):
         if prepared is not None:
             self.run = [prepared, prepared.num_tokens]
         assert self.run is not None, f"{self.name}: a chunk step with no run started here"
         self.ran.append(("step", self.run[0].name))
         await asyncio.sleep(0.01)
-        tokens = min(1_000, self.run[1])
+        tokens = min(tokens, self.run[1])
         self.run[1] -= tokens
         done = self.run[1] == 0
         response = {"by": self.name, "prompt": self.run[0].name} if done else None

@@ -20,9 +20,10 @@ Overload (issues 20, 28): a request is admitted while the work that runs before 
 its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once.
 
 Order: one order over all the work, shortest first with aging. A queued request's key is its arrival plus its
-prompt tokens over the age rate (``age_rate``, by default the measured device rate): a request passes a longer
-one that arrived less than (difference in tokens) / age rate seconds before it, and never one that arrived
-earlier than that, so no request waits behind shorter ones for longer than its own size's worth of aging.
+prompt tokens over the age rate (``age_rate``, by default a third of the measured device rate, AUTO_AGE_DIVISOR):
+a request passes a longer one that arrived less than (difference in tokens) / age rate seconds before it, and
+never one that arrived earlier than that, so no request waits behind shorter ones for longer than its own size's
+worth of aging: at the default, three times its own run time.
 Prompts that run whole are packed from the head of that order. A prompt longer than the chunk size runs as a
 ChunkedRun, one chunk per step, one prompt at a time on a device: it starts when its key comes first, and each
 next chunk takes its turn as a request of a chunk's size that arrived when the previous step ended. So a short
@@ -58,6 +59,17 @@ from .device_process import DeviceProcess, Step
 from .logs import log
 from .metrics import Metrics
 from .steps import StepSize
+
+# --age-rate auto: the measured rate over this. A request is passed by shorter work for at most this many times
+# its own run time. Under short work that fills the device by itself, a chunked prompt is then answered after
+# about 2 x 3 + 1 = 7 times its own run time (its aging, its run, the shorter work each chunk lets pass), and the
+# short work keeps about 6/7 of the device: with the measured rate itself (1), a third of the device went to a
+# stream of 3k-token prompts beside short ones, and the short ones waited half as long as the long ones.
+AUTO_AGE_DIVISOR = 3
+# A queued long prompt is evicted once its expected answer is this share of its budget past its promise: it has
+# waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
+# counted between two steps.
+EVICT_SLACK = 0.25
 
 
 class QueueFull(Exception):
@@ -135,12 +147,12 @@ class Batcher:
         ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
         (admission.measured_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
-        rate; inf: first in, first out). ``first_lane``: the busy counter's label of the first device (its place
-        in --device)."""
+        rate over AUTO_AGE_DIVISOR; inf: first in, first out). ``first_lane``: the busy counter's label of the
+        first device (its place in --device)."""
         self._metrics = metrics
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
-        self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
+        self._scheduler = Scheduler(max_queue, self._rate.rate / AUTO_AGE_DIVISOR if age_rate is None else age_rate)
         self._batch_size = StepSize(max_batch_tokens, step_budget)
         self._chunk_size = StepSize(chunk_tokens, step_budget)
         self._max_requests = max_batch_requests
@@ -209,40 +221,49 @@ class Batcher:
         """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
         return max(0.0, lane.step_tokens - (now - lane.step_started) * self._rate.rate)
 
-    def budget(self, tokens: int, now: float | None = None) -> float:
-        """The wait a request of ``tokens`` may be admitted into at ``now``: its caller's tolerance, and never less
-        than what the order alone can make it wait: one device step on each lane (a chunk, or the step running
-        there now if longer), each lane's next chunk, and its own run, the lanes' share over all of them; for a
-        prompt that runs chunked, also the shorter work that aging lets pass it while whole prompts keep coming
-        (``_passing``, for a prompt arriving now)."""
-        n, chunk = len(self._lanes), self.chunk_tokens
+    def budget(self, tokens: int) -> float:
+        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than what
+        the order alone can make it wait: one device step on each lane (a chunk, or the step running there now
+        if longer), each lane's next chunk, and its own run, the lanes' share over all of them. For a prompt
+        that runs chunked, what the order can make it wait while whole prompts keep coming (_long_wait): its own
+        aging, and then still the step running and a chunk (whole prompts that came just before its key ran out,
+        and a run's chunk, may go first), and a run that lets shorter work pass between its chunks."""
+        n, rate, chunk = len(self._lanes), self._rate.rate, self.chunk_tokens
         steps = sum(max(chunk, lane.step_tokens) for lane in self._lanes)
-        floor = (steps + n * chunk + n * tokens) / (n * self._rate.rate)
         if self._chunked(tokens):
-            floor += self._passing(tokens, tokens / self._scheduler.age_rate, time.monotonic() if now is None else now)
+            floor = tokens / self._scheduler.age_rate + (steps + n * chunk) / (n * rate) + tokens * self._slow / rate
+        else:
+            floor = (steps + n * chunk + n * tokens) / (n * rate)
         return max(self._budgets(tokens), floor)
 
-    def _before_long(self, key: float, now: float) -> float:
-        """Tokens that run before a long prompt of order ``key`` starts, besides the long prompts queued ahead
-        of it: the whole prompts whose keys come first, what is left of the steps on the devices and the rest
-        of the chunked runs (a lane runs one at a time)."""
-        ahead = self._scheduler.tokens_before(key) + sum(self._step_left(lane, now) for lane in self._lanes)
-        return ahead + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
+    @property
+    def _slow(self) -> float:
+        """How many times its own tokens' time chunked work takes while whole prompts keep coming: before each
+        chunk runs the whole work queued when it became due, or if longer, what arrives within its aging (a
+        chunk's tokens at the age rate: rate / age rate chunks' worth)."""
+        chunk = self.chunk_tokens
+        return 1.0 + max(self._rate.rate / self._scheduler.age_rate, self._scheduler.live_tokens / chunk)
 
-    def _passing(self, tokens: int, aging_s: float, now: float) -> float:
-        """Seconds of newer, shorter work that aging lets pass a chunked prompt of ``tokens``: whatever arrives in
-        the ``aging_s`` seconds until its key comes up (at most that long), and as much again while it runs, each
-        chunk letting pass what arrives within that chunk's aging of it (tokens / age rate in all). Counted in the
-        share of recent time in which whole prompts were waiting: when they stop coming nothing passes."""
-        return self._whole_waiting.share(now) * (aging_s + tokens / self._scheduler.age_rate)
-
-    def _long_wait(self, tokens: int, key: float, now: float, ahead: float, aging_s: float) -> float:
-        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key``: ``ahead`` (the long prompts
-        before it, bodies held) and ``_before_long`` over the lanes' rate, its own run on one device and the
-        shorter work that passes it meanwhile (``aging_s``: the arrivals before it starts that are counted)."""
-        ahead += self._before_long(key, now)
-        return (ahead / (len(self._lanes) * self._rate.rate) + tokens / self._rate.rate
-                + self._passing(tokens, aging_s, now))
+    def _long_wait(self, tokens: int, key: float, now: float, ahead: list[tuple[float, int]],
+                   held: float = 0.0) -> float:
+        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key`` (its arrival + its aging).
+        Before it start the whole prompts whose keys come first (with what is left of the steps running and the
+        ``held`` tokens of bodies being prepared), the rest of the runs started and the long prompts queued
+        ahead (``ahead``: their keys and tokens, in order; a lane runs one at a time). Two cases, weighed by the
+        recent share of time whole prompts were waiting. None coming: all that runs, then its own
+        run. Whole prompts coming all the time: shorter ones pass it until its key comes up, and pass every
+        run between its chunks, its own too; so it starts at the latest of its key, the end of the whole prompts
+        ahead of it, and the end of the runs before it (each of which starts no sooner than its own key)."""
+        n, rate, slow = len(self._lanes), self._rate.rate, self._slow
+        share = self._whole_waiting.share(now)
+        whole = self._scheduler.tokens_before(key) + held + sum(self._step_left(lane, now) for lane in self._lanes)
+        started = sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
+        alone = (whole + started + sum(t for _, t in ahead)) / (n * rate) + tokens / rate
+        runs_end = started * slow / (n * rate)
+        for their_key, their_tokens in ahead:
+            runs_end = max(runs_end, their_key - now) + their_tokens * slow / (n * rate)
+        flowing = max(whole / (n * rate), runs_end, key - now) + tokens * slow / rate
+        return (1 - share) * alone + share * flowing
 
     def _starting_before(self, key: float) -> float:
         """Tokens of first chunks of long prompts that start before a whole prompt of order ``key``: those
@@ -260,7 +281,8 @@ class Batcher:
         (``_long_wait``)."""
         if self._chunked(tokens):
             key = self._long.key(tokens, now)
-            return self._long_wait(tokens, key, now, held + self._long.tokens_before(key), key - now)
+            ahead = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)
+            return self._long_wait(tokens, key, now, ahead, held)
         key = self._scheduler.key(tokens, now)
         ahead = held + sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
         chunk = self.chunk_tokens
@@ -276,10 +298,10 @@ class Batcher:
         victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
         return victim if victim is not None and victim.tokens > tokens else None
 
-    def _admission_budget(self, tokens: int, now: float) -> float:
-        """The budget a request of ``tokens`` is judged against at ``now``: ``budget``, or the largest one while
-        the rate is still a guess."""
-        budget = self.budget(tokens, now)
+    def _admission_budget(self, tokens: int) -> float:
+        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
+        is measured."""
+        budget = self.budget(tokens)
         return budget if self._rate.samples else max(budget, self._budgets.max_s)
 
     def refusal(self, tokens: int, now: float | None = None, held: float = 0.0) -> Refusal | None:
@@ -288,7 +310,7 @@ class Batcher:
         judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
         admitted without bound)."""
         now = time.monotonic() if now is None else now
-        budget = self._admission_budget(tokens, now)
+        budget = self._admission_budget(tokens)
         wait = self.expected_wait(tokens, now, held)
         if self.full() and self._evictable(tokens) is None:
             return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
@@ -360,9 +382,9 @@ class Batcher:
         self._metrics.step_tokens.labels("max_batch_tokens").set(self.batch_tokens)
         self._metrics.step_tokens.labels("chunk_tokens").set(self.chunk_tokens)
         if self._follow_rate:
-            # A short prompt passes a long one that arrived less than the long one's own run time earlier.
-            self._scheduler.set_age_rate(rate)
-            self._long.set_age_rate(rate)
+            # A short prompt passes a long one that arrived less than three times the long one's run time earlier.
+            self._scheduler.set_age_rate(rate / AUTO_AGE_DIVISOR)
+            self._long.set_age_rate(rate / AUTO_AGE_DIVISOR)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -393,7 +415,7 @@ class Batcher:
         now = time.monotonic()
         # promised by the end of its budget: the batch it rides is cut to keep that (pyx/scheduler.pyx)
         tokens = prepared.num_tokens
-        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens, now))
+        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens))
         refused = self.refusal(entry.tokens, now)
         if refused is not None:
             self._count_refusal(refused.reason, entry.tokens)
@@ -448,20 +470,19 @@ class Batcher:
                 "evicted", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)))
 
     def _evict_late(self, now: float) -> None:
-        """Queued long prompts, in the order they would start, whose expected answer has moved past their
-        budget (whole prompts passed them meanwhile) are refused now rather than answered late. Counted as
-        expected_wait does, but for the arrivals still to come before each starts: those that came are in the
-        queue now, and the guess of the rest (the recent share) would move its answer later by a part of every
-        second it waits, and refuse it for a guess that admitted it."""
+        """Queued long prompts, in the order they would start, whose expected answer has moved past the answer
+        time they were promised at admission by more than a chunk's time (whole prompts passed them meanwhile)
+        are refused now rather than answered late. (The chunk's time: whole prompts are taken a step at a time,
+        so the work sorted before a long prompt swings by a step while it waits.)"""
         if not self._long_keys or not self._rate.samples:
             return
-        longs = 0.0   # the long prompts kept before this one
+        kept: list[tuple[float, int]] = []   # the long prompts kept before this one
         for entry, key in sorted(self._long_keys.items(), key=lambda item: item[1]):
-            wait = self._long_wait(entry.tokens, key, now, longs, 0.0)
-            if now + wait > entry.enqueued_at + self.budget(entry.tokens, now):
+            wait = self._long_wait(entry.tokens, key, now, kept)
+            if now + wait > entry.answer_by + EVICT_SLACK * (entry.answer_by - entry.enqueued_at):
                 self._evict(entry, wait)
             else:
-                longs += entry.tokens
+                kept.append((key, entry.tokens))
 
     async def _dispatch(self, lane: _Lane) -> None:
         while True:

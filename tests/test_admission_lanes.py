@@ -23,10 +23,10 @@ class Prepared(SimpleNamespace):
 
 
 def batcher(lanes: int, **kw) -> Batcher:
-    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up
-    to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
+    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, aging at 1,000
+    tokens/s, budgets of 1 s up to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
-                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=1_000.0, start_rate=1_000.0)
     options.update(kw)
     b = Batcher([None] * lanes, Metrics(), **options)
     b._rate.samples = 1  # as if measured: the start value stands

@@ -97,6 +97,8 @@ def test_auto_sizes_follow_the_measured_rate():
     assert b.batch_tokens == b.chunk_tokens == STEP_FLOOR_TOKENS   # 500 would be under the floor
     assert step_gauge(b, "chunk_tokens") == STEP_FLOOR_TOKENS
     assert b._chunked(2_500)                                       # what runs chunked follows the chunk
+    # aging follows it too, at a third of it: a request is passed by shorter work for up to 3x its own run
+    assert b._scheduler.age_rate == b._long.age_rate == pytest.approx(b.rate / 3)
     fixed = batcher(max_batch_tokens=4_096, chunk_tokens=0)
     fixed._observe_rate(100, 1.0)
     assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0) and not fixed._chunked(24_000)
@@ -196,7 +198,7 @@ def run_on_fake_clock(monkeypatch, plan, max_batch_requests=64):
     device = FakeDevice(clock, arrive)
     b = Batcher([device], Metrics(), max_queue=10_000, max_batch_tokens=1_000,
                 max_batch_requests=max_batch_requests, budgets=Budgets(1e3, 1e3, 10_000), start_rate=1_000.0,
-                chunk_tokens=1_000)
+                chunk_tokens=1_000, age_rate=1_000.0)
     b._rate.samples = 1   # measured: the rate stands
 
     async def main():

@@ -92,7 +92,8 @@ class ServiceConfig:
     min_queue_wait: float = 1.0
     chunk_tokens: int | None = None         # None: auto, as max_batch_tokens; 0: never chunk
     step_budget: float = STEP_BUDGET_S      # seconds of device time an auto-sized step is cut to
-    age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
+    age_rate: float | None = None           # None: a third of the measured device rate; math.inf: first in,
+                                            # first out
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
                                             # worker's place in --device (set by the supervisor)
 
@@ -248,7 +249,8 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "the step ahead of it (default: %(default)s)")
     parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
-                             "(first in, first out) or auto (default: auto, the measured device rate)")
+                             "(first in, first out) or auto (default: auto, a third of the measured device rate: "
+                             "a request is passed by shorter work for at most three times its own run time)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish accepted requests after SIGTERM (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),

@@ -25,17 +25,18 @@ a request passes a longer one that arrived less than (difference in tokens) / ag
 never one that arrived earlier than that, so no request waits behind shorter ones for longer than its own size's
 worth of aging: at the default, three times its own run time.
 Prompts that run whole are packed from the head of that order. A prompt longer than the chunk size runs as a
-ChunkedRun, one chunk per step, one prompt at a time on a device: it starts when its key comes first, and each
-next chunk takes its turn as a request of a chunk's size that arrived when the previous step ended. So a short
+ChunkedRun, one chunk per step, one prompt at a time on a device: it starts when its key comes first (or no
+whole prompt waits), and each next chunk takes its turn as a request of a chunk's size that arrived when the
+previous step ended. So a short
 request waits for about one step, a long prompt starts after at most its own size's worth of aging and then keeps
 moving under a stream of short ones, and long prompts not yet started are what gives way when short work
-overfills the device: a queued one whose expected answer moves past its budget is refused then (``evicted``),
-as is the largest queued one when the queue's count bound would refuse a smaller request.
+overfills the device: a queued one whose expected answer moves well past its promise is refused then
+(``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
 
 Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
 model on the same kind of device). A chunked run's state lives in the device process of the lane that started
 it, so its chunks all run on that lane; each lane runs at most one, and a free lane with none starts the next
-long prompt when no whole prompt waits. The admission arithmetic counts the work ahead of a request over all
+long prompt when its key comes first. The admission arithmetic counts the work ahead of a request over all
 lanes and lets it drain at N times the device's rate (server/admission.py's doc, "N lanes").
 """
 

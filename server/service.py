@@ -143,11 +143,13 @@ class Service:
                 validation=cfg.validation, images=not cfg.no_images, **backend_options(cfg)), cfg.reserve_limits)
                 for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
-            self.lifecycle.set(LOADING, "warming up and running the self-check")
+            self.lifecycle.set(LOADING, "warming up, running the self-check and measuring the device's rate")
             await asyncio.gather(*(device.self_check() for device in self.devices))
-            # at the step size the device kind's guessed rate gives: near the size the measurement then sets
-            guess = StepSize(None, cfg.step_budget).at(admission.start_rate(cfg.devices[0]))
-            measured = await asyncio.gather(*(device.measure(guess) for device in self.devices))
+            # at the step size the device kind's guessed rate gives (near the size the measurement then sets),
+            # within the batches the memory was reserved for
+            size = min(StepSize(None, cfg.step_budget).at(admission.start_rate(cfg.devices[0])),
+                       cfg.reserve_limits["batch_tokens"])
+            measured = await asyncio.gather(*(device.measure(size) for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: Preparer(
                 Checkpoint(cfg.model), cfg.context_length, cfg.validation, engine.images_refused))

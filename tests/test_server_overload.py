@@ -190,8 +190,8 @@ def test_a_client_that_leaves_stops_its_chunked_run():
 def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
     # 3 ms per token. Once the long prompt has started, three clients send short requests back to back for as
     # long as it runs: each next chunk takes its turn in the scheduler's order, so it keeps moving (no
-    # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a
-    # stream starts only when no short one waits: admission counts the time that takes.)
+    # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a stream
+    # starts once its key comes first in the order: tests/test_steps.py.)
     with Server("--chunk-tokens", "160", "--min-queue-wait", "30", "--max-queue-wait", "30",
                 env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
         s.wait_ready()

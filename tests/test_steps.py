@@ -52,9 +52,9 @@ def test_the_rate_measured_at_start_is_over_every_devices_run():
         measured_rate([(1_000, 0.0)])
 
 
-def test_a_server_at_the_defaults_sizes_its_steps_from_the_rate_it_measured():
-    """The device slowed to ~1 ms a token (a test hook): the rate measured at start sizes the steps (2 s of it:
-    ~1,700 tokens, above the floor), so a ~2,300-token prompt runs chunked, and the gauge follows the rate."""
+def test_a_server_sizes_its_steps_from_the_rate_it_measured_at_start():
+    """The device slowed to ~1 ms a token (a test hook), steps of 2 s: the rate measured at start sizes them
+    (~1,700 tokens, above the floor), so a ~2,300-token prompt runs chunked, and the gauge follows the rate."""
     with Server("--step-budget", "2", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}) as s:
         s.wait_ready()
         (ready,) = s.events("ready")
@@ -66,7 +66,7 @@ def test_a_server_at_the_defaults_sizes_its_steps_from_the_rate_it_measured():
         assert reply.status == 200 and reply.json()["usage"]["input_tokens"] > chunk
         assert s.metric("clef_chunk_steps_total") >= 2
         rate = s.metric("clef_device_rate_tokens_per_second")
-        assert s.metric("clef_step_tokens", 'limit="chunk_tokens"') == max(1_024, int(2 * rate))
+        assert s.metric("clef_step_tokens", 'limit="chunk_tokens"') == max(STEP_FLOOR_TOKENS, int(2 * rate))
 
 
 class Prepared(SimpleNamespace):

@@ -311,12 +311,12 @@ class ChunkedRun:
     def _context(self):
         return self.engine.ops.fallback() if self.safe else nullcontext()
 
-    def step(self) -> bool:
-        """Run the next chunk; True when the prefill is complete."""
+    def step(self, tokens: int | None = None) -> bool:
+        """Run the next chunk (of ``tokens``, default the run's ``chunk``); True when the prefill is complete."""
         ops = self.engine.ops
         try:
             with self.engine.on_device(), self._context():
-                self._prefill.step()
+                self._prefill.step(tokens)
                 ops.check_watched()
         except GuardError as first:
             if self.safe or not ops.falls_back:

@@ -2,7 +2,8 @@
 
 Clients send System One requests whose states are sized to a class's prompt tokens. The client has no
 tokenizer: two probe requests first measure the server's tokens per state word and the prompt's fixed part
-(``usage.input_tokens``), and the states are sized from those; the report gives the server's own count.
+(``usage.input_tokens``), and the states are sized from those (``--sizing`` gives them instead, e.g. from an
+earlier run's report, for a run that starts beside another one's load); the report gives the server's own count.
 Closed loop (each client sends its next request when the last is answered) or a fixed rate (a request every
 1/rate seconds, at most ``--clients`` in flight). After a 429 or 503 a closed-loop client waits Retry-After
 (at most ``--max-backoff``) before its next draw; with ``--no-backoff`` it sends at once, and at a fixed rate
@@ -330,7 +331,7 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
     # worker); new: a connection per request, which the kernel spreads over the workers one by one
     connector = aiohttp.TCPConnector(limit=args.clients, force_close=args.connections == "new")
     async with aiohttp.ClientSession(args.url, timeout=timeout, connector=connector) as http:
-        run.sizing = await calibrate(http, path, headers, rng)
+        run.sizing = args.sizing if args.sizing is not None else await calibrate(http, path, headers, rng)
         # Bodies are built and encoded once per class: a 24k-word state made or serialised per request would
         # load the client's loop, and its latencies would be its own.
         bodies = {c.name: [json.dumps(make_body(c.tokens, random.Random(rng.random()), run.sizing)).encode()
@@ -401,6 +402,17 @@ def _positive(kind):
     return parse
 
 
+def _sizing(text: str) -> Sizing:
+    """``FIXED:PER_WORD`` (a report's ``sizing``): prompt tokens = FIXED + PER_WORD x state words."""
+    try:
+        fixed, per_word = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be FIXED:PER_WORD (two numbers), got {text!r}") from None
+    if not (fixed >= 0 and per_word > 0 and math.isfinite(fixed + per_word)):
+        raise argparse.ArgumentTypeError(f"needs FIXED >= 0 and PER_WORD > 0, got {text!r}")
+    return Sizing(fixed=fixed, per_word=per_word)
+
+
 def _mix(text: str) -> list[RequestClass]:
     try:
         return parse_mix(text)
@@ -418,8 +430,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=_positive(float), default=None,
                         help="send this many requests per second (open loop) instead of a closed loop "
                              "(default: off, a closed loop)")
-    parser.add_argument("--mix", type=_mix, default=DEFAULT_MIX,
+    parser.add_argument("--mix", type=_mix, default=parse_mix(DEFAULT_MIX),
                         help="request classes, name:share:prompt_tokens,...")
+    parser.add_argument("--sizing", type=_sizing, default=None,
+                        help="FIXED:PER_WORD: size states as prompt tokens = FIXED + PER_WORD x words, as an earlier "
+                             "run's report (sizing) gives, instead of probing the server first (default: probe)")
     parser.add_argument("--timeout", type=_positive(float), default=120.0,
                         help="client timeout per request, s")
     parser.add_argument("--max-backoff", type=float, default=1.0,

@@ -53,6 +53,15 @@ def model_options(p: argparse.ArgumentParser, absent: str | None = None) -> None
                    help="with a Hub id: the branch, tag or commit hash to load from the cache (default: the cache's "
                         "main ref, the commit the last download of main fetched)")
 
+# --max-batch-tokens and --chunk-tokens at auto: the tokens of a step that takes --step-budget at the measured
+# rate, within these bounds. The floor keeps an ordinary decision (the schema and a short state: a few hundred
+# to a thousand tokens) in one piece, packed with others rather than chunked, and a slow device's steps from
+# shrinking to where the cost of a forward itself dominates; the cap is what the device memory is reserved for
+# at start, twice the 4096 that both limits were by default before they were sized by time.
+STEP_FLOOR_TOKENS = 1024
+STEP_CAP_TOKENS = 8192
+STEP_BUDGET_S = 0.15   # ~4.2k tokens at the H100's ~28k prompt tokens per second of device time
+
 
 def device_list(text: str) -> tuple[str, ...]:
     """The devices a --device value names, in order ("cuda:0, cuda:1" -> ("cuda:0", "cuda:1"))."""
@@ -122,30 +131,34 @@ class ServiceConfig:
     token_block: int | None = None
     graph_tokens: int | None = None
     kernels: str | None = None              # GPU kernel switches (clefcore/switches.py); None: environment
-    max_batch_tokens: int = 4096
+    max_batch_tokens: int | None = None     # None: auto (step_budget at the measured rate)
     max_batch_requests: int = 32
     max_queue: int = 256
     request_timeout: float = 30.0
     max_queue_wait: float | None = None     # None: half of request_timeout (wait_budget)
     min_queue_wait: float = 1.0
-    chunk_tokens: int = 4096
-    age_rate: float | None = None           # None: the measured device rate; math.inf: first in, first out
+    chunk_tokens: int | None = None         # None: auto, as max_batch_tokens; 0: never chunk
+    step_budget: float = STEP_BUDGET_S      # seconds of device time an auto-sized step is cut to
+    age_rate: float | None = None           # None: a third of the measured device rate; math.inf: first in,
+                                            # first out
     stall_timeout: float = 30.0             # a device call past max(this, 4x its expected time) is stalled
     device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
                                             # worker's place in --device (set by the supervisor)
 
     def __post_init__(self) -> None:
-        for name in ("context_length", "max_batch_tokens", "max_batch_requests", "max_queue", "request_timeout",
-                     "min_queue_wait", "stall_timeout", "device_grace"):
+        for name in ("context_length", "max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
+                     "step_budget", "stall_timeout", "device_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_batch_tokens is not None and not self.max_batch_tokens > 0:
+            raise ValueError(f"max_batch_tokens must be > 0 or None (auto), got {self.max_batch_tokens}")
         if self.max_queue_wait is not None and not self.max_queue_wait > 0:
             raise ValueError(f"max_queue_wait must be > 0 or None, got {self.max_queue_wait}")
         if not self.devices:
             raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
-        if self.chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 or None (auto), got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
             raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
         if self.kernels:
@@ -164,6 +177,14 @@ class ServiceConfig:
     def devices(self) -> tuple[str, ...]:
         """The devices ``device`` names, in order: the Service runs one device process (a lane) on each."""
         return device_list(self.device)
+
+    @property
+    def reserve_limits(self) -> dict:
+        """``Engine.reserve``'s limits: the largest batch and chunk these settings can ever run, so an auto size
+        counts at its cap (STEP_CAP_TOKENS)."""
+        return dict(batch_tokens=STEP_CAP_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens,
+                    batch_requests=self.max_batch_requests,
+                    chunk_tokens=STEP_CAP_TOKENS if self.chunk_tokens is None else self.chunk_tokens)
 
     @property
     def wait_budget(self) -> float:
@@ -189,6 +210,14 @@ def _non_negative(kind):
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
         return value
     parse.__name__ = kind.__name__
+    return parse
+
+
+def _or_auto(kind):
+    """A flag's parser that reads ``auto`` as None (sized as the service runs) and anything else with ``kind``."""
+    def parse(text: str):
+        return None if text.strip().lower() == "auto" else kind(text)
+    parse.__name__ = kind.__name__ + " or auto"
     return parse
 
 
@@ -244,8 +273,11 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
                         help="seconds from a request's headers to the end of its body; then 408 and the "
                              "connection is closed")
-    parser.add_argument("--max-batch-tokens", type=_positive(int), default=d.max_batch_tokens,
-                        help="token budget of one packed forward")
+    auto = (f"auto: the tokens of a step of --step-budget at the device's measured rate, kept current as it "
+            f"serves, between {STEP_FLOOR_TOKENS} and {STEP_CAP_TOKENS} (the device memory is reserved for "
+            f"{STEP_CAP_TOKENS})")
+    parser.add_argument("--max-batch-tokens", type=_or_auto(_positive(int)), default="auto",
+                        help=f"token budget of one packed forward: a number, or {auto}")
     parser.add_argument("--max-batch-requests", type=_positive(int), default=d.max_batch_requests,
                         help="requests in one packed forward")
     parser.add_argument("--max-queue", type=_positive(int), default=d.max_queue,
@@ -260,12 +292,17 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-queue-wait", type=_positive(float), default=d.min_queue_wait,
                         help="the wait any request tolerates, however short it is; never less than one "
                              "device step, one chunk and its own run")
-    parser.add_argument("--chunk-tokens", type=_non_negative(int), default=d.chunk_tokens,
+    parser.add_argument("--chunk-tokens", type=_or_auto(_non_negative(int)), default="auto",
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
-                             "short ones; 0: off")
+                             f"short ones: a number, 0 (never), or {auto}")
+    parser.add_argument("--step-budget", type=_positive(float), default=d.step_budget,
+                        help="seconds of device time that an auto-sized step (--max-batch-tokens, "
+                             "--chunk-tokens) takes at the measured rate: about what a short request waits for "
+                             "the step ahead of it")
     parser.add_argument("--age-rate", type=_age_rate, default=d.age_rate,
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
-                             "(first in, first out) or auto (default: auto, the measured device rate)")
+                             "(first in, first out) or auto (default: auto, a third of the measured device rate: "
+                             "a request is passed by shorter work for at most three times its own run time)")
     parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
                         help="seconds a call on the device may run, or 4x its expected time (its tokens at the "
                              "measured rate) if longer, before the device counts as stalled: /health answers 503 "

@@ -1,19 +1,22 @@
 """Admission by cost: the numbers behind a 429 (server/batcher.py applies them).
 
 Budget: the wait a caller tolerates, in seconds, as a function of its prompt's size. ``max_s`` for a prompt of
-``context_tokens``, in proportion below that, never under ``min_s``; and never under what the scheduler's
-order alone can make it wait: one device step, the next chunk of a long prompt, and its own run (a request is
-never refused for the step that happens to be running).
+``context_tokens``, in proportion below that, never under ``min_s``; and never under what the scheduler's order
+alone can make it wait: one device step, the next chunk of a long prompt, and its own run (a request is never
+refused for the step that happens to be running); for a prompt that runs chunked, also its aging and the shorter
+work that passes its chunks while whole prompts keep coming.
 
 A request is admitted when its expected time to its answer fits its budget, and is then promised its answer by
 the end of that budget: the batch it rides is cut where it would end later (pyx/scheduler.pyx, ``take``). That
-time counts only the work that runs before it in the scheduler's order, at the measured device rate. For a
-prompt that runs whole (shortest first): what is left of the running step, the queued prompts ahead of it and at
-most one chunk of the long prompt being run. Long queued prompts start only when no whole prompt waits, so they never count
-against a short one. For a chunked prompt: all of that plus the long prompts ahead of it, over the share of
-recent time in which no whole prompt was waiting (only then can it start; whole prompts keep arriving and pass
-it), then its own run. A queued
-long prompt whose expected answer moves past its budget is refused then (evicted). So when the device cannot
+time counts only the work that runs before it in the scheduler's order (shortest first with aging, over all the
+work: server/batcher.py's doc), at the measured device rate. For a prompt that runs whole: what is left of the
+running step, the queued prompts ahead of it, at most one chunk of the long prompt being run and the first chunk
+of a queued long prompt whose key comes first. For a chunked prompt, two cases weighed by the share of recent
+time in which whole prompts were waiting: when none come, the whole prompts ahead of it, the runs and long
+prompts before it, then its own run; when they keep coming, shorter ones pass it until its key comes up and
+between the chunks of every run, so it starts at the latest of its key, the end of the whole work sorted before
+it and the end of the runs before it, and runs slower than its tokens by what passes each chunk. A queued long
+prompt whose expected answer moves well past its promise is refused then (evicted). So when the device cannot
 keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
 alone exceeds what the device does.
 
@@ -24,14 +27,14 @@ batcher's holds): they will be queued before it.
 N lanes (a Service on N devices, server/batcher.py): one queue, N devices that each take the next step when
 free, one measured rate r per device. The work ahead of a request is counted over all lanes and drains at N r;
 its own run is on one device, at r. For a whole prompt: (what is left of each lane's running step + the queued
-prompts ahead of it + one chunk of each lane whose started run's next chunk sorts before it) / (N r) + its own
-tokens / r. For a chunked prompt: (every lane's running batch left + the queued whole prompts + the rest of
-every lane's chunked run + the long prompts ahead of it) / (N r x the share of recent time no whole prompt
-waited), then its own tokens / r. The budget's floor: (the sum over lanes of one step each, a chunk or the step
-running there if longer, + N chunks + N times its own tokens) / (N r), which is one device's floor when every
-lane is idle. This counts the lanes as one fluid device N times as fast: a long prompt that a free lane could
-start at once is counted behind the other lanes' chunked runs too, so it errs towards refusing. With N = 1
-every term is the one device's above, computed in the same order, so the numbers are exactly those.
+prompts ahead of it + one chunk of each lane whose started run's next chunk sorts before it + the first chunk of
+each long prompt that starts before it on a lane running none) / (N r) + its own tokens / r. For a chunked
+prompt the work before it, the runs' rest and the long prompts ahead likewise drain at N r, and its own run is
+at r. The budget's floor: (the sum over lanes of one step each, a chunk or the step running there if longer, +
+N chunks + N times its own tokens) / (N r), which is one device's floor when every lane is idle. This counts the
+lanes as one fluid device N times as fast: a long prompt that a free lane could start at once is counted behind
+the other lanes' chunked runs too, so it errs towards refusing. With N = 1 every term is the one device's above,
+computed in the same order, so the numbers are exactly those.
 """
 
 from __future__ import annotations
@@ -41,22 +44,29 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-# Start values, replaced by the measured rate within a few forwards: the H200 packs ~24k prompt tokens/s on
-# clef-flash; the CPU path serves the tiny test model at a few thousand.
+# Guesses that size the forward measuring the rate at start: the H200 packs ~24k prompt tokens/s on clef-flash;
+# the CPU path serves the tiny test model at a few thousand.
 START_RATE = {"cpu": 2_000.0, "cuda": 20_000.0}
 # Weight of one forward of `_HALF_TOKENS` tokens in the mean; larger forwards weigh more, up to 0.5.
 _HALF_TOKENS = 8_192
 _MAX_WEIGHT = 0.5
-# The share of time long prompts are counted on when whole prompts were (nearly) always waiting: the work
-# before them is then counted ~20x, past any budget, without dividing by zero.
-MIN_SPARE = 0.05
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
 
 def start_rate(device: str) -> float:
-    """The rate assumed for ``device`` ("cpu", "cuda", "cuda:N") until forwards measure it."""
+    """The rate guessed for ``device`` ("cpu", "cuda", "cuda:N") before anything is measured: it sizes the
+    forward that measures it at start."""
     return START_RATE["cpu" if device == "cpu" else "cuda"]
+
+
+def measured_rate(runs: list[tuple[int, float]]) -> float:
+    """Tokens per second of device time over ``runs`` ((tokens, seconds) each: the Service's measurement at
+    start, one per device)."""
+    tokens, seconds = sum(t for t, _ in runs), sum(s for _, s in runs)
+    if not (tokens > 0 and seconds > 0):
+        raise ValueError(f"a rate needs tokens and time, got {tokens} tokens in {seconds} s")
+    return tokens / seconds
 
 
 class RateMeter:

@@ -16,20 +16,30 @@ request from a failed device; every call on a device is reported to the DeviceWa
 which judges stalls and faults. While a device is in trouble the Service refuses the queued requests
 (``refuse_queued``): none of them has reached a device.
 
+Steps: a packed batch is at most ``max_batch_tokens``, a chunk ``chunk_tokens``; each is a fixed number or auto,
+the tokens of a step of ``step_budget`` seconds at the measured rate (server/steps.py), read again for every step.
+
 Overload (issues 20, 28): a request is admitted while the work that runs before it plus its own fits the wait
-its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once. Prompts
-that run whole are ordered shortest first with aging. A prompt longer than ``chunk_tokens`` runs as a
-ChunkedRun, one chunk per step, one prompt at a time: the next one starts only when no whole prompt waits, and
-each next chunk of the one started takes its turn in the same order as a queued request of a chunk's size that
-arrived when the previous step ended. So a short request waits for at most one chunk, a long prompt once
-started keeps moving under a stream of short ones, and long prompts not yet started are what gives way when
-short work needs the device: a queued one whose expected answer moves past its budget is refused then
+its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once.
+
+Order: one order over all the work, shortest first with aging. A queued request's key is its arrival plus its
+prompt tokens over the age rate (``age_rate``, by default a third of the measured device rate, AUTO_AGE_DIVISOR):
+a request passes a longer one that arrived less than (difference in tokens) / age rate seconds before it, and
+never one that arrived earlier than that, so no request waits behind shorter ones for longer than its own size's
+worth of aging: at the default, three times its own run time.
+Prompts that run whole are packed from the head of that order. A prompt longer than the chunk size runs as a
+ChunkedRun, one chunk per step, one prompt at a time on a device: it starts when its key comes first (or no
+whole prompt waits), and each next chunk takes its turn as a request of a chunk's size that arrived when the
+previous step ended. So a short
+request waits for about one step, a long prompt starts after at most its own size's worth of aging and then keeps
+moving under a stream of short ones, and long prompts not yet started are what gives way when short work
+overfills the device: a queued one whose expected answer moves well past its promise is refused then
 (``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
 
 Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
 model on the same kind of device). A chunked run's state lives in the device process of the lane that started
 it, so its chunks all run on that lane; each lane runs at most one, and a free lane with none starts the next
-long prompt when no whole prompt waits. The admission arithmetic counts the work ahead of a request over all
+long prompt when its key comes first. The admission arithmetic counts the work ahead of a request over all
 lanes and lets it drain at N times the device's rate (server/admission.py's doc, "N lanes").
 """
 
@@ -44,6 +54,7 @@ from typing import Any, TypeVar
 
 from clefcore.engine import EngineStatus
 from clefcore.errors import DeviceError
+from clefcore.options import STEP_BUDGET_S
 from clefcore.scheduler import Entry, Scheduler
 
 from . import admission
@@ -52,6 +63,18 @@ from .device_process import DeviceProcess, Step
 from .device_watch import RECHECK_S, DeviceWatch
 from .logs import log
 from .metrics import Metrics
+from .steps import StepSize
+
+# --age-rate auto: the measured rate over this. A request is passed by shorter work for at most this many times
+# its own run time. Under short work that fills the device by itself, a chunked prompt is then answered after
+# about 2 x 3 + 1 = 7 times its own run time (its aging, its run, the shorter work each chunk lets pass), and the
+# short work keeps about 6/7 of the device: with the measured rate itself (1), a third of the device went to a
+# stream of 3k-token prompts beside short ones, and the short ones waited half as long as the long ones.
+AUTO_AGE_DIVISOR = 3
+# A queued long prompt is evicted once its expected answer is this share of its budget past its promise: it has
+# waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
+# counted between two steps.
+EVICT_SLACK = 0.25
 
 
 class QueueFull(Exception):
@@ -130,29 +153,33 @@ class _Lane:
 
 class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, watch: DeviceWatch, max_queue: int,
-                 max_batch_tokens: int, max_batch_requests: int, budgets: Budgets, start_rate: float,
-                 chunk_tokens: int = 0, age_rate: float | None = None, first_lane: int = 0):
+                 max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
+                 chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
+                 first_lane: int = 0):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
         self-check's outcome.
+        ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
-        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never).
-        ``start_rate``: the device rate (tokens/s) assumed until forwards measure it (admission.start_rate).
+        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never; None: auto).
+        ``step_budget``: the seconds an auto-sized step takes at the measured rate.
+        ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
+        (admission.measured_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
-        rate; inf: first in, first out). ``first_lane``: the busy counter's label of the first device (its place
-        in --device)."""
+        rate over AUTO_AGE_DIVISOR; inf: first in, first out). ``first_lane``: the busy counter's label of the
+        first device (its place in --device)."""
         self._metrics = metrics
         self._watch = watch
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
-        self._scheduler = Scheduler(max_queue, self._rate.rate if age_rate is None else age_rate)
-        self._max_tokens = max_batch_tokens
+        self._scheduler = Scheduler(max_queue, self._rate.rate / AUTO_AGE_DIVISOR if age_rate is None else age_rate)
+        self._batch_size = StepSize(max_batch_tokens, step_budget)
+        self._chunk_size = StepSize(chunk_tokens, step_budget)
         self._max_requests = max_batch_requests
         self._budgets = budgets
         # when whole prompts have been waiting since (None: none waits), and the recent share of such time
         self._whole_waiting_since: float | None = None
         self._whole_waiting = RecentShare()
         self.sizer = admission.BodySizer()
-        self._chunk = chunk_tokens
         self._lanes = [_Lane(device, str(first_lane + i)) for i, device in enumerate(devices)]
         for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
             metrics.device_busy.labels(lane.label)
@@ -162,6 +189,7 @@ class Batcher:
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
         self._long_keys: dict[Entry, float] = {}
         self._holds: set[Hold] = set()   # bodies past the arrival check, not yet queued
+        self._follow()
 
     @property
     def capacity(self) -> int:
@@ -181,6 +209,16 @@ class Batcher:
     def rate(self) -> float:
         return self._rate.rate
 
+    @property
+    def batch_tokens(self) -> int:
+        """The most prompt tokens of a packed batch now."""
+        return self._batch_size.at(self._rate.rate)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The tokens of a chunk now; a longer prompt is queued to run chunked (0: none is)."""
+        return self._chunk_size.at(self._rate.rate)
+
     def backlog_tokens(self) -> int:
         """Tokens of accepted work not yet done: queued short prompts, the batches on the devices, queued long
         prompts and what is left of those running chunked."""
@@ -189,52 +227,86 @@ class Batcher:
         return tokens + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
 
     def _chunked(self, tokens: int) -> bool:
-        return 0 < self._chunk < tokens
+        return 0 < self.chunk_tokens < tokens
 
     def _chunk_key(self, lane: _Lane) -> float:
         """The lane's next chunk step's place in the scheduler's order: that of a queued request of the chunk's
         size that arrived when the chunk became due (inf: no chunked run started there)."""
         if lane.active is None:
             return math.inf
-        return lane.active.ready_at + min(self._chunk, lane.active.tokens_left) / self._scheduler.age_rate
+        return lane.active.ready_at + min(self.chunk_tokens, lane.active.tokens_left) / self._scheduler.age_rate
 
     def _step_left(self, lane: _Lane, now: float) -> float:
         """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
         return max(0.0, lane.step_tokens - (now - lane.step_started) * self._rate.rate)
 
     def budget(self, tokens: int) -> float:
-        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than
-        what the order alone can make it wait: one device step on each lane (a chunk, or the step running there
-        now if longer), each lane's next chunk, and its own run, the lanes' share over all of them."""
-        n = len(self._lanes)
-        steps = sum(max(self._chunk, lane.step_tokens) for lane in self._lanes)
-        return max(self._budgets(tokens), (steps + n * self._chunk + n * tokens) / (n * self._rate.rate))
+        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than what
+        the order alone can make it wait: one device step on each lane (a chunk, or the step running there now
+        if longer), each lane's next chunk, and its own run, the lanes' share over all of them. For a prompt
+        that runs chunked, what the order can make it wait while whole prompts keep coming (_long_wait): its own
+        aging, and then still the step running and a chunk (whole prompts that came just before its key ran out,
+        and a run's chunk, may go first), and a run that lets shorter work pass between its chunks."""
+        n, rate, chunk = len(self._lanes), self._rate.rate, self.chunk_tokens
+        steps = sum(max(chunk, lane.step_tokens) for lane in self._lanes)
+        if self._chunked(tokens):
+            floor = tokens / self._scheduler.age_rate + (steps + n * chunk) / (n * rate) + tokens * self._slow / rate
+        else:
+            floor = (steps + n * chunk + n * tokens) / (n * rate)
+        return max(self._budgets(tokens), floor)
 
-    def _long_ahead(self, now: float) -> float:
-        """Tokens that run before any long prompt not yet started: the whole batches on the devices, every
-        queued whole prompt and the rest of the chunked runs."""
-        ahead = self._scheduler.live_tokens + sum(lane.active.tokens_left for lane in self._lanes
-                                                  if lane.active is not None)
-        return ahead + sum(self._step_left(lane, now) for lane in self._lanes if lane.running)
+    @property
+    def _slow(self) -> float:
+        """How many times its own tokens' time chunked work takes while whole prompts keep coming: before each
+        chunk runs the whole work queued when it became due, or if longer, what arrives within its aging (a
+        chunk's tokens at the age rate: rate / age rate chunks' worth)."""
+        chunk = self.chunk_tokens
+        return 1.0 + max(self._rate.rate / self._scheduler.age_rate, self._scheduler.live_tokens / chunk)
 
-    def _long_rate(self, now: float) -> float:
-        """Tokens per second the work before a long prompt not yet started drains at: the lanes' rate times
-        the recent share of time no whole prompt was waiting (it starts only then; whole prompts keep arriving
-        and pass it). Once started, its chunks take their turns on its lane, so its own tokens count at one
-        device's full rate."""
-        return len(self._lanes) * self._rate.rate * max(admission.MIN_SPARE, 1.0 - self._whole_waiting.share(now))
+    def _long_wait(self, tokens: int, key: float, now: float, ahead: list[tuple[float, int]],
+                   held: float = 0.0) -> float:
+        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key`` (its arrival + its aging).
+        Before it start the whole prompts whose keys come first (with what is left of the steps running and the
+        ``held`` tokens of bodies being prepared), the rest of the runs started and the long prompts queued
+        ahead (``ahead``: their keys and tokens, in order; a lane runs one at a time). Two cases, weighed by the
+        recent share of time whole prompts were waiting. None coming: all that runs, then its own
+        run. Whole prompts coming all the time: shorter ones pass it until its key comes up, and pass every
+        run between its chunks, its own too; so it starts at the latest of its key, the end of the whole prompts
+        ahead of it, and the end of the runs before it (each of which starts no sooner than its own key)."""
+        n, rate, slow = len(self._lanes), self._rate.rate, self._slow
+        share = self._whole_waiting.share(now)
+        whole = self._scheduler.tokens_before(key) + held + sum(self._step_left(lane, now) for lane in self._lanes)
+        started = sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
+        alone = (whole + started + sum(t for _, t in ahead)) / (n * rate) + tokens / rate
+        runs_end = started * slow / (n * rate)
+        for their_key, their_tokens in ahead:
+            runs_end = max(runs_end, their_key - now) + their_tokens * slow / (n * rate)
+        flowing = max(whole / (n * rate), runs_end, key - now) + tokens * slow / rate
+        return (1 - share) * alone + share * flowing
+
+    def _starting_before(self, key: float) -> float:
+        """Tokens of first chunks of long prompts that start before a whole prompt of order ``key``: those
+        whose keys come first, one on each lane that runs no chunked prompt."""
+        free = sum(1 for lane in self._lanes if lane.active is None)
+        if not free or not self._long_keys:
+            return 0.0
+        first = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)[:free]
+        return sum(min(self.chunk_tokens, tokens) for _, tokens in first)
 
     def expected_wait(self, tokens: int, now: float, held: float = 0.0) -> float:
         """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc): the work
         ahead of it over the lanes' rate, then its own run on one device. ``held``: tokens of bodies still being
-        prepared that will queue ahead of it."""
+        prepared that will queue ahead of it. A chunked one also waits for the shorter work that passes it
+        (``_long_wait``)."""
         if self._chunked(tokens):
-            ahead = held + self._long_ahead(now) + self._long.tokens_before(self._long.key(tokens, now))
-            return ahead / self._long_rate(now) + tokens / self._rate.rate
+            key = self._long.key(tokens, now)
+            ahead = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)
+            return self._long_wait(tokens, key, now, ahead, held)
         key = self._scheduler.key(tokens, now)
         ahead = held + sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
-        ahead += sum(min(self._chunk, lane.active.tokens_left) for lane in self._lanes
-                     if self._chunk_key(lane) <= key)
+        chunk = self.chunk_tokens
+        ahead += sum(min(chunk, lane.active.tokens_left) for lane in self._lanes if self._chunk_key(lane) <= key)
+        ahead += self._starting_before(key)
         # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
         n = len(self._lanes)
         return (ahead + n * tokens) / (n * self._rate.rate)
@@ -246,8 +318,8 @@ class Batcher:
         return victim if victim is not None and victim.tokens > tokens else None
 
     def _admission_budget(self, tokens: int) -> float:
-        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one while the
-        rate is still a guess."""
+        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
+        is measured."""
         budget = self.budget(tokens)
         return budget if self._rate.samples else max(budget, self._budgets.max_s)
 
@@ -323,11 +395,18 @@ class Batcher:
 
     def _observe_rate(self, tokens: int, seconds: float) -> None:
         self._rate.observe(tokens, seconds)
-        self._metrics.device_rate.set(self._rate.rate)
+        self._follow()
+
+    def _follow(self) -> None:
+        """The measured rate moved: the auto step sizes and, by default, the aging follow it."""
+        rate = self._rate.rate
+        self._metrics.device_rate.set(rate)
+        self._metrics.step_tokens.labels("max_batch_tokens").set(self.batch_tokens)
+        self._metrics.step_tokens.labels("chunk_tokens").set(self.chunk_tokens)
         if self._follow_rate:
-            # A short prompt passes a long one that arrived less than the long one's own run time earlier.
-            self._scheduler.set_age_rate(self._rate.rate)
-            self._long.set_age_rate(self._rate.rate)
+            # A short prompt passes a long one that arrived less than three times the long one's run time earlier.
+            self._scheduler.set_age_rate(rate / AUTO_AGE_DIVISOR)
+            self._long.set_age_rate(rate / AUTO_AGE_DIVISOR)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -430,18 +509,19 @@ class Batcher:
                 "evicted", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)))
 
     def _evict_late(self, now: float) -> None:
-        """Queued long prompts, in the order they would start, whose expected answer has moved past their
-        budget (whole prompts passed them meanwhile) are refused now rather than answered late."""
+        """Queued long prompts, in the order they would start, whose expected answer has moved past the answer
+        time they were promised at admission by more than a chunk's time (whole prompts passed them meanwhile)
+        are refused now rather than answered late. (The chunk's time: whole prompts are taken a step at a time,
+        so the work sorted before a long prompt swings by a step while it waits.)"""
         if not self._long_keys or not self._rate.samples:
             return
-        ahead = self._long_ahead(now)
-        rate = self._long_rate(now)
-        for entry, _ in sorted(self._long_keys.items(), key=lambda item: item[1]):
-            wait = ahead / rate + entry.tokens / self._rate.rate
-            if now + wait > entry.enqueued_at + self.budget(entry.tokens):
+        kept: list[tuple[float, int]] = []   # the long prompts kept before this one
+        for entry, key in sorted(self._long_keys.items(), key=lambda item: item[1]):
+            wait = self._long_wait(entry.tokens, key, now, kept)
+            if now + wait > entry.answer_by + EVICT_SLACK * (entry.answer_by - entry.enqueued_at):
                 self._evict(entry, wait)
             else:
-                ahead += entry.tokens
+                kept.append((key, entry.tokens))
 
     async def _dispatch(self, lane: _Lane) -> None:
         while True:
@@ -451,15 +531,15 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
             self._evict_late(time.monotonic())
-            # The lane's started run's next chunk goes when it is first in the scheduler's order; the next
-            # long prompt starts only when no whole prompt waits (see the module doc).
-            if lane.active is not None and (len(self._scheduler) == 0
-                                            or self._chunk_key(lane) <= self._scheduler.head_key()):
+            # Whatever comes first in the order (module doc): the lane's started run's next chunk, or where the
+            # lane runs none, the next long prompt's start; else the whole prompts at the head.
+            whole = self._scheduler.head_key()    # inf: none waits
+            if lane.active is not None:
+                await (self._chunk_step(lane) if self._chunk_key(lane) <= whole else self._short_batch(lane))
+            elif len(self._long) and self._long.head_key() <= whole:
                 await self._chunk_step(lane)
             elif len(self._scheduler):
                 await self._short_batch(lane)
-            elif len(self._long):
-                await self._chunk_step(lane)
 
     def _expire(self, entries) -> None:
         """Answer the entries a queue dropped past their deadline with a timeout."""
@@ -472,7 +552,7 @@ class Batcher:
     async def _short_batch(self, lane: _Lane) -> None:
         # promises are weighed once the rate is measured (a guess would cut batches for nothing)
         rate = self._rate.rate if self._rate.samples else math.inf
-        batch = self._scheduler.take(self._max_tokens, self._max_requests, time.monotonic(), rate)
+        batch = self._scheduler.take(self.batch_tokens, self._max_requests, time.monotonic(), rate)
         if len(self._scheduler) == 0:
             self._whole_waiting_since = None
         self._expire(batch.expired)
@@ -544,12 +624,13 @@ class Batcher:
                 await self._on_device(lane, "drop", 0, lane.device.drop())
             return
         self._metrics.running.inc()
-        lane.step_tokens = min(self._chunk, active.tokens_left)
+        chunk = self.chunk_tokens
+        lane.step_tokens = min(chunk, active.tokens_left)
         lane.step_started = now
         active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
             step = await self._on_device(lane, "chunk step", lane.step_tokens,
-                                         lane.device.step(None if active.begun else active.entry.payload[0]))
+                                         lane.device.step(None if active.begun else active.entry.payload[0], chunk))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
         finally:

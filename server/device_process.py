@@ -10,7 +10,7 @@ The two talk over one pipe. The server sends ``(op, args)``; the device process 
 in order, and answers each with ``(ok, value or error, EngineStatus)``, so the server's view of the engine
 (precision fallbacks, device memory) is as fresh as its last call. A chunked prompt's state stays in the
 device process: ``step`` with a prepared request starts one (dropping any earlier one), ``step`` with None
-runs its next chunk.
+runs its next chunk; each step is as long as the server says (its step size follows the device's rate).
 
 The device process ignores SIGINT and SIGTERM: the server drains on them and then sends ``stop``. It ends by
 itself when the pipe closes (the server is gone). If it dies (killed for memory, a crash), every
@@ -29,7 +29,7 @@ import time
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from clefcore.engine import Engine, EngineStatus
+from clefcore.engine import SELF_CHECK_REQUEST, Engine, EngineStatus, padded
 from clefcore.errors import DeviceError
 from clefcore.preparer import Prepared
 
@@ -53,10 +53,10 @@ class Step(NamedTuple):
 
 
 class DeviceProcess:
-    def __init__(self, hooks: TestHooks, chunk_tokens: int = 0, name: str = "clef-device"):
+    def __init__(self, hooks: TestHooks, name: str = "clef-device"):
         ctx = multiprocessing.get_context("spawn")   # never fork a process with threads and an event loop
         self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_serve, args=(child, hooks, chunk_tokens), name=name, daemon=True)
+        self._process = ctx.Process(target=_serve, args=(child, hooks), name=name, daemon=True)
         self._process.start()
         child.close()
         self._waiting: deque[asyncio.Future] = deque()
@@ -76,14 +76,19 @@ class DeviceProcess:
     async def self_check(self) -> None:
         await self._call("self_check")
 
+    async def measure(self, tokens: int) -> tuple[int, float]:
+        """The device's rate at start: a packed forward of about ``tokens`` synthetic prompt tokens, run twice;
+        its tokens and the second (warm) run's device seconds."""
+        return await self._call("measure", tokens)
+
     async def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
         """One packed forward: a (response, error) pair per request (a failing batch is retried request by
         request, so only the failing ones carry an error), and the forward's device seconds."""
         return await self._call("infer", prepared)
 
-    async def step(self, prepared: Prepared | None) -> Step:
-        """The next chunk of the running chunked prompt (``prepared`` starts a new one)."""
-        return await self._call("step", prepared)
+    async def step(self, prepared: Prepared | None, tokens: int) -> Step:
+        """The next chunk, of ``tokens`` tokens, of the running chunked prompt (``prepared`` starts a new one)."""
+        return await self._call("step", prepared, tokens)
 
     async def drop(self) -> None:
         """Free the chunked prompt's state (its client left)."""
@@ -188,9 +193,8 @@ class DeviceProcess:
 class _Device:
     """What runs in the device process: the engine, the chunked prompt in progress, the test hooks."""
 
-    def __init__(self, hooks: TestHooks, chunk_tokens: int):
+    def __init__(self, hooks: TestHooks):
         self.hooks = hooks
-        self.chunk = chunk_tokens
         self.engine: Engine | None = None
         self.run = None     # the chunked prompt's clefcore.engine.ChunkedRun
         self.broken = False  # the sticky test fault has struck: every call fails
@@ -203,6 +207,17 @@ class _Device:
     def self_check(self) -> None:
         self._broken()
         self.engine.self_check()
+
+    def measure(self, tokens: int) -> tuple[int, float]:
+        # Two prompts, not one: a single short prompt would replay (and first capture) a CUDA graph, which a
+        # synthetic shape should not take a place among the cached ones for.
+        base = self.engine.prepare(SELF_CHECK_REQUEST)
+        half = padded(base, min(max(base.num_tokens, tokens // 2), self.engine.host.max_length))
+        batch = [half, half]
+        self._infer(batch)                  # the first run of a shape pays for its warm-up
+        started = time.perf_counter()
+        self._infer(batch)
+        return 2 * half.num_tokens, time.perf_counter() - started
 
     def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
         started = time.perf_counter()
@@ -220,16 +235,16 @@ class _Device:
                         results.append((None, _as_device_error(error)))
         return results, time.perf_counter() - started
 
-    def step(self, prepared: Prepared | None) -> Step:
+    def step(self, prepared: Prepared | None, tokens: int) -> Step:
         started = time.perf_counter()
         try:
             if prepared is not None:
                 self.run = None                      # free the last run's state first
-                self.run = self.engine.chunked(prepared, self.chunk)
+                self.run = self.engine.chunked(prepared, tokens)
             run = self.run
             before = run.tokens_left
-            self._hooks([run.prepared], min(self.chunk, before))
-            done = run.step()
+            self._hooks([run.prepared], min(tokens, before))
+            done = run.step(tokens)
             response = run.response() if done else None
             if done:
                 self.run = None
@@ -265,14 +280,14 @@ class _Device:
             raise DeviceError("injected sticky device fault (test hook): every call fails")
 
 
-_OPS: dict[str, Callable] = {"load": _Device.load, "self_check": _Device.self_check, "infer": _Device.infer,
-                             "step": _Device.step, "drop": _Device.drop}
+_OPS: dict[str, Callable] = {"load": _Device.load, "self_check": _Device.self_check, "measure": _Device.measure,
+                             "infer": _Device.infer, "step": _Device.step, "drop": _Device.drop}
 
 
-def _serve(conn, hooks: TestHooks, chunk_tokens: int) -> None:
+def _serve(conn, hooks: TestHooks) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the server drains on these, then closes the pipe
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    device = _Device(hooks, chunk_tokens)
+    device = _Device(hooks)
     while True:
         try:
             op, args = conn.recv()

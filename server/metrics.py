@@ -97,6 +97,9 @@ class Metrics:
                                     multiprocess_mode="livemax")
         self.device_rate = Gauge("clef_device_rate_tokens_per_second", "Measured prompt tokens per second of "
                                  "device time (smoothed)", registry=r, multiprocess_mode="liveall")
+        self.step_tokens = Gauge("clef_step_tokens", "Most prompt tokens of one device step now, by limit "
+                                 "(max_batch_tokens, chunk_tokens; auto ones follow the measured rate)", ["limit"],
+                                 registry=r, multiprocess_mode="liveall")
         # size: the prompt's tokens up to this bound (admission.SIZE_CLASSES; the estimate from the body's
         # size when refused unread, "unknown" when there was none)
         self.rejected = Counter("clef_requests_rejected", "Requests refused with 429 by reason (queued_work, "

@@ -51,6 +51,7 @@ from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import Metrics
 from .prepare import PrepareGate
+from .steps import StepSize
 from .testhooks import TestHooks
 
 __all__ = ["Service", "ServiceConfig", "ServiceError", "Unavailable", "Overloaded", "TimedOut",
@@ -132,8 +133,7 @@ class Service:
             # several: each device process sees only its own GPU, as cuda:0; one sees what the server sees
             with gpus.alone(device) if several else contextlib.nullcontext(device) as loads_as:
                 self._loads_as.append(loads_as)
-                self.devices.append(DeviceProcess(self.hooks, config.chunk_tokens,
-                                                  f"clef-device-{i}" if several else "clef-device"))
+                self.devices.append(DeviceProcess(self.hooks, f"clef-device-{i}" if several else "clef-device"))
         self.metrics.devices.set(len(self.devices))
         self.watch = DeviceWatch(self.metrics, config.stall_timeout, config.device_grace,
                                  on_change=self._device_trouble, on_expired=self._device_expired)
@@ -156,8 +156,9 @@ class Service:
 
     # --- start and stop -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model in the device process, warm it up and self-check it, then take requests (``ready``).
-        A failure is logged, leaves the service ``failed`` and is raised."""
+        """Load the model in the device process, warm it up, self-check it and measure its rate (which sizes
+        auto steps from the first request on), then take requests (``ready``). A failure is logged, leaves the
+        service ``failed`` and is raised."""
         cfg = self.config
         started = time.monotonic()
         if self.hooks.load_delay_s:
@@ -170,12 +171,16 @@ class Service:
             engines = await asyncio.gather(*(device.load(dict(
                 path=cfg.model, revision=where.commit, device=loads_as, max_length=cfg.context_length,
                 confidence=cfg.confidence, validation=cfg.validation, images=not cfg.no_images,
-                **backend_options(cfg)), dict(
-                batch_tokens=cfg.max_batch_tokens, batch_requests=cfg.max_batch_requests, chunk_tokens=cfg.chunk_tokens))
+                **backend_options(cfg)), cfg.reserve_limits)
                 for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
-            self.lifecycle.set(LOADING, "warming up and running the self-check")
+            self.lifecycle.set(LOADING, "warming up, running the self-check and measuring the device's rate")
             await asyncio.gather(*(device.self_check() for device in self.devices))
+            # at the step size the device kind's guessed rate gives (near the size the measurement then sets),
+            # within the batches the memory was reserved for
+            size = min(StepSize(None, cfg.step_budget).at(admission.start_rate(cfg.devices[0])),
+                       cfg.reserve_limits["batch_tokens"])
+            measured = await asyncio.gather(*(device.measure(size) for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await loop.run_in_executor(self.executor, lambda: Preparer(
                 Checkpoint(cfg.model, where.commit), cfg.context_length, cfg.validation, engine.images_refused))
@@ -189,8 +194,8 @@ class Service:
         self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
-                               start_rate=admission.start_rate(cfg.devices[0]), chunk_tokens=cfg.chunk_tokens,
-                               age_rate=cfg.age_rate, first_lane=cfg.first_lane)
+                               start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
+                               step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
@@ -199,7 +204,8 @@ class Service:
         log("ready", model=engine.model_name, model_path=str(where.path), device=self.status.device,
             load_s=round(time.monotonic() - started, 3), images=engine.images_refused or "answered",
             device_memory_bytes=self.status.memory_in_use,
-            reserved_bytes=self.status.backend.get("reserved_bytes", 0))
+            reserved_bytes=self.status.backend.get("reserved_bytes", 0), rate_tokens_per_s=round(self.batcher.rate),
+            max_batch_tokens=self.batcher.batch_tokens, chunk_tokens=self.batcher.chunk_tokens)
 
     def health(self) -> Health:
         """What /health and /live answer now (see the module doc)."""

@@ -11,7 +11,7 @@ import pytest
 
 from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (MIN_SPARE, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
+from clefcore.server.admission import (BodySizer, Budgets, RateMeter, RecentShare, Refusal,
                                       retry_after, size_class)
 from clefcore.server.batcher import Batcher, QueueFull
 from clefcore.server.device_watch import DeviceWatch
@@ -98,10 +98,10 @@ class Prepared(SimpleNamespace):
 
 
 def batcher(**kw) -> Batcher:
-    """1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up to 10 s at 10,000
-    tokens."""
+    """1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to
+    10 s at 10,000 tokens."""
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
-                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=1_000.0, start_rate=1_000.0)
     options.update(kw)
     metrics = Metrics()
     watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
@@ -115,6 +115,8 @@ def entry(loop, tokens: int, at: float) -> Entry:
 
 
 def queue_long(b: Batcher, e: Entry) -> None:
+    """Queue ``e`` as a long prompt admitted when it arrived: promised by the end of its budget then."""
+    e.answer_by = e.enqueued_at + b.budget(e.tokens)
     b._long_keys[e] = b._long.key(e.tokens, e.enqueued_at)
     assert b._long.push(e)
 
@@ -174,44 +176,98 @@ def test_over_budget_a_short_request_is_refused_with_retry_after():
     loop.close()
 
 
-def test_the_work_before_a_long_prompt_counts_over_the_time_no_whole_prompt_waits():
+def whole_prompts_kept_coming(b: Batcher, now: float) -> float:
+    """Whole prompts were waiting through the last 10 s of steps: the share of time they waited, nearly 1."""
+    t = now - 10.0
+    b._whole_waiting.step(t, 0.0)
+    while t < now:
+        t += 0.1
+        b._whole_waiting.step(t, 0.1)
+    return b._whole_waiting.share(now)
+
+
+def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompts_keep_coming():
     loop = asyncio.new_event_loop()
     b = batcher()
     now = time.monotonic()
     b._scheduler.push(entry(loop, 300, now))
-    # nothing waited lately: 0.3 s of whole work, then its own 5 s, within a step, a chunk and its own 5 s
+    # the order alone: its aging (5 s), a step and a chunk, then its run, twice its tokens' time while whole
+    # prompts keep coming (each 1,000-token chunk lets pass what arrives within its aging: 1 s of work)
+    assert b._slow == 2.0
+    assert b.budget(5_000) == pytest.approx(5 + 2 + 10)
+    # none came lately: the whole prompt whose key comes first (0.3 s), then its own 5 s
     assert b.expected_wait(5_000, now) == pytest.approx(5.3)
+    share = whole_prompts_kept_coming(b, now)
+    assert share > 0.99
+    # they keep coming: it starts when its key comes up (5 s), and runs in 10 s
+    assert b.expected_wait(5_000, now) == pytest.approx((1 - share) * 5.3 + share * 15)
     assert b.refusal(5_000, now) is None
-    t = now - 10.0
-    b._whole_waiting.step(t, 0.0)
-    while t < now:                                              # whole prompts were waiting for 10 s
-        t += 0.1
-        b._whole_waiting.step(t, 0.1)
-    refusal = b.refusal(5_000, now)                             # it would start only once they stop coming
+    # a 6,000-token prompt queued ahead of it (key now - 4) starts first and runs for 12 s meanwhile: 22 s
+    queue_long(b, entry(loop, 6_000, now - 10))
+    refusal = b.refusal(5_000, now)
     assert refusal.reason == "queued_work"
-    assert refusal.wait_s == pytest.approx(0.3 / MIN_SPARE + 5.0, rel=0.05)
-    assert refusal.retry_after_s == 4                           # 11 s against 7 s
-    assert b.refusal(500, now) is None                          # a whole prompt is not held back by it
+    assert refusal.wait_s == pytest.approx((1 - share) * (0.3 + 6 + 5) + share * 22)
+    assert refusal.retry_after_s == 5                           # 22 s against 17 s
+    # a whole prompt is not held back by them: the first chunk of the long prompt whose key came, and its own
+    assert b.expected_wait(500, now) == pytest.approx(1.8)
+    assert b.refusal(500, now) is None
+    loop.close()
+
+
+def test_the_whole_work_queued_slows_chunked_runs_down_and_moves_a_queued_one_past_its_promise():
+    """Before each chunk runs the whole work queued when it became due (here more than a chunk's aging lets
+    pass): a long prompt admitted at 17 s is evicted once that work makes it more than a quarter of its budget
+    late, not for any lateness (the work sorted before it swings by a step each time it is counted)."""
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    now = time.monotonic()
+    share = whole_prompts_kept_coming(b, now)
+    waiting = entry(loop, 5_000, now)
+    queue_long(b, waiting)
+    assert waiting.answer_by - now == pytest.approx(17.0)
+    for _ in range(5):                                          # 1.5 s of whole work before it
+        b._scheduler.push(entry(loop, 300, now))
+    assert b._slow == 2.5                                       # 1,500 tokens queued per 1,000-token chunk
+    b._evict_late(now)                                          # 5 + 12.5 s: late by 0.5 s of 17
+    assert not waiting.payload[1].done()
+    for _ in range(5):                                          # 3 s: 5 + 20 s, late by 8 s
+        b._scheduler.push(entry(loop, 300, now))
+    b._evict_late(now)
+    refusal = waiting.payload[1].exception().refusal
+    assert refusal.reason == "evicted" and refusal.wait_s == pytest.approx((1 - share) * 8 + share * 25)
+    loop.close()
+
+
+def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
+    loop = asyncio.new_event_loop()
+    b = batcher()
+    now = time.monotonic()
+    queue_long(b, entry(loop, 3_000, now - 2.95))               # key now + 0.05: it starts before the next one
+    assert b.expected_wait(100, now) == pytest.approx(1.1)      # its first chunk, then its own 100
+    assert b.expected_wait(40, now) == pytest.approx(0.04)      # key now + 0.04: this one first
+    b._lanes[0].active = SimpleNamespace(ready_at=now + 10, tokens_left=500)   # the lane runs another one:
+    assert b.expected_wait(100, now) == pytest.approx(0.1)      # no new one starts there
     loop.close()
 
 
 def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
+    """Each counts only the long prompts kept before it: the first one's eviction lets the second one stay."""
     loop = asyncio.new_event_loop()
-    b = batcher(budgets=Budgets(1.0, 20.0, 10_000))             # 4 s for 2,000 tokens, 6 s for 3,000
+    b = batcher(budgets=Budgets(1.0, 20.0, 10_000))
     now = time.monotonic()
     first, second = entry(loop, 2_000, now), entry(loop, 3_000, now)
-    queue_long(b, first)
-    queue_long(b, second)
+    queue_long(b, first)                                        # promised 2 + 2 + 4 = 8 s: evicted past 10 s
+    queue_long(b, second)                                       # promised 3 + 2 + 6 = 11 s: past 13.75 s
     b._evict_late(now)
     assert not first.payload[1].done() and not second.payload[1].done()   # answered at 2 s and 5 s
-    for _ in range(5):
-        b._scheduler.push(entry(loop, 300, now))                # 1.5 s of whole work arrives before them
+    for _ in range(9):
+        b._scheduler.push(entry(loop, 1_000, now))              # 9 s of whole work arrives before them
     b._evict_late(now)
-    assert not first.payload[1].done()                          # 3.5 s of the 4 s it allows
-    error = second.payload[1].exception()                       # 6.5 s of the 6 s it allows
+    error = first.payload[1].exception()                        # 11 s: past 10 s
     assert isinstance(error, QueueFull) and error.refusal.reason == "evicted"
-    assert error.refusal.retry_after_s >= 1
-    assert b.queued == 6 and list(b._long_keys) == [first]
+    assert error.refusal.wait_s == pytest.approx(11.0) and error.refusal.retry_after_s >= 1
+    assert not second.payload[1].done()                         # 12 s without the first (14 s with it)
+    assert b.queued == 10 and list(b._long_keys) == [second]
     assert refused(b, "evicted") == 1
     loop.close()
 
@@ -332,10 +388,13 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
     refusal = b.early_refusal(400)                  # ~100 tokens: 3.05 to 3.2 s against 2.05 to 2.2 s
     assert refusal is not None and refusal.reason == "queued_work"
     assert refused(b, "queued_work") == 1
-    # ~2,500 tokens, chunked at each size behind all of it: 1,250 (4.25 s of 3.25 s), 2,500 (5.5 of 4.5 s) and
-    # 5,000 (8 of 7 s) refused
+    assert b.early_refusal(10_000) is None          # ~2,500 tokens: chunked, they wait for its aging anyway
+    queue_long(b, entry(loop, 30_000, now - 40))    # 30 s of a long prompt ahead of any newcomer
+    # ~2,500 tokens behind all of it at each size: 1,250 (34.25 s of 8.25 s), 2,500 (35.5 of 14.5 s) and 5,000
+    # (38 of 27 s) refused
     assert b.early_refusal(10_000) is not None
     b._scheduler = type(b._scheduler)(64, 1_000.0)   # nothing queued: whatever its size, it is read
+    b._long, b._long_keys = type(b._long)(64, 1_000.0), {}
     assert b.early_refusal(10_000) is None and b.early_refusal(400) is None
     assert b.early_refusal(None) is None            # size unknown (compressed) and the queue not full
     assert refused(b, "queued_work") == 2

@@ -24,10 +24,10 @@ class Prepared(SimpleNamespace):
 
 
 def batcher(lanes: int, **kw) -> Batcher:
-    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, budgets of 1 s up
-    to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
+    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, aging at 1,000
+    tokens/s, budgets of 1 s up to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
     options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
-                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=None, start_rate=1_000.0)
+                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=1_000.0, start_rate=1_000.0)
     options.update(kw)
     metrics = Metrics()
     b = Batcher([None] * lanes, metrics, watch=unwatched(metrics), **options)
@@ -120,13 +120,13 @@ class FakeDevice:
         await asyncio.sleep(0.01)
         return [({"by": self.name, "prompt": p.name}, None) for p in prepared], 0.01
 
-    async def step(self, prepared):
+    async def step(self, prepared, tokens):
         if prepared is not None:
             self.run = [prepared, prepared.num_tokens]
         assert self.run is not None, f"{self.name}: a chunk step with no run started here"
         self.ran.append(("step", self.run[0].name))
         await asyncio.sleep(0.01)
-        tokens = min(1_000, self.run[1])
+        tokens = min(tokens, self.run[1])
         self.run[1] -= tokens
         done = self.run[1] == 0
         response = {"by": self.name, "prompt": self.run[0].name} if done else None

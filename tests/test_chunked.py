@@ -68,6 +68,22 @@ def test_chunked_equals_whole(engine, chunk):
     assert list(run.response()["answers"]) == list(long_.request["questions"])
 
 
+def test_each_step_may_take_its_own_size(engine):
+    """A server that sizes steps by time changes the chunk as the device's rate moves: steps of 5, 40, 1 and
+    the rest cut the prompt where they say and answer as the whole prompt does."""
+    long_, _ = _longest(engine)
+    (whole,), _, _ = engine.forward([long_.record])
+    run = engine.chunked(long_, 64)
+    for size, left in ((5, long_.num_tokens - 5), (40, long_.num_tokens - 45), (1, long_.num_tokens - 46)):
+        assert not run.step(size) and run.tokens_left == left
+    assert run.step(long_.num_tokens)
+    bound = 2e-5 if engine.device == "cpu" else 5e-4
+    for a, b in zip(run.logits(), whole):
+        np.testing.assert_allclose(a, b, rtol=0, atol=bound * max(1.0, float(np.abs(b).max())))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.chunked(long_, 64).step(0)
+
+
 def test_a_chunk_bigger_than_the_prompt_is_one_step(engine):
     (p, _) = _longest(engine)
     run = engine.chunked(p, p.num_tokens + 5)

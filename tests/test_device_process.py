@@ -52,7 +52,7 @@ def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
     whole = engine.infer([short, long])
 
     async def main():
-        device = DeviceProcess(NO_HOOKS, chunk_tokens=16)
+        device = DeviceProcess(NO_HOOKS)
         try:
             status = await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
             assert (status.model_name, status.device, status.mode) == (engine.model_name, "cpu", "fp32")
@@ -60,14 +60,21 @@ def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
             await device.self_check()
             results, seconds = await device.infer([short, long])
             assert seconds > 0 and [e for _, e in results] == [None, None]
-            steps = [await device.step(long)]
+            steps = [await device.step(long, 16)]
             while not steps[-1].done:
-                steps.append(await device.step(None))
+                steps.append(await device.step(None, 16))
             assert [s.error for s in steps] == [None] * len(steps)
             assert sum(s.tokens for s in steps) == long.num_tokens and steps[-1].tokens_left == 0
             assert len(steps) == -(-long.num_tokens // 16)
+            # each step as long as the server asks (its auto size follows the rate)
+            sized = [await device.step(long, 10)]
+            sized.append(await device.step(None, 30))
+            assert [s.tokens for s in sized] == [10, 30] and sized[-1].tokens_left == long.num_tokens - 40
+            # the rate at start: a forward of about the tokens asked, timed warm
+            tokens, seconds = await device.measure(1_000)
+            assert tokens == 1_000 and seconds > 0
             # a new prompt replaces a run that was left (its client gone), and drop frees one
-            await device.step(long)
+            await device.step(long, 16)
             await device.drop()
             return results, steps[-1].response
         finally:

@@ -206,3 +206,21 @@ def test_connections_are_kept_alive_or_new_per_request(connections):
         assert len(set(s.ports)) == len(s.ports)           # every request on a connection of its own
     else:
         assert len(set(s.ports)) <= 3 + 2                  # the clients' connections, and the two probes' at most
+
+
+def test_a_given_sizing_replaces_the_probes():
+    """A run that starts beside another one's load takes the sizing an earlier report gave: no probe is sent,
+    and states are sized with it (the stand-in counts 20 + one token a word, as --sizing 20:1 says)."""
+    with _CountingServer() as s:
+        done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", s.url, "--json", "-",
+                               "--clients", "1", "--duration", "0.3", "--mix", "only:1:50", "--sizing", "20:1"],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+    assert report["sizing"] == {"fixed": 20.0, "per_word": 1.0, "measured": False}
+    assert report["ok"] == len(s.ports) > 0                 # every request the server saw was the load's own
+    assert report["classes"]["only"]["mean_input_tokens"] == 50
+    for bad in ("20", "20:0", "x:1", "-1:2"):
+        refused = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--sizing", bad],
+                                 capture_output=True, text=True, timeout=60, cwd="/")
+        assert refused.returncode == 2 and "--sizing" in refused.stderr, (bad, refused.stderr)

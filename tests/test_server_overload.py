@@ -8,7 +8,9 @@ measurably long on the tiny model; the assertions compare times with each other,
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -188,8 +190,8 @@ def test_a_client_that_leaves_stops_its_chunked_run():
 def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
     # 3 ms per token. Once the long prompt has started, three clients send short requests back to back for as
     # long as it runs: each next chunk takes its turn in the scheduler's order, so it keeps moving (no
-    # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a
-    # stream starts only when no short one waits: admission counts the time that takes.)
+    # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a stream
+    # starts once its key comes first in the order: tests/test_steps.py.)
     with Server("--chunk-tokens", "160", "--min-queue-wait", "30", "--max-queue-wait", "30",
                 env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
         s.wait_ready()
@@ -218,3 +220,43 @@ def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
         # device, ~3.6x its solo time at worst (plus a quarter for batches' overhead); starved, it would wait
         # for as long as the streams run.
         assert longs[0][0] < 4.5 * solo, (longs[0][0], solo, len(shorts))
+
+
+def loadtests(server: Server, *runs: list[str]) -> list[dict]:
+    """`clefcore loadtest` runs against ``server``, all at once; their reports."""
+    procs = [subprocess.Popen([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", server.base, "--json", "-",
+                               *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for args in runs]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    return reports
+
+
+@pytest.mark.slow
+def test_at_the_defaults_a_short_request_waits_about_a_step_beside_long_ones():
+    """Six clients send 40-word prompts and three send ~3k-token ones, back to back, for 40 s, at the defaults:
+    steps sized to --step-budget at the measured rate, so the long prompts run chunked and a short request
+    waits for about a step, not for a packed batch of long prompts (before steps were sized by time, 4096-token
+    batches put the short p50 at 0.67x the long one). Only 200 and 429."""
+    with Server() as s:
+        s.wait_ready()
+        (probe,) = loadtests(s, ["--clients", "1", "--duration", "0.5", "--mix", "probe:1:400"])
+        fixed, per_word = probe["sizing"]["fixed"], probe["sizing"]["per_word"]
+        assert probe["sizing"]["measured"]
+        sizing = ["--duration", "40", "--sizing", f"{fixed}:{per_word}"]   # the idle server's, for both runs
+        shorts, longs = loadtests(s, ["--clients", "6", *sizing, "--mix", f"short:1:{round(fixed + 40 * per_word)}"],
+                                  ["--clients", "3", *sizing, "--mix", "long:1:3000"])
+        ready = s.events("ready")[0]
+        chunks = s.metric("clef_chunk_steps_total")
+    short, long = shorts["classes"]["short"], longs["classes"]["long"]
+    print(f"\nmixed at the defaults (rate at start {ready['rate_tokens_per_s']} tokens/s, steps of "
+          f"{ready['max_batch_tokens']}): short {short['ok']}/{short['sent']} p50 {short.get('p50_ms')} ms, "
+          f"long {long['ok']}/{long['sent']} p50 {long.get('p50_ms')} ms, non-200 {shorts['non_200']} "
+          f"{longs['non_200']}, {chunks:.0f} chunk steps")
+    assert set(shorts["non_200"]) <= {"429"} and set(longs["non_200"]) <= {"429"}, (shorts, longs)
+    assert short["answered_share"] >= 0.9, short
+    assert long["ok"] >= 3 and chunks >= long["ok"], long    # long prompts were answered, chunked
+    assert short["p50_ms"] <= 0.25 * long["p50_ms"], (short, long)

@@ -18,7 +18,8 @@ class ChunkedPrefill:
     ``backbone`` and ``readout`` on the whole prompt up to fp rounding, for any chunk size.
 
     ``step()`` runs the next chunk (its guard flags are left for the caller's ``ops.check_watched``) and returns
-    True once the last one has run."""
+    True once the last one has run; ``step(tokens)`` makes that chunk ``tokens`` long instead of ``chunk`` (a
+    server that sizes its steps by time changes it as the device's rate moves)."""
 
     def __init__(self, ops, p: Params, ids, chunk: int, head_rows, positions=None, image_rows=None,
                  image_embeds=None):
@@ -44,9 +45,12 @@ class ChunkedPrefill:
     def done(self) -> bool:
         return self.t >= self.T
 
-    def step(self) -> bool:
+    def step(self, tokens: int | None = None) -> bool:
         ops, p, c = self.ops, self.p, self.p.text
-        t0, t1 = self.t, min(self.t + self.chunk, self.T)
+        size = self.chunk if tokens is None else int(tokens)
+        if size < 1:
+            raise ValueError("chunk must be at least one token")
+        t0, t1 = self.t, min(self.t + size, self.T)
         b = Block(t0, t1, np.array([0, t1 - t0], dtype=np.int64), t0 > 0, t1 < self.T)
         rows = embeds = None
         if self.image_rows is not None:                        # this chunk's image rows, chunk-relative

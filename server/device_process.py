@@ -29,7 +29,8 @@ import time
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from clefcore.engine import SELF_CHECK_REQUEST, Engine, EngineStatus, padded
+from clefcore.engine import Engine, EngineStatus, padded
+from clefcore.example_request import support_ticket
 from clefcore.errors import DeviceError
 from clefcore.preparer import Prepared
 
@@ -211,7 +212,7 @@ class _Device:
     def measure(self, tokens: int) -> tuple[int, float]:
         # Two prompts, not one: a single short prompt would replay (and first capture) a CUDA graph, which a
         # synthetic shape should not take a place among the cached ones for.
-        base = self.engine.prepare(SELF_CHECK_REQUEST)
+        base = self.engine.prepare(support_ticket())
         half = padded(base, min(max(base.num_tokens, tokens // 2), self.engine.host.max_length))
         batch = [half, half]
         self._infer(batch)                  # the first run of a shape pays for its warm-up

@@ -141,7 +141,7 @@ def test_the_sticky_hook_breaks_every_later_call_as_a_dead_cuda_context_would():
     hooks = TestHooks(fail_marker=None, batch_delay_s=0.0, load_delay_s=0.0, sticky_marker="XID")
 
     async def main():
-        device = DeviceProcess(hooks, chunk_tokens=16)
+        device = DeviceProcess(hooks)
         try:
             await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
             engine = clefcore.load(MODEL)
@@ -150,7 +150,7 @@ def test_the_sticky_hook_breaks_every_later_call_as_a_dead_cuda_context_would():
             await device.self_check()
             struck, _ = await device.infer([good, poison])
             after, _ = await device.infer([good])
-            step = await device.step(good)
+            step = await device.step(good, 16)
             with pytest.raises(DeviceError) as check:
                 await device.self_check()
             return before, struck, after, step, check.value

@@ -20,6 +20,7 @@ from clefcore.options import STEP_BUDGET_S, STEP_CAP_TOKENS, STEP_FLOOR_TOKENS, 
 from clefcore.server.admission import Budgets, measured_rate
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
+from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 from clefcore.server.steps import StepSize
 
@@ -77,7 +78,13 @@ def batcher(**kw) -> Batcher:
     options = dict(max_queue=64, max_batch_tokens=None, max_batch_requests=64, budgets=Budgets(100.0, 100.0, 10_000),
                    chunk_tokens=None, step_budget=0.5, start_rate=2_000.0)
     options.update(kw)
-    return Batcher([None], Metrics(), **options)
+    metrics = Metrics()
+    return Batcher([None], metrics, watch=unwatched(metrics), **options)
+
+
+def unwatched(metrics: Metrics) -> DeviceWatch:
+    """A watch whose judgements go nowhere: these tests are about step sizes and order."""
+    return DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
 
 
 def step_gauge(b: Batcher, limit: str) -> float:
@@ -196,7 +203,8 @@ def run_on_fake_clock(monkeypatch, plan, max_batch_requests=64):
         await asyncio.sleep(0)                       # the new tasks queue their requests before the step ends
 
     device = FakeDevice(clock, arrive)
-    b = Batcher([device], Metrics(), max_queue=10_000, max_batch_tokens=1_000,
+    metrics = Metrics()
+    b = Batcher([device], metrics, watch=unwatched(metrics), max_queue=10_000, max_batch_tokens=1_000,
                 max_batch_requests=max_batch_requests, budgets=Budgets(1e3, 1e3, 10_000), start_rate=1_000.0,
                 chunk_tokens=1_000, age_rate=1_000.0)
     b._rate.samples = 1   # measured: the rate stands

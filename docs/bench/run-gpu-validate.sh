@@ -10,6 +10,7 @@
 #   CLEFCORE_KERNEL_CACHE=.whl/ptx70 python -c "from clefcore.backends.cuda import compile as C
 #   [C.ptx70_path(p.name) for p in C.kernel_files()]"
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gpu-validate.sh
+# T_GOLDEN, T_SUITE, T_LEAN: each step's limit in seconds (default 90, 250, 130).
 # Writes to $OUT as it goes: device.txt, golden.txt, suite.txt, suite-no-cublas.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-validate-out}
@@ -20,8 +21,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/device.txt" 2>&1
 # `pytest`, not `python3 -m pytest`: the installed package, not the source tree (setup.cfg: --import-mode=importlib)
-timeout 90 pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_vision_gpu.py \
+timeout "${T_GOLDEN:-90}" pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_vision_gpu.py \
   -k "golden and probabilities" 2>&1 | grep -E "GOLDEN|passed|failed|Error" | tee "$OUT/golden.txt"
-timeout 250 pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -30 | tee "$OUT/suite.txt"
-PYTHONPATH=tests/no_cublas:$PYTHONPATH timeout 130 pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+timeout "${T_SUITE:-250}" pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -30 | tee "$OUT/suite.txt"
+PYTHONPATH=tests/no_cublas:$PYTHONPATH timeout "${T_LEAN:-130}" pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
   tests/test_gpu_engine.py 2>&1 | tail -20 | tee "$OUT/suite-no-cublas.txt"

@@ -221,6 +221,14 @@ def _or_auto(kind):
     return parse
 
 
+def _api_key(text: str) -> str:
+    # A Secret that exists but holds an empty key must not serve without one: fail closed, as a missing one does.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (from --api-key or $CLEFCORE_API_KEY): an empty key would "
+                                         "turn authentication off; unset it to serve without a key")
+    return text
+
+
 def _age_rate(text: str) -> float | None:
     if text.strip().lower() == "auto":
         return None
@@ -313,6 +321,6 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "restarted (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish accepted requests after SIGTERM")
-    parser.add_argument("--api-key", default=os.environ.get("CLEFCORE_API_KEY"),
+    parser.add_argument("--api-key", type=_api_key, default=os.environ.get("CLEFCORE_API_KEY"),
                         help="require this key on /v1 and /client/v4 routes (default: $CLEFCORE_API_KEY; "
-                             "unset: no key is required)")
+                             "unset: no key is required; set but empty: refused, the server does not start)")

@@ -333,7 +333,11 @@ def build_app(service: Service, *, api_key: str | None = None, max_body_bytes: i
               body_timeout: float = BODY_TIMEOUT, prefix: str = "") -> web.Application:
     """An application answering clefcore's routes from ``service`` (whose start and stop stay the caller's).
     ``body_timeout``: seconds from a request's head to the end of its body, 408 after. ``prefix``: the path it
-    will be mounted under, if any (``mount`` passes it)."""
+    will be mounted under, if any (``mount`` passes it). An empty ``api_key`` is refused (ValueError): it would
+    turn authentication off; None serves without a key."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: an empty key would turn authentication off; pass None to serve "
+                         "without a key")
     app = web.Application(middlewares=[_middleware])
     app[SERVICE] = service
     app[HTTP] = http = Http(api_key, max_body_bytes, body_timeout, prefix, RefusalLog())

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from . import precision, switches
 from .answers import CONFIDENCE_MODES
@@ -114,9 +115,9 @@ def backend_options(args) -> dict:
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """How the server's Service loads and schedules the model. Each field is the ``clefcore serve`` flag of the
-    same name (``--context-length``: ``context_length``), and its default is the flag's. A value out of range
-    raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
+    """How the server's Service loads and schedules the model. Each field but ``admission`` is the ``clefcore
+    serve`` flag of the same name (``--context-length``: ``context_length``), and its default is the flag's. A
+    value out of range raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
 
     model: str                              # a checkpoint directory, or a Hub id in the Hugging Face cache
     revision: str | None = None             # a Hub id's branch, tag or commit; None: the cache's main ref
@@ -145,6 +146,9 @@ class ServiceConfig:
     device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
                                             # worker's place in --device (set by the supervisor)
+    # Not a flag: a library caller's own admission policy, a callable that builds it from the budgets
+    # (server/admission.py: PolicyFactory, AdmissionPolicy); None: the shipped one, admission by cost.
+    admission: Any = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
@@ -171,7 +175,7 @@ class ServiceConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServiceConfig":
         """The config in ``clefcore serve``'s parsed flags (the rest of them are the HTTP server's)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("flag", True)})
 
     @property
     def devices(self) -> tuple[str, ...]:

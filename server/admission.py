@@ -1,4 +1,13 @@
-"""Admission by cost: the numbers behind a 429 (server/batcher.py applies them).
+"""Admission: whether a request is queued, refused (a 429) or displaces queued work. server/batcher.py does the
+dispatch and asks the policy here; ``ServiceConfig.admission`` picks the policy (None: ``CostPolicy``).
+
+The seam: an ``AdmissionPolicy`` reads a ``Snapshot`` of the queues and the lanes, taken by the batcher at the
+moment of the question, and answers ``Admit`` (with the answer time it promises, and a queued long prompt to
+give up to make room), a ``Refusal`` (its reason, the expected wait, the budget, Retry-After) or, between device
+steps, the ``Eviction``s of queued long prompts that will be answered too late. The promise is kept by the
+scheduler's cut: a batch stops growing where it would end past a promise in it (pyx/scheduler.pyx, ``take``).
+
+The shipped policy, admission by cost (``CostPolicy``):
 
 Budget: the wait a caller tolerates, in seconds, as a function of its prompt's size. ``max_s`` for a prompt of
 ``context_tokens``, in proportion below that, never under ``min_s``; and never under what the scheduler's order
@@ -42,7 +51,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from clefcore.scheduler import Entry, Scheduler
 
 # Guesses that size the forward measuring the rate at start: the H200 packs ~24k prompt tokens/s on clef-flash;
 # the CPU path serves the tiny test model at a few thousand.
@@ -50,6 +63,10 @@ START_RATE = {"cpu": 2_000.0, "cuda": 20_000.0}
 # Weight of one forward of `_HALF_TOKENS` tokens in the mean; larger forwards weigh more, up to 0.5.
 _HALF_TOKENS = 8_192
 _MAX_WEIGHT = 0.5
+# A queued long prompt is evicted once its expected answer is this share of its budget past its promise: it has
+# waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
+# counted between two steps.
+EVICT_SLACK = 0.25
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
@@ -204,3 +221,216 @@ class BodySizer:
             hi = min(hi, mid / (min(near) * (1 - self.MARGIN)))
         guess = nbytes / mid
         return tuple(max(1, round(guess * f)) for f in (lo, 1.0, hi))
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """One lane as admission sees it: the step on its device (its tokens, 0: none, and when it started) and the
+    chunked run there (the tokens it has left and its next chunk's order key; None and inf: it runs none)."""
+    step_tokens: int
+    step_started: float
+    run_left: int | None
+    chunk_key: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a policy reads, taken by the batcher at ``now``. ``whole`` is the queue of whole prompts itself, to be
+    read only (``key``, ``tokens_before``, ``live_tokens``, ``age_rate``): a snapshot is used at once, and copying
+    the queue for every arrival would cost a retry storm O(queue) more."""
+    now: float
+    rate: float                 # the measured device rate, tokens/s per device (the start guess until measured)
+    measured: bool              # a step has been measured since start
+    chunk_tokens: int           # a longer prompt runs chunked (0: none does)
+    whole: Scheduler
+    long: tuple[tuple[Entry, float], ...]   # the queued long prompts and their order keys, in arrival order
+    lanes: tuple[LaneView, ...]
+    whole_share: float          # the recent share of time whole prompts were waiting (RecentShare)
+    full: bool                  # the queues hold their bound in requests
+
+    def chunked(self, tokens: int) -> bool:
+        """A prompt of ``tokens`` runs chunked."""
+        return 0 < self.chunk_tokens < tokens
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A queued long prompt, not started, refused now (``refusal``: its reason is "evicted")."""
+    entry: Entry
+    refusal: Refusal
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Queue it, promising its answer by ``answer_by`` (monotonic; inf: no promise); ``evict``: a queued long
+    prompt given up to make room for it (the queues are full), or None."""
+    answer_by: float
+    evict: Eviction | None = None
+
+
+class AdmissionPolicy(Protocol):
+    """What the batcher asks (see the module doc); every call reads one fresh snapshot and changes nothing."""
+
+    def decide(self, tokens: int, view: Snapshot, held: float = 0.0) -> Admit | Refusal:
+        """A prepared request of ``tokens`` prompt tokens arrives. ``held``: tokens of bodies still being
+        prepared that will queue ahead of it (the batcher's holds)."""
+
+    def unread(self, estimates: Sequence[int], view: Snapshot, held: float) -> Refusal | None:
+        """The check before a body is read: ``estimates`` are its prompt tokens (lowest, guess, highest: the
+        BodySizer's; empty when it has none); None lets the body be read and prepared."""
+
+    def late(self, view: Snapshot) -> list[Eviction]:
+        """Between device steps: the queued long prompts to refuse now."""
+
+
+# What ServiceConfig.admission holds: a callable that builds the policy from the configured budgets.
+PolicyFactory = Callable[[Budgets], AdmissionPolicy]
+
+
+class CostPolicy:
+    """Admission by cost (the module doc): ``budgets`` is the wait a request of each size may be admitted into."""
+
+    def __init__(self, budgets: Budgets):
+        self._budgets = budgets
+
+    def decide(self, tokens: int, view: Snapshot, held: float = 0.0) -> Admit | Refusal:
+        refused = self.refusal(tokens, view, held)
+        if refused is not None:
+            return refused
+        evict = None
+        if view.full:  # refusal() found a larger queued long prompt to give up instead
+            victim = self._evictable(tokens, view)
+            evict = self._eviction(victim, self.expected_wait(victim.tokens, view), view)
+        return Admit(view.now + self._admission_budget(tokens, view), evict)
+
+    def unread(self, estimates: Sequence[int], view: Snapshot, held: float) -> Refusal | None:
+        """Refused when a request of the body's estimated size would be refused at every size in the estimate's
+        error span (a request it cannot judge is tokenized and checked exactly), or when the queue is full and
+        holds nothing a request could displace."""
+        if not estimates:
+            return Refusal("queue_full", 1, 0.0, 0.0) if view.full and not view.long else None
+        refusals = [self.refusal(tokens, view, held) for tokens in estimates]
+        return refusals[1] if all(refusals) else None
+
+    def late(self, view: Snapshot) -> list[Eviction]:
+        """Queued long prompts, in the order they would start, whose expected answer has moved past the answer
+        time they were promised at admission by more than EVICT_SLACK of their budget (whole prompts passed them
+        meanwhile): refused now rather than answered late. (The slack: whole prompts are taken a step at a
+        time, so the work sorted before a long prompt swings by a step while it waits.) Only once the rate is
+        measured: promises are not weighed on a guess."""
+        if not view.long or not view.measured:
+            return []
+        evicted: list[Eviction] = []
+        kept: list[tuple[float, int]] = []   # the long prompts kept before this one
+        for entry, key in sorted(view.long, key=lambda item: item[1]):
+            wait = self._long_wait(entry.tokens, key, view, kept)
+            if view.now + wait > entry.answer_by + EVICT_SLACK * (entry.answer_by - entry.enqueued_at):
+                evicted.append(self._eviction(entry, wait, view))
+            else:
+                kept.append((key, entry.tokens))
+        return evicted
+
+    def refusal(self, tokens: int, view: Snapshot, held: float = 0.0) -> Refusal | None:
+        """Why a request of ``tokens`` prompt tokens would not be admitted, or None (``held``: as in
+        expected_wait). Until the first step is measured the rate is a guess per device kind, so the work is
+        judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
+        admitted without bound)."""
+        budget = self._admission_budget(tokens, view)
+        wait = self.expected_wait(tokens, view, held)
+        if view.full and self._evictable(tokens, view) is None:
+            return Refusal("queue_full", retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
+        if wait <= budget:
+            return None
+        return Refusal("queued_work", retry_after(wait, budget, self._budgets.max_s), wait, budget)
+
+    def budget(self, tokens: int, view: Snapshot) -> float:
+        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than what
+        the order alone can make it wait: one device step on each lane (a chunk, or the step running there now
+        if longer), each lane's next chunk, and its own run, the lanes' share over all of them. For a prompt
+        that runs chunked, what the order can make it wait while whole prompts keep coming (_long_wait): its own
+        aging, and then still the step running and a chunk (whole prompts that came just before its key ran out,
+        and a run's chunk, may go first), and a run that lets shorter work pass between its chunks."""
+        n, rate, chunk = len(view.lanes), view.rate, view.chunk_tokens
+        steps = sum(max(chunk, lane.step_tokens) for lane in view.lanes)
+        if view.chunked(tokens):
+            floor = (tokens / view.whole.age_rate + (steps + n * chunk) / (n * rate)
+                     + tokens * self.slow(view) / rate)
+        else:
+            floor = (steps + n * chunk + n * tokens) / (n * rate)
+        return max(self._budgets(tokens), floor)
+
+    def slow(self, view: Snapshot) -> float:
+        """How many times its own tokens' time chunked work takes while whole prompts keep coming: before each
+        chunk runs the whole work queued when it became due, or if longer, what arrives within its aging (a
+        chunk's tokens at the age rate: rate / age rate chunks' worth)."""
+        return 1.0 + max(view.rate / view.whole.age_rate, view.whole.live_tokens / view.chunk_tokens)
+
+    def expected_wait(self, tokens: int, view: Snapshot, held: float = 0.0) -> float:
+        """Seconds to the answer of a request of ``tokens`` admitted now (the module doc): the work ahead of it
+        over the lanes' rate, then its own run on one device. ``held``: tokens of bodies still being prepared
+        that will queue ahead of it. A chunked one also waits for the shorter work that passes it
+        (``_long_wait``)."""
+        now = view.now
+        key = view.whole.key(tokens, now)   # both queues age alike: a long prompt's key is the same
+        if view.chunked(tokens):
+            ahead = sorted((k, entry.tokens) for entry, k in view.long if k <= key)
+            return self._long_wait(tokens, key, view, ahead, held)
+        ahead = held + sum(_step_left(lane, view) for lane in view.lanes) + view.whole.tokens_before(key)
+        chunk = view.chunk_tokens
+        ahead += sum(min(chunk, lane.run_left) for lane in view.lanes if lane.chunk_key <= key)
+        ahead += self._starting_before(key, view)
+        # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
+        n = len(view.lanes)
+        return (ahead + n * tokens) / (n * view.rate)
+
+    def _long_wait(self, tokens: int, key: float, view: Snapshot, ahead: list[tuple[float, int]],
+                   held: float = 0.0) -> float:
+        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key`` (its arrival + its aging).
+        Before it start the whole prompts whose keys come first (with what is left of the steps running and the
+        ``held`` tokens of bodies being prepared), the rest of the runs started and the long prompts queued
+        ahead (``ahead``: their keys and tokens, in order; a lane runs one at a time). Two cases, weighed by the
+        recent share of time whole prompts were waiting. None coming: all that runs, then its own
+        run. Whole prompts coming all the time: shorter ones pass it until its key comes up, and pass every
+        run between its chunks, its own too; so it starts at the latest of its key, the end of the whole prompts
+        ahead of it, and the end of the runs before it (each of which starts no sooner than its own key)."""
+        n, rate, slow, now = len(view.lanes), view.rate, self.slow(view), view.now
+        share = view.whole_share
+        whole = view.whole.tokens_before(key) + held + sum(_step_left(lane, view) for lane in view.lanes)
+        started = sum(lane.run_left for lane in view.lanes if lane.run_left is not None)
+        alone = (whole + started + sum(t for _, t in ahead)) / (n * rate) + tokens / rate
+        runs_end = started * slow / (n * rate)
+        for their_key, their_tokens in ahead:
+            runs_end = max(runs_end, their_key - now) + their_tokens * slow / (n * rate)
+        flowing = max(whole / (n * rate), runs_end, key - now) + tokens * slow / rate
+        return (1 - share) * alone + share * flowing
+
+    def _starting_before(self, key: float, view: Snapshot) -> float:
+        """Tokens of first chunks of long prompts that start before a whole prompt of order ``key``: those
+        whose keys come first, one on each lane that runs no chunked prompt."""
+        free = sum(1 for lane in view.lanes if lane.run_left is None)
+        if not free or not view.long:
+            return 0.0
+        first = sorted((k, entry.tokens) for entry, k in view.long if k <= key)[:free]
+        return sum(min(view.chunk_tokens, tokens) for _, tokens in first)
+
+    def _evictable(self, tokens: int, view: Snapshot) -> Entry | None:
+        """The queued long prompt a full queue gives up for a request of ``tokens``: the largest, if
+        larger."""
+        victim = max((entry for entry, _ in view.long), key=lambda entry: entry.tokens, default=None)
+        return victim if victim is not None and victim.tokens > tokens else None
+
+    def _eviction(self, entry: Entry, wait: float, view: Snapshot) -> Eviction:
+        """Refuse the queued long prompt ``entry``; ``wait``: the seconds to its answer, past its budget."""
+        budget = self.budget(entry.tokens, view)
+        return Eviction(entry, Refusal("evicted", retry_after(wait, budget, self._budgets.max_s), wait, budget))
+
+    def _admission_budget(self, tokens: int, view: Snapshot) -> float:
+        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
+        is measured."""
+        budget = self.budget(tokens, view)
+        return budget if view.measured else max(budget, self._budgets.max_s)
+
+
+def _step_left(lane: LaneView, view: Snapshot) -> float:
+    """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
+    return max(0.0, lane.step_tokens - (view.now - lane.step_started) * view.rate)

@@ -19,8 +19,11 @@ which judges stalls and faults. While a device is in trouble the Service refuses
 Steps: a packed batch is at most ``max_batch_tokens``, a chunk ``chunk_tokens``; each is a fixed number or auto,
 the tokens of a step of ``step_budget`` seconds at the measured rate (server/steps.py), read again for every step.
 
-Overload (issues 20, 28): a request is admitted while the work that runs before it plus its own fits the wait
-its caller tolerates (server/admission.py says how both are counted); otherwise it gets a 429 at once.
+Admission: the batcher asks its admission policy (server/admission.py: ``ServiceConfig.admission``, by default
+admission by cost) on every arrival, before a body is read and once it is prepared, with a snapshot of the queues
+and the lanes (``view``), and does what it answers: queue the request with the answer time it was promised,
+refuse it at once (a 429), or give up a queued long prompt (evicted); between steps it refuses the queued long
+prompts the policy finds too late.
 
 Order: one order over all the work, shortest first with aging. A queued request's key is its arrival plus its
 prompt tokens over the age rate (``age_rate``, by default a third of the measured device rate, AUTO_AGE_DIVISOR):
@@ -33,8 +36,8 @@ whole prompt waits), and each next chunk takes its turn as a request of a chunk'
 previous step ended. So a short
 request waits for about one step, a long prompt starts after at most its own size's worth of aging and then keeps
 moving under a stream of short ones, and long prompts not yet started are what gives way when short work
-overfills the device: a queued one whose expected answer moves well past its promise is refused then
-(``evicted``), as is the largest queued one when the queue's count bound would refuse a smaller request.
+overfills the device: the shipped policy refuses a queued one whose expected answer moves well past its promise
+(``evicted``), and the largest queued one when the queue's count bound would refuse a smaller request.
 
 Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
 model on the same kind of device). A chunked run's state lives in the device process of the lane that started
@@ -71,10 +74,6 @@ from .steps import StepSize
 # short work keeps about 6/7 of the device: with the measured rate itself (1), a third of the device went to a
 # stream of 3k-token prompts beside short ones, and the short ones waited half as long as the long ones.
 AUTO_AGE_DIVISOR = 3
-# A queued long prompt is evicted once its expected answer is this share of its budget past its promise: it has
-# waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
-# counted between two steps.
-EVICT_SLACK = 0.25
 
 
 class QueueFull(Exception):
@@ -155,11 +154,12 @@ class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, watch: DeviceWatch, max_queue: int,
                  max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
-                 first_lane: int = 0):
+                 first_lane: int = 0, policy: admission.PolicyFactory | None = None):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
         self-check's outcome.
         ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
-        ``budgets``: the wait a request of each size may be admitted into (admission.Budgets).
+        ``budgets``: the wait a request of each size may be admitted into (admission.Budgets), given to
+        ``policy``, which builds the admission policy from them (None: admission.CostPolicy).
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never; None: auto).
         ``step_budget``: the seconds an auto-sized step takes at the measured rate.
         ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
@@ -175,7 +175,7 @@ class Batcher:
         self._batch_size = StepSize(max_batch_tokens, step_budget)
         self._chunk_size = StepSize(chunk_tokens, step_budget)
         self._max_requests = max_batch_requests
-        self._budgets = budgets
+        self.policy: admission.AdmissionPolicy = (policy or admission.CostPolicy)(budgets)
         # when whole prompts have been waiting since (None: none waits), and the recent share of such time
         self._whole_waiting_since: float | None = None
         self._whole_waiting = RecentShare()
@@ -226,9 +226,6 @@ class Batcher:
         tokens += self._long.live_tokens
         return tokens + sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
 
-    def _chunked(self, tokens: int) -> bool:
-        return 0 < self.chunk_tokens < tokens
-
     def _chunk_key(self, lane: _Lane) -> float:
         """The lane's next chunk step's place in the scheduler's order: that of a queued request of the chunk's
         size that arrived when the chunk became due (inf: no chunked run started there)."""
@@ -236,125 +233,23 @@ class Batcher:
             return math.inf
         return lane.active.ready_at + min(self.chunk_tokens, lane.active.tokens_left) / self._scheduler.age_rate
 
-    def _step_left(self, lane: _Lane, now: float) -> float:
-        """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
-        return max(0.0, lane.step_tokens - (now - lane.step_started) * self._rate.rate)
-
-    def budget(self, tokens: int) -> float:
-        """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than what
-        the order alone can make it wait: one device step on each lane (a chunk, or the step running there now
-        if longer), each lane's next chunk, and its own run, the lanes' share over all of them. For a prompt
-        that runs chunked, what the order can make it wait while whole prompts keep coming (_long_wait): its own
-        aging, and then still the step running and a chunk (whole prompts that came just before its key ran out,
-        and a run's chunk, may go first), and a run that lets shorter work pass between its chunks."""
-        n, rate, chunk = len(self._lanes), self._rate.rate, self.chunk_tokens
-        steps = sum(max(chunk, lane.step_tokens) for lane in self._lanes)
-        if self._chunked(tokens):
-            floor = tokens / self._scheduler.age_rate + (steps + n * chunk) / (n * rate) + tokens * self._slow / rate
-        else:
-            floor = (steps + n * chunk + n * tokens) / (n * rate)
-        return max(self._budgets(tokens), floor)
-
-    @property
-    def _slow(self) -> float:
-        """How many times its own tokens' time chunked work takes while whole prompts keep coming: before each
-        chunk runs the whole work queued when it became due, or if longer, what arrives within its aging (a
-        chunk's tokens at the age rate: rate / age rate chunks' worth)."""
-        chunk = self.chunk_tokens
-        return 1.0 + max(self._rate.rate / self._scheduler.age_rate, self._scheduler.live_tokens / chunk)
-
-    def _long_wait(self, tokens: int, key: float, now: float, ahead: list[tuple[float, int]],
-                   held: float = 0.0) -> float:
-        """Seconds to the answer of a chunked prompt of ``tokens`` and order ``key`` (its arrival + its aging).
-        Before it start the whole prompts whose keys come first (with what is left of the steps running and the
-        ``held`` tokens of bodies being prepared), the rest of the runs started and the long prompts queued
-        ahead (``ahead``: their keys and tokens, in order; a lane runs one at a time). Two cases, weighed by the
-        recent share of time whole prompts were waiting. None coming: all that runs, then its own
-        run. Whole prompts coming all the time: shorter ones pass it until its key comes up, and pass every
-        run between its chunks, its own too; so it starts at the latest of its key, the end of the whole prompts
-        ahead of it, and the end of the runs before it (each of which starts no sooner than its own key)."""
-        n, rate, slow = len(self._lanes), self._rate.rate, self._slow
-        share = self._whole_waiting.share(now)
-        whole = self._scheduler.tokens_before(key) + held + sum(self._step_left(lane, now) for lane in self._lanes)
-        started = sum(lane.active.tokens_left for lane in self._lanes if lane.active is not None)
-        alone = (whole + started + sum(t for _, t in ahead)) / (n * rate) + tokens / rate
-        runs_end = started * slow / (n * rate)
-        for their_key, their_tokens in ahead:
-            runs_end = max(runs_end, their_key - now) + their_tokens * slow / (n * rate)
-        flowing = max(whole / (n * rate), runs_end, key - now) + tokens * slow / rate
-        return (1 - share) * alone + share * flowing
-
-    def _starting_before(self, key: float) -> float:
-        """Tokens of first chunks of long prompts that start before a whole prompt of order ``key``: those
-        whose keys come first, one on each lane that runs no chunked prompt."""
-        free = sum(1 for lane in self._lanes if lane.active is None)
-        if not free or not self._long_keys:
-            return 0.0
-        first = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)[:free]
-        return sum(min(self.chunk_tokens, tokens) for _, tokens in first)
-
-    def expected_wait(self, tokens: int, now: float, held: float = 0.0) -> float:
-        """Seconds to the answer of a request of ``tokens`` admitted at ``now`` (admission.py's doc): the work
-        ahead of it over the lanes' rate, then its own run on one device. ``held``: tokens of bodies still being
-        prepared that will queue ahead of it. A chunked one also waits for the shorter work that passes it
-        (``_long_wait``)."""
-        if self._chunked(tokens):
-            key = self._long.key(tokens, now)
-            ahead = sorted((k, entry.tokens) for entry, k in self._long_keys.items() if k <= key)
-            return self._long_wait(tokens, key, now, ahead, held)
-        key = self._scheduler.key(tokens, now)
-        ahead = held + sum(self._step_left(lane, now) for lane in self._lanes) + self._scheduler.tokens_before(key)
-        chunk = self.chunk_tokens
-        ahead += sum(min(chunk, lane.active.tokens_left) for lane in self._lanes if self._chunk_key(lane) <= key)
-        ahead += self._starting_before(key)
-        # (ahead / n + tokens) / rate, written so that one lane computes exactly what one device did
-        n = len(self._lanes)
-        return (ahead + n * tokens) / (n * self._rate.rate)
-
-    def _evictable(self, tokens: int) -> Entry | None:
-        """The queued long prompt a full queue gives up for a request of ``tokens``: the largest, if
-        larger."""
-        victim = max(self._long_keys, key=lambda entry: entry.tokens, default=None)
-        return victim if victim is not None and victim.tokens > tokens else None
-
-    def _admission_budget(self, tokens: int) -> float:
-        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
-        is measured."""
-        budget = self.budget(tokens)
-        return budget if self._rate.samples else max(budget, self._budgets.max_s)
-
-    def refusal(self, tokens: int, now: float | None = None, held: float = 0.0) -> Refusal | None:
-        """Why a request of ``tokens`` prompt tokens would not be admitted now, or None (``held``: as in
-        expected_wait). Until the first step is measured the rate is a guess per device kind, so the work is
-        judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
-        admitted without bound)."""
+    def view(self, now: float | None = None) -> admission.Snapshot:
+        """What the admission policy reads: the queues and the lanes at ``now`` (default: the clock's now)."""
         now = time.monotonic() if now is None else now
-        budget = self._admission_budget(tokens)
-        wait = self.expected_wait(tokens, now, held)
-        if self.full() and self._evictable(tokens) is None:
-            return Refusal("queue_full", admission.retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
-        if wait <= budget:
-            return None
-        return Refusal("queued_work", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)
+        lanes = tuple(admission.LaneView(lane.step_tokens, lane.step_started,
+                                         None if lane.active is None else lane.active.tokens_left,
+                                         self._chunk_key(lane)) for lane in self._lanes)
+        return admission.Snapshot(now, self._rate.rate, self._rate.samples > 0, self.chunk_tokens, self._scheduler,
+                                  tuple(self._long_keys.items()), lanes, self._whole_waiting.share(now), self.full())
 
     def early_refusal(self, body_bytes: int | None) -> Refusal | None:
-        """The check before a body is read: refused when a request of the body's estimated size would be
-        refused at every size in the estimate's error span (``BodySizer``; a request it cannot judge is
-        tokenized and checked exactly), counting the bodies held in preparation that are no larger (``Hold``);
-        or when the queue is full and holds nothing a request could displace. Counted."""
-        now = time.monotonic()
+        """The check before a body is read (the policy's ``unread``): the body's estimated sizes (``BodySizer``),
+        counting as work ahead the bodies held in preparation that are no larger (``Hold``). Counted."""
         estimates = self.sizer.estimates(body_bytes)
-        if not estimates:
-            if not (self.full() and not self._long_keys):
-                return None
-            refused, size = Refusal("queue_full", 1, 0.0, 0.0), None
-        else:
-            held = sum(h.tokens for h in self._holds if h.nbytes <= body_bytes)
-            refusals = [self.refusal(tokens, now, held) for tokens in estimates]
-            if not all(refusals):
-                return None
-            refused, size = refusals[1], estimates[1]
-        self._count_refusal(refused.reason, size)
+        held = sum(h.tokens for h in self._holds if h.nbytes <= body_bytes) if estimates else 0
+        refused = self.policy.unread(estimates, self.view(), held)
+        if refused is not None:
+            self._count_refusal(refused.reason, estimates[1] if estimates else None)
         return refused
 
     def hold(self, body_bytes: int | None) -> Hold | None:
@@ -452,26 +347,25 @@ class Batcher:
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
-        # promised by the end of its budget: the batch it rides is cut to keep that (pyx/scheduler.pyx)
-        tokens = prepared.num_tokens
-        entry = Entry((prepared, future), tokens, deadline, now, now + self._admission_budget(tokens))
-        refused = self.refusal(entry.tokens, now)
-        if refused is not None:
-            self._count_refusal(refused.reason, entry.tokens)
-            raise QueueFull(refused)
-        if self.full():  # refusal() found a larger queued long prompt to give up instead
-            victim = self._evictable(entry.tokens)
-            self._evict(victim, self.expected_wait(victim.tokens, now))
-        long = self._chunked(entry.tokens)
+        view = self.view(now)
+        decision = self.policy.decide(prepared.num_tokens, view)
+        if isinstance(decision, Refusal):
+            self._count_refusal(decision.reason, prepared.num_tokens)
+            raise QueueFull(decision)
+        if decision.evict is not None:
+            self._evict(decision.evict)
+        # promised its answer by ``answer_by``: the batch it rides is cut to keep that (pyx/scheduler.pyx)
+        entry = Entry((prepared, future), prepared.num_tokens, deadline, now, decision.answer_by)
+        long = view.chunked(entry.tokens)
         if long:
             self._long_keys[entry] = self._long.key(entry.tokens, now)
         elif len(self._scheduler) == 0:
             self._whole_waiting_since = now
-        # push cannot fail after refusal() (the count bound is checked over both queues); kept as their word
+        # the shipped policy never admits into a full queue (it counts the bound over both queues); another may
         if not (self._long if long else self._scheduler).push(entry):
             self._long_keys.pop(entry, None)
             self._count_refusal("queue_full", entry.tokens)
-            raise QueueFull(Refusal("queue_full", 1, 0.0, self.budget(entry.tokens)))
+            raise QueueFull(Refusal("queue_full", 1, 0.0, decision.answer_by - now))
         self._publish()
         self._wake.set()
         try:
@@ -496,32 +390,21 @@ class Batcher:
         self._long_keys.pop(entry, None)
         return queued
 
-    def _evict(self, entry: Entry, wait: float) -> None:
-        """Refuse a queued long prompt that has not started (its caller gets the 429 now); ``wait``: the
-        seconds to its answer that the caller found past its budget."""
-        budget = self.budget(entry.tokens)
+    def _evict(self, eviction: admission.Eviction) -> None:
+        """Refuse a queued long prompt that has not started: its caller gets the 429 now."""
+        entry = eviction.entry
         self._long.cancel(entry)
         self._long_keys.pop(entry, None)
         self._count_refusal("evicted", entry.tokens)
         _, future = entry.payload
         if not future.done():
-            future.set_exception(QueueFull(Refusal(
-                "evicted", admission.retry_after(wait, budget, self._budgets.max_s), wait, budget)))
+            future.set_exception(QueueFull(eviction.refusal))
 
     def _evict_late(self, now: float) -> None:
-        """Queued long prompts, in the order they would start, whose expected answer has moved past the answer
-        time they were promised at admission by more than a chunk's time (whole prompts passed them meanwhile)
-        are refused now rather than answered late. (The chunk's time: whole prompts are taken a step at a time,
-        so the work sorted before a long prompt swings by a step while it waits.)"""
-        if not self._long_keys or not self._rate.samples:
-            return
-        kept: list[tuple[float, int]] = []   # the long prompts kept before this one
-        for entry, key in sorted(self._long_keys.items(), key=lambda item: item[1]):
-            wait = self._long_wait(entry.tokens, key, now, kept)
-            if now + wait > entry.answer_by + EVICT_SLACK * (entry.answer_by - entry.enqueued_at):
-                self._evict(entry, wait)
-            else:
-                kept.append((key, entry.tokens))
+        """Refuse the queued long prompts the policy finds too late now (``late``)."""
+        if self._long_keys:
+            for eviction in self.policy.late(self.view(now)):
+                self._evict(eviction)
 
     async def _dispatch(self, lane: _Lane) -> None:
         while True:

@@ -195,7 +195,8 @@ class Service:
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
                                start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
-                               step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane)
+                               step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
+                               policy=cfg.admission)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")

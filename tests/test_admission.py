@@ -50,12 +50,12 @@ def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_on
     now = time.monotonic()
     for _ in range(10):
         b._scheduler.push(entry(loop, 300, now - 10))      # 3 s ahead at the start value
-    assert b.refusal(400, now) is None                     # 3.4 s, within the 10 s of the largest budget
+    assert b.policy.refusal(400, b.view(now)) is None   # 3.4 s, within the 10 s of the largest budget
     for _ in range(30):
         b._scheduler.push(entry(loop, 300, now - 10))      # 12 s ahead
-    assert b.refusal(400, now).budget_s == 10.0
+    assert b.policy.refusal(400, b.view(now)).budget_s == 10.0
     b._rate.observe(1_000, 1.0)                            # measured: 1,000 tokens/s, as guessed
-    assert b.refusal(400, now).budget_s == pytest.approx(2.4)   # a step, a chunk and its own 400
+    assert b.policy.refusal(400, b.view(now)).budget_s == pytest.approx(2.4)   # a step, a chunk and its own 400
     loop.close()
 
 
@@ -116,7 +116,7 @@ def entry(loop, tokens: int, at: float) -> Entry:
 
 def queue_long(b: Batcher, e: Entry) -> None:
     """Queue ``e`` as a long prompt admitted when it arrived: promised by the end of its budget then."""
-    e.answer_by = e.enqueued_at + b.budget(e.tokens)
+    e.answer_by = e.enqueued_at + b.policy.budget(e.tokens, b.view())
     b._long_keys[e] = b._long.key(e.tokens, e.enqueued_at)
     assert b._long.push(e)
 
@@ -131,14 +131,14 @@ def test_queued_long_prompts_do_not_count_against_a_short_one():
     b = batcher()
     now = time.monotonic()
     queue_long(b, entry(loop, 8_000, now))              # 8 s of long work queued, not started
-    assert b.expected_wait(100, now) == pytest.approx(0.1)
-    assert b.refusal(100, now) is None
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)
+    assert b.policy.refusal(100, b.view(now)) is None
     for _ in range(3):
         b._scheduler.push(entry(loop, 300, now))
-    assert b.expected_wait(100, now) == pytest.approx(0.1)    # shortest first: ahead of the three
-    assert b.expected_wait(400, now) == pytest.approx(1.3)    # behind them: 900 + its own 400
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)   # shortest first: ahead of the three
+    assert b.policy.expected_wait(400, b.view(now)) == pytest.approx(1.3)    # behind them: 900 + its own 400
     # a long one behind: every whole prompt, the long one before it (shorter), its own, over the device
-    assert b.expected_wait(9_000, now) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
+    assert b.policy.expected_wait(9_000, b.view(now)) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
     loop.close()
 
 
@@ -148,18 +148,18 @@ def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_re
     lane = b._lanes[0]
     lane.running = [object()]
     lane.step_tokens, lane.step_started = 4_000, now - 1.0     # a 4 s step, 1 s done
-    assert b.expected_wait(100, now) == pytest.approx(3.1)      # 3,000 left + its own
-    assert b.budget(100) == pytest.approx(4.1)                  # that step + its own, over the 1 s floor
-    assert b.refusal(100, now) is None
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(3.1)      # 3,000 left + its own
+    assert b.policy.budget(100, b.view()) == pytest.approx(4.1)   # that step + its own, over the 1 s floor
+    assert b.policy.refusal(100, b.view(now)) is None
 
 
 def test_the_started_runs_next_chunk_counts_once_it_is_due():
     b = batcher()
     now = time.monotonic()
     b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)   # due since long ago
-    assert b.expected_wait(100, now) == pytest.approx(1.1)      # one chunk of 1,000, not the 5,000 left
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # one chunk of 1,000, not the 5,000 left
     b._lanes[0].active.ready_at = now                           # just stepped: due in 1 s
-    assert b.expected_wait(100, now) == pytest.approx(0.1)
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)
 
 
 def test_over_budget_a_short_request_is_refused_with_retry_after():
@@ -168,7 +168,7 @@ def test_over_budget_a_short_request_is_refused_with_retry_after():
     now = time.monotonic()
     for _ in range(15):
         b._scheduler.push(entry(loop, 300, now))               # 4.5 s of short work
-    refusal = b.refusal(400, now)
+    refusal = b.policy.refusal(400, b.view(now))
     assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(4.9)
     # what the order alone may make it wait: a step, the next chunk and its own, over the 1 s floor
     assert refusal.budget_s == pytest.approx(2.4)
@@ -193,24 +193,24 @@ def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompt
     b._scheduler.push(entry(loop, 300, now))
     # the order alone: its aging (5 s), a step and a chunk, then its run, twice its tokens' time while whole
     # prompts keep coming (each 1,000-token chunk lets pass what arrives within its aging: 1 s of work)
-    assert b._slow == 2.0
-    assert b.budget(5_000) == pytest.approx(5 + 2 + 10)
+    assert b.policy.slow(b.view()) == 2.0
+    assert b.policy.budget(5_000, b.view()) == pytest.approx(5 + 2 + 10)
     # none came lately: the whole prompt whose key comes first (0.3 s), then its own 5 s
-    assert b.expected_wait(5_000, now) == pytest.approx(5.3)
+    assert b.policy.expected_wait(5_000, b.view(now)) == pytest.approx(5.3)
     share = whole_prompts_kept_coming(b, now)
     assert share > 0.99
     # they keep coming: it starts when its key comes up (5 s), and runs in 10 s
-    assert b.expected_wait(5_000, now) == pytest.approx((1 - share) * 5.3 + share * 15)
-    assert b.refusal(5_000, now) is None
+    assert b.policy.expected_wait(5_000, b.view(now)) == pytest.approx((1 - share) * 5.3 + share * 15)
+    assert b.policy.refusal(5_000, b.view(now)) is None
     # a 6,000-token prompt queued ahead of it (key now - 4) starts first and runs for 12 s meanwhile: 22 s
     queue_long(b, entry(loop, 6_000, now - 10))
-    refusal = b.refusal(5_000, now)
+    refusal = b.policy.refusal(5_000, b.view(now))
     assert refusal.reason == "queued_work"
     assert refusal.wait_s == pytest.approx((1 - share) * (0.3 + 6 + 5) + share * 22)
     assert refusal.retry_after_s == 5                           # 22 s against 17 s
     # a whole prompt is not held back by them: the first chunk of the long prompt whose key came, and its own
-    assert b.expected_wait(500, now) == pytest.approx(1.8)
-    assert b.refusal(500, now) is None
+    assert b.policy.expected_wait(500, b.view(now)) == pytest.approx(1.8)
+    assert b.policy.refusal(500, b.view(now)) is None
     loop.close()
 
 
@@ -227,7 +227,7 @@ def test_the_whole_work_queued_slows_chunked_runs_down_and_moves_a_queued_one_pa
     assert waiting.answer_by - now == pytest.approx(17.0)
     for _ in range(5):                                          # 1.5 s of whole work before it
         b._scheduler.push(entry(loop, 300, now))
-    assert b._slow == 2.5                                       # 1,500 tokens queued per 1,000-token chunk
+    assert b.policy.slow(b.view()) == 2.5   # 1,500 tokens queued per 1,000-token chunk
     b._evict_late(now)                                          # 5 + 12.5 s: late by 0.5 s of 17
     assert not waiting.payload[1].done()
     for _ in range(5):                                          # 3 s: 5 + 20 s, late by 8 s
@@ -243,10 +243,10 @@ def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
     b = batcher()
     now = time.monotonic()
     queue_long(b, entry(loop, 3_000, now - 2.95))               # key now + 0.05: it starts before the next one
-    assert b.expected_wait(100, now) == pytest.approx(1.1)      # its first chunk, then its own 100
-    assert b.expected_wait(40, now) == pytest.approx(0.04)      # key now + 0.04: this one first
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # its first chunk, then its own 100
+    assert b.policy.expected_wait(40, b.view(now)) == pytest.approx(0.04)   # key now + 0.04: this one first
     b._lanes[0].active = SimpleNamespace(ready_at=now + 10, tokens_left=500)   # the lane runs another one:
-    assert b.expected_wait(100, now) == pytest.approx(0.1)      # no new one starts there
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)      # no new one starts there
     loop.close()
 
 
@@ -280,8 +280,8 @@ def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
     queue_long(b, small)
     queue_long(b, large)
     assert b.full()
-    assert b.refusal(5_000, now).reason == "queue_full"         # nothing queued is larger
-    assert b.refusal(300, now) is None                          # the 4,000-token one would make room
+    assert b.policy.refusal(5_000, b.view(now)).reason == "queue_full"         # nothing queued is larger
+    assert b.policy.refusal(300, b.view(now)) is None   # the 4,000-token one would make room
 
     async def submit():
         task = asyncio.ensure_future(b.submit(Prepared(num_tokens=300), now + 60))

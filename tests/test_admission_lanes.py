@@ -51,13 +51,13 @@ def test_two_busy_lanes_a_short_request_waits_for_half_their_steps_left_then_its
     first.running, first.step_tokens, first.step_started = [object()], 4_000, now - 1.0   # 3,000 left
     second.running, second.step_tokens, second.step_started = [object()], 2_000, now - 0.5  # 1,500 left
     # 4,500 tokens ahead over two devices (2.25 s), then its own 100 on one (0.1 s)
-    assert b.expected_wait(100, now) == pytest.approx(2.35)
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(2.35)
     # the order alone: one step on each lane (4,000 and 2,000) and its own run on each, over both: 6,200 / 2,000
-    assert b.budget(100) == pytest.approx(3.1)
-    assert b.refusal(100, now) is None
+    assert b.policy.budget(100, b.view()) == pytest.approx(3.1)
+    assert b.policy.refusal(100, b.view(now)) is None
     one = batcher(1, chunk_tokens=0, max_batch_tokens=4_000)
     one._lanes[0].step_tokens, one._lanes[0].step_started = 4_000, now - 1.0
-    assert one.expected_wait(100, now) == pytest.approx(3.1)          # the first lane alone: 3,000 + 100
+    assert one.policy.expected_wait(100, one.view(now)) == pytest.approx(3.1)   # the first lane alone: 3,000 + 100
 
 
 def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
@@ -68,13 +68,14 @@ def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
         for _ in range(10):
             b._scheduler.push(entry(loop, 300, now))                   # 3,000 tokens of whole prompts
         # idle lanes: the floor is a step, a chunk and its own run however many lanes there are
-        assert b.budget(400) == pytest.approx(2.4)
-    assert one.expected_wait(400, now) == pytest.approx(3.4)           # 3 s ahead + its own 0.4 s
-    assert two.expected_wait(400, now) == pytest.approx(1.9)           # 1.5 s ahead + its own 0.4 s
-    assert one.refusal(400, now).reason == "queued_work" and two.refusal(400, now) is None
+        assert b.policy.budget(400, b.view()) == pytest.approx(2.4)
+    assert one.policy.expected_wait(400, one.view(now)) == pytest.approx(3.4)   # 3 s ahead + its own 0.4 s
+    assert two.policy.expected_wait(400, two.view(now)) == pytest.approx(1.9)   # 1.5 s ahead + its own 0.4 s
+    assert one.policy.refusal(400, one.view(now)).reason == "queued_work"
+    assert two.policy.refusal(400, two.view(now)) is None
     for _ in range(5):
         two._scheduler.push(entry(loop, 300, now))                     # 4,500: 2.25 s + 0.4 s > 2.4 s
-    refusal = two.refusal(400, now)
+    refusal = two.policy.refusal(400, two.view(now))
     assert refusal.wait_s == pytest.approx(2.65) and refusal.retry_after_s == 1
     loop.close()
 
@@ -84,9 +85,9 @@ def test_each_lanes_due_chunk_counts_and_a_chunk_not_yet_due_does_not():
     now = time.monotonic()
     b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)    # due since long ago
     b._lanes[1].active = SimpleNamespace(ready_at=now, tokens_left=5_000)        # just stepped: due in 1 s
-    assert b.expected_wait(100, now) == pytest.approx(0.6)       # one chunk of 1,000 over two, its own 100
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.6)   # one chunk of 1,000 over two, its own 100
     b._lanes[1].active.ready_at = now - 5
-    assert b.expected_wait(100, now) == pytest.approx(1.1)       # both lanes' chunks: 2,000 over two
+    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # both lanes' chunks: 2,000 over two
 
 
 def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_lanes():
@@ -98,7 +99,7 @@ def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_l
     b._long_keys[waiting] = b._long.key(waiting.tokens, waiting.enqueued_at)
     assert b._long.push(waiting)
     # 3,000 left of the run and the 8,000 ahead, over two devices (5.5 s), then its own 9,000 on one (9 s)
-    assert b.expected_wait(9_000, now) == pytest.approx(14.5)
+    assert b.policy.expected_wait(9_000, b.view(now)) == pytest.approx(14.5)
     # the queue's backlog: the run's rest and the waiting prompt, over both devices
     b._publish()
     assert b._metrics.registry.get_sample_value("clef_estimated_wait_seconds") == pytest.approx(11_000 / 2_000)

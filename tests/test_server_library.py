@@ -22,6 +22,7 @@ from aiohttp import web  # noqa: E402
 from clefcore import cli  # noqa: E402
 from clefcore.errors import RequestError  # noqa: E402
 from clefcore.server import routes  # noqa: E402
+from clefcore.server.admission import Budgets, Refusal, Snapshot  # noqa: E402
 from clefcore.server.openapi import build_spec  # noqa: E402
 from clefcore.server.service import InferenceFailed, Service, ServiceConfig, Unavailable  # noqa: E402
 
@@ -191,6 +192,61 @@ def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
     status, metrics = seen["metrics"]
     assert status == 200 and 'route="/clef/v1/systemone",status="200"' in metrics
     assert seen["hello"] == (200, {"hello": "world"}, None)   # the application's own route, untouched
+
+
+class RefuseAll:
+    """An admission policy of a library caller's own: refuses every prepared request, and records what it read."""
+
+    def __init__(self, budgets: Budgets):
+        self.budgets = budgets
+        self.asked: list[tuple[int, Snapshot]] = []
+        self.unread_asked = 0
+
+    def decide(self, tokens, view, held=0.0):
+        self.asked.append((tokens, view))
+        return Refusal("queued_work", 7, 12.5, 0.5)
+
+    def unread(self, estimates, view, held):
+        self.unread_asked += 1
+        return None
+
+    def late(self, view):
+        return []
+
+
+def test_an_admission_policy_of_our_own_is_the_one_asked(engine):
+    policies: list[RefuseAll] = []
+
+    def policy(budgets: Budgets) -> RefuseAll:
+        policies.append(RefuseAll(budgets))
+        return policies[-1]
+
+    async def main():
+        service = Service(ServiceConfig(model=str(MODEL), admission=policy, min_queue_wait=2.0, max_queue_wait=9.0))
+        app = web.Application()
+        routes.mount(app, "/clef/", service, api_key=KEY)
+        runner, base = await _serve(app)
+        try:
+            await service.start()
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    answer = r.status, r.headers.get("Retry-After"), await r.json()
+            await service.drain(5.0)
+        finally:
+            await runner.cleanup()
+            await service.stop()
+        return answer
+
+    status, retry_after, body = asyncio.run(main())
+    assert status == 429 and retry_after == "7", body
+    assert body["error"]["reason"] == "queued_work" and body["error"]["expected_wait_s"] == 12.5
+    assert "12.50 s, over the 0.5 s wait budget" in body["error"]["message"]
+    (made,) = policies
+    assert made.budgets == Budgets(2.0, 9.0, 24576)          # built from the config's budgets
+    assert made.unread_asked == 1                             # asked before the body was read, then once prepared
+    ((tokens, view),) = made.asked
+    assert tokens > 0 and len(view.lanes) == 1 and view.measured is False and not view.full
 
 
 def test_mount_needs_a_prefix():

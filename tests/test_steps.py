@@ -95,7 +95,7 @@ def test_auto_sizes_follow_the_measured_rate():
     b = batcher(start_rate=6_000.0)                                # the rate measured at start
     assert (b.batch_tokens, b.chunk_tokens) == (3_000, 3_000)      # 0.5 s of it
     assert step_gauge(b, "max_batch_tokens") == step_gauge(b, "chunk_tokens") == 3_000
-    assert not b._chunked(2_500)
+    assert not b.view().chunked(2_500)
     b._observe_rate(4_000, 1.0)                                    # the first step served replaces it
     assert (b.batch_tokens, b.chunk_tokens) == (2_000, 2_000)
     for _ in range(100):                                           # then the device slows down
@@ -103,12 +103,12 @@ def test_auto_sizes_follow_the_measured_rate():
     assert b.rate == pytest.approx(1_000, rel=1e-3)
     assert b.batch_tokens == b.chunk_tokens == STEP_FLOOR_TOKENS   # 500 would be under the floor
     assert step_gauge(b, "chunk_tokens") == STEP_FLOOR_TOKENS
-    assert b._chunked(2_500)                                       # what runs chunked follows the chunk
+    assert b.view().chunked(2_500)                                       # what runs chunked follows the chunk
     # aging follows it too, at a third of it: a request is passed by shorter work for up to 3x its own run
     assert b._scheduler.age_rate == b._long.age_rate == pytest.approx(b.rate / 3)
     fixed = batcher(max_batch_tokens=4_096, chunk_tokens=0)
     fixed._observe_rate(100, 1.0)
-    assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0) and not fixed._chunked(24_000)
+    assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0) and not fixed.view().chunked(24_000)
     assert step_gauge(fixed, "max_batch_tokens") == 4_096
 
 

@@ -3,8 +3,9 @@ dispatch and asks the policy here; ``ServiceConfig.admission`` picks the policy 
 
 The seam: an ``AdmissionPolicy`` reads a ``Snapshot`` of the queues and the lanes, taken by the batcher at the
 moment of the question, and answers ``Admit`` (with the answer time it promises, and a queued long prompt to
-give up to make room), a ``Refusal`` (its reason, the expected wait, the budget, Retry-After) or, between device
-steps, the ``Eviction``s of queued long prompts that will be answered too late. The promise is kept by the
+give up to make room), a ``Refusal`` (its reason, one of the wire's REASONS; the expected wait, the budget,
+Retry-After) or, between device steps, the ``Eviction``s of queued long prompts (entries of the snapshot's
+``long``) that will be answered too late. The promise is kept by the
 scheduler's cut: a batch stops growing where it would end past a promise in it (pyx/scheduler.pyx, ``take``).
 
 The shipped policy, admission by cost (``CostPolicy``):
@@ -67,6 +68,8 @@ _MAX_WEIGHT = 0.5
 # waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
 # counted between two steps.
 EVICT_SLACK = 0.25
+# Why a request is refused, as the 429's body and the refusal counter name it.
+REASONS = ("queued_work", "queue_full", "evicted")
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
@@ -153,6 +156,10 @@ class Refusal:
     retry_after_s: int
     wait_s: float          # expected wait had it been admitted (or kept)
     budget_s: float
+
+    def __post_init__(self):
+        if self.reason not in REASONS:
+            raise ValueError(f"reason must be one of {', '.join(REASONS)}, got {self.reason!r}")
 
 
 def retry_after(wait_s: float, budget_s: float, cap_s: float) -> int:

@@ -4,6 +4,7 @@ counted before a request, evictions and Retry-After, against hand-worked numbers
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 
 from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (BodySizer, Budgets, RateMeter, RecentShare, Refusal,
+from clefcore.server.admission import (Admit, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
                                       retry_after, size_class)
 from clefcore.server.batcher import Batcher, QueueFull
 from clefcore.server.device_watch import DeviceWatch
@@ -83,6 +84,12 @@ def test_recent_share_follows_what_held_and_decays_when_it_stops():
     share.step(t + 1.0, 0.5)                 # half of the last second
     assert 0.0 < share.share(t + 1.0) < 0.5
     assert share.share(t + 11.0) < share.share(t + 1.0) * 0.01   # no step since: decays
+
+
+def test_a_refusal_names_one_of_the_reasons_the_wire_knows():
+    assert Refusal("queue_full", 1, 0.0, 0.0).reason == "queue_full"
+    with pytest.raises(ValueError, match="reason must be one of queued_work, queue_full, evicted, got 'busy'"):
+        Refusal("busy", 1, 0.0, 0.0)
 
 
 def test_retry_after_and_size_classes():
@@ -293,6 +300,43 @@ def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
     assert not small.payload[1].done() and b.queued == 2
     task.cancel()
     loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+    loop.close()
+
+
+class AdmitAll:
+    """A policy that admits everything, with no promise and no eviction, even into a full queue."""
+
+    def __init__(self, budgets: Budgets):
+        self.budgets = budgets
+
+    def decide(self, tokens, view, held=0.0):
+        return Admit(math.inf)
+
+    def unread(self, estimates, view, held):
+        return None
+
+    def late(self, view):
+        return []
+
+
+def test_a_policy_that_admits_into_a_full_queue_gets_its_request_refused_as_queue_full():
+    loop = asyncio.new_event_loop()
+    b = batcher(max_queue=1, policy=AdmitAll)
+    assert isinstance(b.policy, AdmitAll) and b.policy.budgets == Budgets(1.0, 10.0, 10_000)
+    now = time.monotonic()
+
+    async def submit_two():
+        first = asyncio.ensure_future(b.submit(Prepared(num_tokens=100), now + 60))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as full:
+            await b.submit(Prepared(num_tokens=100), now + 60)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        return full.value.refusal
+
+    refusal = loop.run_until_complete(submit_two())
+    assert refusal.reason == "queue_full" and refusal.budget_s == math.inf
+    assert refused(b, "queue_full") == 1
     loop.close()
 
 

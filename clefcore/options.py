@@ -167,6 +167,9 @@ class ServiceConfig:
             raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
         if self.kernels:
             switches.parse(self.kernels)
+        if self.admission is not None and not callable(self.admission):
+            raise ValueError(f"admission must be a callable that builds the admission policy from the budgets, "
+                             f"or None, got {self.admission!r}")
         for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES),
                               ("on_overflow", ON_OVERFLOW)):
             if getattr(self, name) not in allowed:

@@ -238,6 +238,8 @@ def test_an_admission_policy_of_our_own_is_the_one_asked(engine):
             await service.stop()
         return answer
 
+    with pytest.raises(ValueError, match="admission must be a callable .* got 'cost'"):
+        ServiceConfig(model=str(MODEL), admission="cost")
     status, retry_after, body = asyncio.run(main())
     assert status == 429 and retry_after == "7", body
     assert body["error"]["reason"] == "queued_work" and body["error"]["expected_wait_s"] == 12.5

@@ -95,8 +95,9 @@ class EngineOptions:
     token_block: int | None = None                 # >= 0
     graph_tokens: int | None = None                # >= 0
     kernels: str | None = None                     # kernel switches (clefcore/switches.py); None: the environment
+    ptx70: bool | None = None                      # True: the kernels' compute_70 PTX (the Volta code)
 
-    GPU: ClassVar[tuple[str, ...]] = ("precision", "gemm", "token_block", "graph_tokens", "kernels")
+    GPU: ClassVar[tuple[str, ...]] = ("precision", "gemm", "token_block", "graph_tokens", "kernels", "ptx70")
 
     def __post_init__(self) -> None:
         if not self.context_length > 0:
@@ -159,6 +160,11 @@ class EngineOptions:
                 type=_kernels, metavar="NAME[=on|off],...",
                 help="GPU kernel switches (default: each switch's environment variable, else its default): "
                      + switches.describe().replace("%", "%%"))),
+            "ptx70": (("--ptx70",), dict(
+                action="store_const", const=True,
+                help="GPU: run the kernels' compute_70 PTX (the V100's code, compiled by the driver) instead of "
+                     "code built for this GPU, to run the Volta path on a newer one (the PTX is built by "
+                     "clefcore.backends.cuda.compile.ptx70_path)")),
         }
         for f in fields(self):
             if f.name in wanted:

@@ -41,6 +41,7 @@ def test_an_unknown_kernel_switch_is_refused():
 def test_gpu_holds_only_the_gpu_options_given():
     assert EngineOptions(context_length=10, images=False).gpu() == {}
     assert EngineOptions(gemm="wmma", token_block=0).gpu() == {"gemm": "wmma", "token_block": 0}
+    assert EngineOptions(ptx70=True).gpu() == {"ptx70": True}
 
 
 def test_it_crosses_a_pipe_as_it_is():
@@ -54,9 +55,9 @@ def test_commands_that_answer_build_it_from_their_flags(command, default):
     assert EngineOptions.from_args(parse(command)) == EngineOptions(context_length=default)
     flags = ["--context-length", "900", "--validation", "reference", "--confidence", "reference", "--regex",
              "qwen35", "--no-images", "--precision", "exact", "--gemm", "cublas", "--token-block", "64",
-             "--graph-tokens", "0", "--kernels", "gdn_one_pass"]
+             "--graph-tokens", "0", "--kernels", "gdn_one_pass", "--ptx70"]
     assert EngineOptions.from_args(parse(command, *flags)) == EngineOptions(
-        900, "reference", "reference", "qwen35", False, "exact", "cublas", 64, 0, "gdn_one_pass")
+        900, "reference", "reference", "qwen35", False, "exact", "cublas", 64, 0, "gdn_one_pass", True)
     # --max-length is --context-length's other name, not a second option
     assert EngineOptions.from_args(parse(command, "--max-length", "33")).context_length == 33
 

@@ -7,8 +7,9 @@
 """
 
 from .engine import Engine, Prepared, load
+from .options import EngineOptions
 from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, RequestError
 
 __version__ = "0.2.0"
-__all__ = ["load", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError", "CheckpointError",
+__all__ = ["load", "EngineOptions", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError", "CheckpointError",
            "DeviceError", "__version__"]

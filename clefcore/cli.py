@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 from . import answers
-from .engine import DEFAULT_MAX_LENGTH, load
+from .engine import load
 from .errors import ClefError, RequestError
 from .example_request import support_ticket
 from .jsonvalue import parse_body
-from .options import HelpFormatter, backend_options, gpu_options, image_options, model_options, serve_options
+from .options import EngineOptions, HelpFormatter, model_options, serve_options
 from .progress import terminal_bar
 
 EXIT_REJECTED = 2
@@ -25,23 +25,13 @@ def _print(obj) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
 
-def _engine_options(p: argparse.ArgumentParser, max_length: int = DEFAULT_MAX_LENGTH) -> None:
+def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--max-length", type=int, default=max_length, help="prompt token limit; the state is cut to fit")
-    p.add_argument("--confidence", choices=answers.CONFIDENCE_MODES, default="cloudflare",
-                   help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
-    p.add_argument("--validation", choices=("cloudflare", "reference"), default="cloudflare",
-                   help="request rules: Cloudflare's limits, or the reference code's lenient ones")
-    p.add_argument("--regex", choices=("qwen2", "qwen35"), default=None,
-                   help="force the tokenizer's split regex (default: the one in tokenizer.json)")
-    image_options(p)
-    gpu_options(p)
+    EngineOptions().add_flags(p)
 
 
 def _load(args, model: str):
-    return load(model, device=args.device, max_length=args.max_length, confidence=args.confidence,
-                validation=args.validation, regex=args.regex, progress=terminal_bar(), images=not args.no_images,
-                revision=args.revision, **backend_options(args))
+    return load(model, args.device, EngineOptions.from_args(args), progress=terminal_bar(), revision=args.revision)
 
 
 def cmd_decide(args) -> int:

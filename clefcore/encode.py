@@ -1,9 +1,9 @@
 """Request → token ids and spans, exactly as the reference ``encode_record`` (clef-head.md §3).
 
 Every piece is tokenized on its own (token boundaries are forced at piece boundaries), the schema is
-built first, and only the state is cut to fit ``max_length``. A request with images gets one
+built first, and only the state is cut to fit ``context_length``. A request with images gets one
 ``<|vision_start|>`` + pads + ``<|vision_end|>`` block per image and a ``\n`` right after ``STATE:\n`` (clef-head.md
-§3.8, clef-images.md §7); those tokens count toward ``max_length`` and the positions become M-RoPE's [3, L].
+§3.8, clef-images.md §7); those tokens count toward ``context_length`` and the positions become M-RoPE's [3, L].
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ class Encoder:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def encode(self, request: dict, max_length: int, images: tuple = ()) -> EncodedRecord:
+    def encode(self, request: dict, context_length: int, images: tuple = ()) -> EncodedRecord:
         """Encode a request normalised by ``validate_request``; raises ``ContextLengthError`` when the
-        prompt without its state is longer than ``max_length``. ``images``: the request's preprocessed images
+        prompt without its state is longer than ``context_length``. ``images``: the request's preprocessed images
         (``clefcore.preprocess.Pixels``, request order); their placeholders go before the state."""
         tok = self.tokenizer
         plans = []   # per question: (id, type, option ids)
@@ -137,11 +137,11 @@ class Encoder:
         prefix = prefix + media            # the media sit between STATE:\n and the state, counted as fixed
         suffix = tok.encode_constant(SUFFIX)
         fixed = len(prefix) + len(schema) + len(suffix)
-        if fixed > max_length:
-            raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {max_length}",
-                                     required=fixed, maximum=max_length)
+        if fixed > context_length:
+            raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {context_length}",
+                                     required=fixed, maximum=context_length)
         state = tok.encode_pieces([render(request["state"])])[0]
-        kept = state[:max_length - fixed]  # keeps the head; may cut inside a multi-token character
+        kept = state[:context_length - fixed]  # keeps the head; may cut inside a multi-token character
         offset = len(prefix) + len(kept)
 
         def shift(span: tuple[int, int]) -> tuple[int, int]:

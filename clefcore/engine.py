@@ -24,11 +24,10 @@ from .model.backbone import backbone
 from .model.head import head_rows, heads, heads_from
 from .model.params import load_params
 from .model.prefill import ChunkedPrefill
+from .options import EngineOptions
 from .preparer import NO_IMAGES, Prepared, Preparer
 
 log = logging.getLogger("clefcore")
-
-DEFAULT_MAX_LENGTH = 16384  # the reference's default prompt limit
 
 @dataclass(frozen=True)
 class EngineStatus:
@@ -42,11 +41,13 @@ class EngineStatus:
     memory_in_use: int             # device bytes (0 on the CPU)
 
 
-def backend_for(device: str, **options) -> Backend:
-    """``"cpu"`` -> a CpuOps (numpy); ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N."""
+def backend_for(device: str, options: EngineOptions) -> Backend:
+    """``"cpu"`` -> a CpuOps (numpy); ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N, with the GPU options
+    given."""
+    gpu = options.gpu()
     if device == "cpu":
-        if options:
-            raise ClefError(f"{', '.join(sorted(options))}: GPU-only options (device is 'cpu')")
+        if gpu:
+            raise ClefError(f"{', '.join(sorted(gpu))}: GPU-only options (device is 'cpu')")
         from .backends.cpu import CpuOps
         return CpuOps()
     if device == "cuda" or device.startswith("cuda:"):
@@ -55,34 +56,29 @@ def backend_for(device: str, **options) -> Backend:
         except ValueError:
             raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
         from .backends.cuda import CudaOps
-        return CudaOps(index, **options)
+        return CudaOps(index, **gpu)
     raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N")
 
 
 class Engine:
-    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH,
-                 confidence: str = "cloudflare", validation: str = "cloudflare", regex: str | None = None,
-                 progress=None, images: bool = True, revision: str | None = None, **backend_options):
-        if confidence not in answers.CONFIDENCE_MODES:
-            raise ClefError(f"confidence {confidence!r}: expected one of {', '.join(answers.CONFIDENCE_MODES)}")
-        if validation not in ("cloudflare", "reference"):
-            raise ClefError(f"validation {validation!r}: expected cloudflare or reference")
-        if max_length < 1:
-            raise ClefError(f"max_length {max_length} must be positive")
+    def __init__(self, path: str | Path, device: str = "cpu", options: EngineOptions = EngineOptions(),
+                 progress=None, revision: str | None = None):
         self.checkpoint = Checkpoint(path, revision)
         self.model_name = self.checkpoint.name
         self.device = device
-        self.confidence = confidence
-        self.ops = backend_for(device, **backend_options)
+        self.options = options
+        self.confidence = options.confidence
+        self.ops = backend_for(device, options)
         # "fast" / "exact" on a GPU (clefcore/precision.py); the numpy path is fp32 throughout
         self.mode = self.ops.mode
         self.fallbacks = 0       # batches answered again on the range-safe exact path after a guard tripped
         self.params = load_params(self.checkpoint, self.ops, progress=progress)
-        if images:
+        if options.images:
             self.vision, self.images_refused = vision.attach(self.checkpoint, self.ops, self.params, progress)
         else:   # a text-only deployment leaves model.visual.* on disk (0.9 GB of GPU memory on the 9B)
             self.vision, self.images_refused = None, NO_IMAGES
-        self.host = Preparer(self.checkpoint, max_length, validation, self.images_refused, regex)
+        self.host = Preparer(self.checkpoint, options.context_length, options.validation, self.images_refused,
+                             options.regex)
         summary = self.ops.fp16_summary()
         if summary:
             log.warning("%s", summary)
@@ -130,11 +126,11 @@ class Engine:
     def reserve(self, batch_tokens: int, batch_requests: int, chunk_tokens: int = 0) -> int:
         """Reserve at once the device memory of the largest work a server with these limits gives this engine
         (Backend.reserve): a packed batch of ``batch_tokens`` over ``batch_requests`` prompts, a prompt of the
-        longest length that runs whole, both while a prompt of ``max_length`` tokens is carried chunked (in
+        longest length that runs whole, both while a prompt of ``context_length`` tokens is carried chunked (in
         chunks of ``chunk_tokens``; 0: never chunked), and the batch again on the range-safe path that a guard
         trip re-runs it on. Text only: the vision tower's activations are not included. Returns the bytes
         reserved (0 on the CPU); DeviceError, naming the limits, when they do not fit."""
-        longest = self.host.max_length
+        longest = self.host.context_length
         whole = min(longest, chunk_tokens) if 0 < chunk_tokens < longest else longest
         base = self.prepare(support_ticket())
         per = max(batch_tokens // batch_requests, base.num_tokens)
@@ -274,10 +270,15 @@ def packed_positions(records: list[EncodedRecord]) -> np.ndarray:
                            for r in records], axis=1).astype(np.int64)
 
 
-def load(path: str | Path, device: str = "cpu", **options) -> Engine:
+def load(path: str | Path, device: str = "cpu", options: EngineOptions | None = None, *, progress=None,
+         revision: str | None = None, max_length: int | None = None, **fields) -> Engine:
     """Load a checkpoint onto ``device`` ("cpu", "cuda", "cuda:N"): a directory in the release layout, or a Hub id
-    (``Cloudflare/clef-flash``) found in the Hugging Face cache at ``revision=`` (default: the cache's main ref)."""
-    return Engine(path, device=device, **options)
+    (``Cloudflare/clef-flash``) found in the Hugging Face cache at ``revision=`` (default: the cache's main ref).
+    ``options``: an EngineOptions (default: its defaults); keyword arguments named as its fields
+    (``precision="exact"``) replace those fields. ``max_length`` is ``context_length``'s other name."""
+    if max_length is not None:
+        fields["context_length"] = max_length
+    return Engine(path, device, replace(options or EngineOptions(), **fields), progress, revision)
 
 
 class ChunkedRun:

@@ -53,7 +53,7 @@ class RequestError(ClefError):
 
 
 class ContextLengthError(RequestError):
-    """The fixed part of the prompt (everything but the state) does not fit ``max_length``."""
+    """The fixed part of the prompt (everything but the state) does not fit ``context_length``."""
 
     type = "exceed_context_size_error"
 

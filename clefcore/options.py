@@ -1,20 +1,21 @@
 """Command-line options and the configuration they build.
 
-Engine options shared by every command that loads an engine (``clefcore decide``/``demo``, ``verify`` and
-``serve`` add them to their parsers; ``backend_options`` turns the parsed values into ``load``'s keyword
-arguments), and ``clefcore serve``'s own flags with ``ServiceConfig``, the configuration of the server's
-``Service`` (clefcore.server.service) that an embedding program builds from keyword arguments instead. Both the
-CLI and the server import this module; it imports neither (the server is above it, see setup.cfg)."""
+``EngineOptions``, the options of every command and program that loads an engine (``clefcore decide``/``demo``,
+``serve``, ``verify`` and ``bench`` add its flags to their parsers and build it from the parsed values;
+``clefcore.load`` takes it), and ``clefcore serve``'s own flags with ``ServiceConfig``, the configuration of the
+server's ``Service`` (clefcore.server.service) that an embedding program builds from keyword arguments instead.
+Both the CLI and the server import this module; it imports neither (the server is above it, see setup.cfg)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
-from . import precision, switches
+from . import gpu_settings, precision, switches
 from .answers import CONFIDENCE_MODES
+from .tokenize import SPLIT_REGEX
 
 VALIDATIONS = ("cloudflare", "reference")
 ON_OVERFLOW = ("truncate", "reject")
@@ -37,7 +38,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:   # argparse asks only for non-empty help
         text = action.help
         if ("default" in text or not action.option_strings or action.required or action.default is None
-                or action.default is False or action.default == argparse.SUPPRESS):
+                or action.nargs == 0 or action.default == argparse.SUPPRESS):
             return text
         return text + " (default: %(default)s)"
 
@@ -69,32 +70,112 @@ def device_list(text: str) -> tuple[str, ...]:
     return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
-def image_options(p: argparse.ArgumentParser) -> None:
-    """--no-images, shared by every command that loads a model (decide, demo, serve, verify)."""
-    p.add_argument("--no-images", action="store_true",
-                   help="text only: leave the vision tower (model.visual.*) unloaded, about 0.9 GB of GPU memory "
-                        "on Clef-flash; requests with images are then refused (422, field images)")
+DEFAULT_CONTEXT_LENGTH = 16384   # the reference's prompt limit: load()'s, decide's and demo's default
+SERVE_CONTEXT_LENGTH = 24576     # what Cloudflare serves: clefcore serve's default
+REGEXES = tuple(SPLIT_REGEX)
 
 
-def gpu_options(p: argparse.ArgumentParser) -> None:
-    """CudaOps options shared by every command that loads an engine (left out on the CPU unless given)."""
-    p.add_argument("--precision", choices=precision.CHOICES, default=None,
-                   help="GPU precision: fast (default; each activation rounded once to fp16, fp32 accumulation; a "
-                        "batch whose per-layer guard trips runs again exactly, counted in /metrics) or exact "
-                        "(fp32-grade products: split, or split8 where fp8 tensor cores exist). The kernel paths "
-                        "fp16, split and split8 may be named directly")
-    p.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default=None,
-                   help="GPU GEMM kernels: auto (default; a short per-shape timing at load picks the faster, "
-                        "logged), or always clefcore's wmma kernels or always cuBLAS (to rule one out)")
-    p.add_argument("--token-block", type=int, default=None,
-                   help="GPU prefill block in tokens (default 4096; smaller = less memory, 0 = whole prompt)")
-    p.add_argument("--graph-tokens", type=int, default=None,
-                   help="GPU: prompts of up to this many tokens, and the vision tower (fast mode) over images of up "
-                        "to this many image tokens, replay a CUDA graph (default 1024; 0 = off); each cached graph "
-                        "holds its own activations (at most 4 graphs)")
-    p.add_argument("--kernels", type=_kernels, default=None, metavar="NAME[=on|off],...",
-                   help="GPU kernel switches (default: each switch's environment variable, else its default): "
-                        + switches.describe().replace("%", "%%"))
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an engine is loaded, whatever command or program loads it: ``clefcore.load(path, device, options)``,
+    decide, demo, serve (``ServiceConfig.engine``, sent to the device process as it is), and the GPU part for
+    verify and bench. A new engine option is a field here, with its default, its check in ``__post_init__`` and
+    its flag in ``add_flags``. A value out of range raises ValueError naming the field and the limit.
+
+    The GPU fields are None unless given: the CUDA backend's defaults apply (clefcore/gpu_settings.py,
+    clefcore/precision.py), and on the CPU a given one is refused rather than ignored (``engine.backend_for``)."""
+
+    context_length: int = DEFAULT_CONTEXT_LENGTH   # prompt tokens at most; a longer state is cut to fit
+    validation: str = "cloudflare"                 # VALIDATIONS: the request rules
+    confidence: str = "cloudflare"                 # CONFIDENCE_MODES: the confidence formula
+    regex: str | None = None                       # REGEXES: force the tokenizer's split regex; None: the file's
+    images: bool = True                            # False: the vision tower is left unloaded, images refused
+    precision: str | None = None                   # precision.CHOICES
+    gemm: str | None = None                        # gpu_settings.GEMM_CHOICES
+    token_block: int | None = None                 # >= 0
+    graph_tokens: int | None = None                # >= 0
+    kernels: str | None = None                     # kernel switches (clefcore/switches.py); None: the environment
+    ptx70: bool | None = None                      # True: the kernels' compute_70 PTX (the Volta code)
+
+    GPU: ClassVar[tuple[str, ...]] = ("precision", "gemm", "token_block", "graph_tokens", "kernels", "ptx70")
+
+    def __post_init__(self) -> None:
+        if not self.context_length > 0:
+            raise ValueError(f"context_length must be > 0, got {self.context_length}")
+        for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name, allowed in (("regex", REGEXES), ("precision", precision.CHOICES),
+                              ("gemm", gpu_settings.GEMM_CHOICES)):
+            if getattr(self, name) not in (None, *allowed):
+                raise ValueError(f"{name} must be one of {', '.join(allowed)} or None, got {getattr(self, name)!r}")
+        for name in ("token_block", "graph_tokens"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
+        if self.kernels:
+            switches.parse(self.kernels)
+
+    def gpu(self) -> dict:
+        """The GPU options given (not None), as ``CudaOps``' keyword arguments."""
+        return {name: getattr(self, name) for name in self.GPU if getattr(self, name) is not None}
+
+    def add_flags(self, parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+        """The flags of the fields ``names`` (default: all), with this instance's values as their defaults."""
+        wanted = set(names or (f.name for f in fields(self)))
+        flags = {
+            "context_length": (("--context-length", "--max-length"), dict(
+                type=_positive(int), help="maximum prompt tokens; a longer state is cut to fit, or refused with "
+                                          "serve's --on-overflow reject (--max-length is the same flag)")),
+            "validation": (("--validation",), dict(
+                choices=VALIDATIONS, help="request rules: Cloudflare's limits, or the reference code's lenient ones")),
+            "confidence": (("--confidence",), dict(
+                choices=CONFIDENCE_MODES,
+                help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")),
+            "regex": (("--regex",), dict(
+                choices=REGEXES, help="force the tokenizer's split regex (default: the one in tokenizer.json)")),
+            "images": (("--no-images",), dict(
+                action="store_false",
+                help="text only: leave the vision tower (model.visual.*) unloaded, about 0.9 GB of GPU memory on "
+                     "Clef-flash; requests with images are then refused (422, field images)")),
+            "precision": (("--precision",), dict(
+                choices=precision.CHOICES,
+                help=f"GPU precision: fast (default; each activation rounded once to fp16, fp32 accumulation; a "
+                     f"batch whose per-layer guard trips runs again exactly, counted in /metrics) or exact "
+                     f"(fp32-grade products: split, or split8 where fp8 tensor cores exist). The kernel paths "
+                     f"{', '.join(precision.KERNEL_PATHS)} may be named directly")),
+            "gemm": (("--gemm",), dict(
+                choices=gpu_settings.GEMM_CHOICES,
+                help="GPU GEMM kernels: auto (default; a short per-shape timing at load picks the faster, "
+                     "logged), or always clefcore's wmma kernels or always cuBLAS (to rule one out)")),
+            "token_block": (("--token-block",), dict(
+                type=_non_negative(int),
+                help=f"GPU prefill block in tokens (default {gpu_settings.TOKEN_BLOCK}; smaller = less memory, "
+                     f"0 = whole prompt)")),
+            "graph_tokens": (("--graph-tokens",), dict(
+                type=_non_negative(int),
+                help=f"GPU: prompts of up to this many tokens, and the vision tower (fast mode) over images of up "
+                     f"to this many image tokens, replay a CUDA graph (default {gpu_settings.GRAPH_TOKENS}; "
+                     f"0 = off); each cached graph holds its own activations (at most 4 graphs)")),
+            "kernels": (("--kernels",), dict(
+                type=_kernels, metavar="NAME[=on|off],...",
+                help="GPU kernel switches (default: each switch's environment variable, else its default): "
+                     + switches.describe().replace("%", "%%"))),
+            "ptx70": (("--ptx70",), dict(
+                action="store_const", const=True,
+                help="GPU: run the kernels' compute_70 PTX (the V100's code, compiled by the driver) instead of "
+                     "code built for this GPU, to run the Volta path on a newer one (the PTX is built by "
+                     "clefcore.backends.cuda.compile.ptx70_path)")),
+        }
+        for f in fields(self):
+            if f.name in wanted:
+                strings, kw = flags[f.name]
+                parser.add_argument(*strings, dest=f.name, default=getattr(self, f.name), **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
+        """The options in parsed flags; a field whose flag the command does not have keeps its default."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
 
 def _kernels(text: str) -> str:
@@ -105,33 +186,20 @@ def _kernels(text: str) -> str:
     return text
 
 
-def backend_options(args) -> dict:
-    pairs = (("precision", args.precision), ("gemm", args.gemm), ("token_block", args.token_block),
-             ("graph_tokens", args.graph_tokens), ("kernels", args.kernels))
-    return {k: v for k, v in pairs if v is not None}
-
-
 # --- clefcore serve --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ServiceConfig:
     """How the server's Service loads and schedules the model. Each field but ``admission`` is the ``clefcore
-    serve`` flag of the same name (``--context-length``: ``context_length``), and its default is the flag's. A
-    value out of range raises ValueError naming the field and the limit, as the flag's parser would refuse it."""
+    serve`` flag of the same name (``--max-queue``: ``max_queue``), and its default is the flag's; ``engine``
+    holds the engine's flags (``--context-length``: ``engine.context_length``). A value out of range raises
+    ValueError naming the field and the limit, as the flag's parser would refuse it."""
 
     model: str                              # a checkpoint directory, or a Hub id in the Hugging Face cache
     revision: str | None = None             # a Hub id's branch, tag or commit; None: the cache's main ref
     device: str = "cpu"                     # cpu, cuda:N, or several, comma-separated: one device process each
-    context_length: int = 24576
-    validation: str = "cloudflare"
-    confidence: str = "cloudflare"
-    on_overflow: str = "truncate"
-    no_images: bool = False
-    precision: str | None = None            # the GPU options (gpu_options); None: the backend's default
-    gemm: str | None = None
-    token_block: int | None = None
-    graph_tokens: int | None = None
-    kernels: str | None = None              # GPU kernel switches (clefcore/switches.py); None: environment
+    engine: EngineOptions = EngineOptions(context_length=SERVE_CONTEXT_LENGTH)   # the engine's flags
+    on_overflow: str = "truncate"           # ON_OVERFLOW: an over-long state is cut, or the request refused
     max_batch_tokens: int | None = None     # None: auto (step_budget at the measured rate)
     max_batch_requests: int = 32
     max_queue: int = 256
@@ -151,7 +219,7 @@ class ServiceConfig:
     admission: Any = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
-        for name in ("context_length", "max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
+        for name in ("max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
                      "step_budget", "stall_timeout", "device_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -165,20 +233,18 @@ class ServiceConfig:
             raise ValueError(f"chunk_tokens must be >= 0 or None (auto), got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
             raise ValueError(f"age_rate must be > 0 tokens/s, inf or None, got {self.age_rate}")
-        if self.kernels:
-            switches.parse(self.kernels)
         if self.admission is not None and not callable(self.admission):
             raise ValueError(f"admission must be a callable that builds the admission policy from the budgets, "
                              f"or None, got {self.admission!r}")
-        for name, allowed in (("validation", VALIDATIONS), ("confidence", CONFIDENCE_MODES),
-                              ("on_overflow", ON_OVERFLOW)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.on_overflow not in ON_OVERFLOW:
+            raise ValueError(f"on_overflow must be one of {', '.join(ON_OVERFLOW)}, got {self.on_overflow!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServiceConfig":
         """The config in ``clefcore serve``'s parsed flags (the rest of them are the HTTP server's)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("flag", True)})
+        return cls(engine=EngineOptions.from_args(args),
+                   **{f.name: getattr(args, f.name) for f in fields(cls)
+                      if f.name != "engine" and f.metadata.get("flag", True)})
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -265,18 +331,11 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "that share nothing)")
     # not flags: the workers' supervisor sets them for each worker it starts (server/workers.py)
     parser.set_defaults(reuse_port=False, first_lane=d.first_lane)
-    image_options(parser)
-    gpu_options(parser)
+    d.engine.add_flags(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="listen address; 0.0.0.0 in a container")
     parser.add_argument("--port", type=int, default=8080,
                         help="listen port; 0 picks a free one and logs it")
-    parser.add_argument("--validation", default=d.validation, choices=VALIDATIONS,
-                        help="request rules: Cloudflare's limits, or the reference code's lenient ones")
-    parser.add_argument("--confidence", default=d.confidence, choices=CONFIDENCE_MODES,
-                        help="confidence formula: cloudflare (Gini form, as hosted Clef) or another client's")
-    parser.add_argument("--context-length", type=_positive(int), default=d.context_length,
-                        help="maximum prompt tokens")
     parser.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
                         help="over-long state: cut its tail like the reference, or answer 400")
     parser.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,

@@ -30,11 +30,11 @@ class Prepared:
 
 
 class Preparer:
-    def __init__(self, checkpoint: Checkpoint, max_length: int, validation: str, images_refused: str | None,
+    def __init__(self, checkpoint: Checkpoint, context_length: int, validation: str, images_refused: str | None,
                  regex: str | None = None):
         """``images_refused``: None when the loaded model answers images, else the message an image request
         gets (only a load can tell: an incomplete tower is found while reading it)."""
-        self.max_length = max_length
+        self.context_length = context_length
         self.validation = validation
         self.images_refused = images_refused
         self.encoder = Encoder(Tokenizer(checkpoint.tokenizer_path, regex=regex))
@@ -47,12 +47,12 @@ class Preparer:
             if self.images_refused is not None:
                 raise RequestError(self.images_refused, field="images")
             pixels = request_pixels(request)       # on the host, before any device work
-        record = self.encoder.encode(request, self.max_length, pixels)
+        record = self.encoder.encode(request, self.context_length, pixels)
         if on_overflow == "reject" and record.state_truncated:
             need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
                 + record.state_tokens_before_truncation
             raise ContextLengthError(f"prompt needs {need} tokens (state {record.state_tokens_before_truncation}); "
-                                     f"maximum is {self.max_length}", required=need, maximum=self.max_length)
+                                     f"maximum is {self.context_length}", required=need, maximum=self.context_length)
         return Prepared(request, record)
 
 

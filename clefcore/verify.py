@@ -18,7 +18,7 @@ import numpy as np
 from . import precision
 from .checkpoint import to_float32
 from .example_request import support_ticket
-from .options import HelpFormatter, image_options, model_options
+from .options import EngineOptions, HelpFormatter, model_options
 from .progress import terminal_bar
 
 # the image of the second request: resized to 320x224 (a real resize), a 7x10 grid of merged tokens (not square)
@@ -34,17 +34,13 @@ def image_request() -> dict:
 def add_arguments(parser):
     model_options(parser)
     parser.add_argument("--device", default="cuda:0", help="the GPU, cuda or cuda:N")
-    image_options(parser)
+    # the images switch and the GPU options, to check what the deployment serves with
+    EngineOptions().add_flags(parser, ("images",) + EngineOptions.GPU)
     parser.add_argument("--layer-tol", type=float, default=None,
                         help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, 2e-3 exact, 3e-2 fast)")
     parser.add_argument("--prob-tol", type=float, default=None,
                         help="max probability difference (default: the precision mode's contract, 2e-3 exact, "
                              "1e-2 fast)")
-    parser.add_argument("--precision", choices=precision.CHOICES, default=precision.DEFAULT,
-                        help="the GPU precision to check (the one the deployment serves with)")
-    parser.add_argument("--gemm", choices=("auto", "wmma", "cublas"), default="auto",
-                        help="GEMM kernels to check: auto (as served), or only clefcore's wmma kernels (the path a "
-                             "V100 takes where cuBLAS is slower) or only cuBLAS")
 
 
 def _softmax(z):
@@ -175,10 +171,11 @@ def run(args) -> int:
     from .model.params import load_params
     ck = Checkpoint(args.model, args.revision)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    gpu = CudaOps(dev, precision=args.precision, gemm=args.gemm)
+    options = EngineOptions.from_args(args)
+    gpu = CudaOps(dev, **options.gpu())
     bar = terminal_bar(f"loading onto {gpu.device_name}")
     p_gpu = load_params(ck, gpu, progress=bar)
-    vp, why = (None, "--no-images") if args.no_images else vision.attach(ck, gpu, p_gpu, progress=bar)
+    vp, why = (None, "--no-images") if not options.images else vision.attach(ck, gpu, p_gpu, progress=bar)
     if vp is None:
         print(f"request with an image: not run ({why})")
     if gpu.fp16_summary():

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 from clefcore.engine import Engine, EngineStatus, padded
 from clefcore.example_request import support_ticket
 from clefcore.errors import DeviceError
+from clefcore.options import EngineOptions
 from clefcore.preparer import Prepared
 
 from .testhooks import TestHooks
@@ -68,10 +69,12 @@ class DeviceProcess:
         self.on_lost: Callable[[str], None] | None = None
 
     # --- the calls --------------------------------------------------------------------------------------
-    async def load(self, options: dict, reserve: dict) -> EngineStatus:
-        """``clefcore.load(**options)`` in the device process, then ``Engine.reserve(**reserve)``: the device
-        memory of the largest batch and chunked prompt, held from now on."""
-        await self._call("load", options, reserve)
+    async def load(self, path: str, revision: str | None, device: str, options: EngineOptions,
+                   reserve: dict) -> EngineStatus:
+        """``clefcore.load(path, device, options, revision=revision)`` in the device process, then
+        ``Engine.reserve(**reserve)``: the device memory of the largest batch and chunked prompt, held from now
+        on."""
+        await self._call("load", path, revision, device, options, reserve)
         return self.status
 
     async def self_check(self) -> None:
@@ -200,9 +203,9 @@ class _Device:
         self.run = None     # the chunked prompt's clefcore.engine.ChunkedRun
         self.broken = False  # the sticky test fault has struck: every call fails
 
-    def load(self, options: dict, reserve: dict) -> None:
+    def load(self, path: str, revision: str | None, device: str, options: EngineOptions, reserve: dict) -> None:
         import clefcore
-        self.engine = clefcore.load(**options)
+        self.engine = clefcore.load(path, device, options, revision=revision)
         self.engine.reserve(**reserve)
 
     def self_check(self) -> None:
@@ -213,7 +216,7 @@ class _Device:
         # Two prompts, not one: a single short prompt would replay (and first capture) a CUDA graph, which a
         # synthetic shape should not take a place among the cached ones for.
         base = self.engine.prepare(support_ticket())
-        half = padded(base, min(max(base.num_tokens, tokens // 2), self.engine.host.max_length))
+        half = padded(base, min(max(base.num_tokens, tokens // 2), self.engine.host.context_length))
         batch = [half, half]
         self._infer(batch)                  # the first run of a shape pays for its warm-up
         started = time.perf_counter()

@@ -278,7 +278,7 @@ def build_spec(config: ServiceConfig, api_key: str | None, paths: dict[str, dict
     """The document for a server with ``config`` whose routes are ``paths`` (path -> method -> operationId: the
     route table, server/routes.py), mounted under ``prefix`` ("" at the root; else it is the spec's server
     URL)."""
-    cloudflare = config.validation == "cloudflare"
+    cloudflare = config.engine.validation == "cloudflare"
     operations = _operations([{"bearer": []}, {"apiKey": []}] if api_key else [])
     spec = {
         "openapi": "3.1.0",
@@ -287,9 +287,9 @@ def build_spec(config: ServiceConfig, api_key: str | None, paths: dict[str, dict
         "paths": {path: {method: operations[operation] for method, operation in methods.items()}
                   for path, methods in paths.items()},
         "components": {
-            "schemas": {"SystemOneRequest": _request_schema(cloudflare, config.no_images),
+            "schemas": {"SystemOneRequest": _request_schema(cloudflare, not config.engine.images),
                         "Question": _question_schema(cloudflare),
-                        "CloudflareRequest": _cloudflare_request_schema(cloudflare, config.no_images),
+                        "CloudflareRequest": _cloudflare_request_schema(cloudflare, not config.engine.images),
                         "SystemOneResponse": _RESPONSE, "Error": _ERROR, "CloudflareEnvelope": _CF_ENVELOPE},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}},

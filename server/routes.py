@@ -245,9 +245,9 @@ async def _models(request: web.Request) -> web.Response:
         "description": "Cloudflare Clef-flash joint-schema decision model (System One), served by clefcore",
         "release_date": "2026-10-01",
         "device": engine.device,
-        "max_context_length": cfg.context_length,
-        "validation": cfg.validation,
-        "confidence": cfg.confidence,
+        "max_context_length": cfg.engine.context_length,
+        "validation": cfg.engine.validation,
+        "confidence": cfg.engine.confidence,
     }]})
 
 

@@ -38,7 +38,7 @@ from clefcore import hub
 from clefcore.checkpoint import Checkpoint
 from clefcore.engine import EngineStatus
 from clefcore.errors import ClefError
-from clefcore.options import ServiceConfig, backend_options
+from clefcore.options import ServiceConfig
 from clefcore.preparer import Preparer
 
 from . import admission, gpus
@@ -168,11 +168,9 @@ class Service:
             # A Hub id is pinned to the commit its ref names now: every device process and the preparer read the
             # same files, whatever a download does to the cache's refs meanwhile.
             where = await loop.run_in_executor(self.executor, hub.locate, cfg.model, cfg.revision)
-            engines = await asyncio.gather(*(device.load(dict(
-                path=cfg.model, revision=where.commit, device=loads_as, max_length=cfg.context_length,
-                confidence=cfg.confidence, validation=cfg.validation, images=not cfg.no_images,
-                **backend_options(cfg)), cfg.reserve_limits)
-                for device, loads_as in zip(self.devices, self._loads_as)))
+            engines = await asyncio.gather(*(device.load(cfg.model, where.commit, loads_as, cfg.engine,
+                                                         cfg.reserve_limits)
+                                             for device, loads_as in zip(self.devices, self._loads_as)))
             engine = engines[0]
             self.lifecycle.set(LOADING, "warming up, running the self-check and measuring the device's rate")
             await asyncio.gather(*(device.self_check() for device in self.devices))
@@ -183,7 +181,8 @@ class Service:
             measured = await asyncio.gather(*(device.measure(size) for device in self.devices))
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await loop.run_in_executor(self.executor, lambda: Preparer(
-                Checkpoint(cfg.model, where.commit), cfg.context_length, cfg.validation, engine.images_refused))
+                Checkpoint(cfg.model, where.commit), cfg.engine.context_length, cfg.engine.validation,
+                engine.images_refused, cfg.engine.regex))
         except Exception as error:
             self.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
             log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
@@ -193,7 +192,7 @@ class Service:
         self.preparer = preparer
         self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                               budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.context_length),
+                               budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.engine.context_length),
                                start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
                                policy=cfg.admission)

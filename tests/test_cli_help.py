@@ -38,13 +38,14 @@ def unstated(parser: argparse.ArgumentParser) -> list[str]:
     """The help entries of ``parser``'s options that do not state their default."""
     found, required = entries(parser)
     assert len(found) > 2, f"{parser.prog} lists no options (its module failed to import?): {found}"
+    actions = {s: a for a in parser._actions for s in a.option_strings}
     wrong = []
     for option, entry in found.items():
         if option == "-h" or option in required:
             continue
-        value = parser.get_default(option[2:].replace("-", "_"))
-        if value is False:                                  # a flag: off unless given
+        if actions[option].nargs == 0:                      # a flag (--no-images too): off unless given
             continue
+        value = actions[option].default
         if value is None:                                   # decided later, or off: the help says which
             stated = "default" in entry and "None" not in entry
         else:

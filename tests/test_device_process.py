@@ -18,6 +18,7 @@ import pytest
 import clefcore
 from clefcore.errors import ContextLengthError, DeviceError, GuardError, RequestError
 from clefcore.example_request import support_ticket
+from clefcore.options import EngineOptions
 from clefcore.server.device_process import DeviceProcess
 from clefcore.server.testhooks import TestHooks
 
@@ -54,7 +55,7 @@ def test_calls_are_answered_with_the_engine_status_and_chunks_add_up():
     async def main():
         device = DeviceProcess(NO_HOOKS)
         try:
-            status = await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            status = await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
             assert (status.model_name, status.device, status.mode) == (engine.model_name, "cpu", "fp32")
             assert status.images_refused == engine.images_refused and status.fallbacks == 0
             await device.self_check()
@@ -93,8 +94,8 @@ def test_a_failing_request_fails_alone_and_a_load_error_arrives_whole():
         device = DeviceProcess(hooks)
         try:
             with pytest.raises(clefcore.CheckpointError) as missing:
-                await device.load({"path": "/nonexistent/model", "device": "cpu"}, RESERVE)
-            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+                await device.load("/nonexistent/model", None, "cpu", EngineOptions(), RESERVE)
+            await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
             engine = clefcore.load(MODEL)
             good, bad = (engine.prepare(support_ticket(state=s)) for s in ("Fine.", "It went BOOM."))
             results, _ = await device.infer([good, bad, good])
@@ -117,7 +118,7 @@ def test_a_device_process_that_dies_fails_its_waiting_calls():
         device = DeviceProcess(hooks)
         device.on_lost = lost.append
         try:
-            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
             prepared = clefcore.load(MODEL).prepare(support_ticket())
             waiting = asyncio.ensure_future(device.infer([prepared]))
             await asyncio.sleep(0.5)
@@ -143,7 +144,7 @@ def test_the_sticky_hook_breaks_every_later_call_as_a_dead_cuda_context_would():
     async def main():
         device = DeviceProcess(hooks)
         try:
-            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
             engine = clefcore.load(MODEL)
             good, poison = (engine.prepare(support_ticket(state=s)) for s in ("Fine.", "Xid 13 on the card: XID"))
             before, _ = await device.infer([good])
@@ -172,7 +173,7 @@ def test_kill_fails_the_waiting_calls_with_its_reason_without_calling_on_lost():
         device = DeviceProcess(hooks)
         device.on_lost = lost.append
         try:
-            await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+            await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
             prepared = clefcore.load(MODEL).prepare(support_ticket())
             waiting = asyncio.ensure_future(device.infer([prepared]))
             await asyncio.sleep(0.5)
@@ -193,7 +194,7 @@ def test_kill_fails_the_waiting_calls_with_its_reason_without_calling_on_lost():
 def test_the_device_process_ignores_sigint_and_ends_with_the_pipe():
     async def main():
         device = DeviceProcess(NO_HOOKS)
-        await device.load({"path": str(MODEL), "device": "cpu"}, RESERVE)
+        await device.load(str(MODEL), None, "cpu", EngineOptions(), RESERVE)
         pid = device._process.pid
         os.kill(pid, signal.SIGINT)          # Ctrl-C reaches the whole process group; the server drains first
         os.kill(pid, signal.SIGTERM)

@@ -297,6 +297,6 @@ def test_service_config_is_the_serve_flags():
     assert (ServiceConfig.from_args(args).stall_timeout, ServiceConfig.from_args(args).device_grace) == (5.0, 9.0)
     for field, value, limit in (("max_queue", 0, "> 0"), ("chunk_tokens", -1, ">= 0"), ("age_rate", 0.0, "> 0"),
                                 ("stall_timeout", 0.0, "> 0"), ("device_grace", -1.0, "> 0"),
-                                ("validation", "strict", "one of cloudflare, reference")):
+                                ("on_overflow", "drop", "one of truncate, reject")):
         with pytest.raises(ValueError, match=f"{field} must be {limit}"):
             ServiceConfig(model="m", **{field: value})

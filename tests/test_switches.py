@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from clefcore import switches
-from clefcore.options import ServiceConfig, backend_options, gpu_options
+from clefcore.options import EngineOptions, ServiceConfig
 
 NAME = switches.SWITCHES[0].name
 ENV = switches.SWITCHES[0].env
@@ -45,14 +45,14 @@ def test_bad_environment_value_names_the_variable():
 
 def test_flag_reaches_load_options_and_is_checked_at_parse_time():
     p = argparse.ArgumentParser()
-    gpu_options(p)
-    assert backend_options(p.parse_args(["--kernels", NAME]))["kernels"] == NAME
-    assert "kernels" not in backend_options(p.parse_args([]))
+    EngineOptions().add_flags(p, EngineOptions.GPU)
+    assert EngineOptions.from_args(p.parse_args(["--kernels", NAME])).gpu()["kernels"] == NAME
+    assert "kernels" not in EngineOptions.from_args(p.parse_args([])).gpu()
     with pytest.raises(SystemExit):
         p.parse_args(["--kernels", "nope"])
 
 
 def test_service_config_refuses_an_unknown_switch():
-    assert ServiceConfig(model="m", kernels=NAME).kernels == NAME
+    assert ServiceConfig(model="m", engine=EngineOptions(kernels=NAME)).engine.kernels == NAME
     with pytest.raises(ValueError, match="unknown switch"):
-        ServiceConfig(model="m", kernels="nope")
+        ServiceConfig(model="m", engine=EngineOptions(kernels="nope"))

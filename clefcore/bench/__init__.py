@@ -30,8 +30,8 @@ import json
 import platform
 import time
 
-from .. import precision, switches
-from ..options import HelpFormatter, model_options
+from .. import precision
+from ..options import EngineOptions, HelpFormatter, model_options
 from . import end_to_end, image, kernels, provenance
 from .peers import transformers_image_side, transformers_side
 from .weights import random_params
@@ -46,19 +46,13 @@ def add_arguments(parser):
                         help="the single-prompt cases' prompt lengths, comma-separated")
     parser.add_argument("--packed", default="16x512",
                         help="the packed case, NxLENGTH: N prompts of LENGTH tokens in one forward")
-    parser.add_argument("--precision", default="fast,exact",
+    parser.add_argument("--precision", dest="precisions", default="fast,exact",
                         help="comma-separated precisions, each timed end to end with its own load (" +
                              ", ".join(precision.CHOICES) + "); the kernel table runs under the first")
     parser.add_argument("--reps", type=int, default=3,
                         help="timed runs of each end-to-end case after a warm-up; the median is reported")
-    parser.add_argument("--token-block", type=int, default=4096,
-                        help="CudaOps token_block: tokens per block of the layer-outer prefill (0 = whole stream)")
-    parser.add_argument("--graph-tokens", type=int, default=1024,
-                        help="CudaOps graph_tokens: single prompts up to this length, and the fast tower over "
-                             "images of up to this many image tokens, replay a CUDA graph (0 = off)")
-    parser.add_argument("--kernels", default=None, metavar="NAME[=on|off],...",
-                        help="GPU kernel switches (clefcore/switches.py; default: the environment, else each "
-                             "switch's default); the JSON records those in effect")
+    # the engine's GPU options but --precision, which is a list here (the JSON records those in effect)
+    EngineOptions().add_flags(parser, tuple(n for n in EngineOptions.GPU if n != "precision"))
     parser.add_argument("--image", default=None, metavar="WxH",
                         help="also time one request with a WxH PNG (1024x1024: 1,024 image tokens) end to end "
                              "against a text-only request of the same length, per precision (default: off)")
@@ -98,29 +92,26 @@ def run(args) -> int:
     from ..backends.cuda import CudaOps
     from ..config import HeadConfig, TextConfig
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0
-    precisions = [p for p in args.precision.split(",") if p]
-    if args.kernels:
-        switches.parse(args.kernels)     # an unknown switch fails here, before any load
+    precisions = [p for p in args.precisions.split(",") if p]
+    options = EngineOptions.from_args(args)
     for p in precisions:
         precision.resolve(p, False)      # an unknown name fails here, before any load
     lengths = [int(v) for v in args.lengths.split(",") if v]
     image_size = image.parse_size(args.image) if args.image else None
     out = dict(date=time.strftime("%Y-%m-%d"), **provenance.code(), **provenance.gemm_libraries(),
-               host=platform.node(), precisions=precisions,
-               graph_tokens=args.graph_tokens, token_block=args.token_block, end_to_end={}, paths={},
-               gemm_choice={}, weights_gib={}, load_s={})
+               host=platform.node(), precisions=precisions, end_to_end={}, paths={}, gemm_choice={}, weights_gib={},
+               load_s={})
     if image_size:
         out.update(image={}, vision_weights_gib={})
     text_cfg = vision_cfg = section = ck = None
     for i, prec in enumerate(precisions):
-        ops = CudaOps(dev, precision=prec, tables="device", token_block=args.token_block,
-                      graph_tokens=args.graph_tokens, kernels=args.kernels)
-        out["device"] = ops.device_name
+        ops = CudaOps(dev, tables="device", **dict(options.gpu(), precision=prec))
+        out.update(device=ops.device_name, token_block=ops.token_block, graph_tokens=ops.graphs.max_tokens)
         out["kernel_switches"] = sorted(ops.switches)
         out["paths"][prec] = ops.plan.path
         print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
               f"{out['sources']}, commit {out['commit']}; precision {prec} ({ops.plan.path}), token block "
-              f"{args.token_block}, CUDA graphs up to {args.graph_tokens} tokens"
+              f"{ops.token_block}, CUDA graphs up to {ops.graphs.max_tokens} tokens"
               + ("" if ops.cublas_missing is None else "; cuBLAS not loadable: own GEMM kernels"))
         if i == 0 and not args.no_kernels:
             print(f"kernels (under {prec}):")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ... import errors, switches
+from ... import errors, gpu_settings, switches
 from ... import precision as precision_modes
 from ...precision import RANGE_SAFE, Plan
 from . import cublas
@@ -103,9 +103,10 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     graphs: GraphCache
     tower_graphs: GraphCache
 
-    def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = "auto", tables: str = "host",
-                 ptx70: bool = False, token_block: int = 4096, gdn_block_chunks: int = 128,
-                 precision: str = precision_modes.DEFAULT, graph_tokens: int = 1024, graphs: int = 4,
+    def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = gpu_settings.GEMM_DEFAULT,
+                 tables: str = "host", ptx70: bool = False, token_block: int = gpu_settings.TOKEN_BLOCK,
+                 gdn_block_chunks: int = 128, precision: str = precision_modes.DEFAULT,
+                 graph_tokens: int = gpu_settings.GRAPH_TOKENS, graphs: int = 4,
                  kernels: str | None = None):
         import cupy
         self.cp = cupy
@@ -114,8 +115,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
         self.max_tokens = int(max_tokens)
-        if gemm not in ("auto", "wmma", "cublas"):
-            raise ValueError("gemm must be auto, wmma or cublas")
+        if gemm not in gpu_settings.GEMM_CHOICES:
+            raise ValueError(f"gemm must be one of {', '.join(gpu_settings.GEMM_CHOICES)}, got {gemm!r}")
         if precision not in precision_modes.CHOICES:
             raise ValueError(f"precision must be one of {', '.join(precision_modes.CHOICES)}")
         props = cupy.cuda.runtime.getDeviceProperties(self.device_id)

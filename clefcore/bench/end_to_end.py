@@ -48,20 +48,25 @@ def _device_used(cp):
     return total - free
 
 
+def _packed(records):
+    """The packed stream of ``records``: token ids, cu_seqlens and positions, as Engine.forward builds them."""
+    from ..engine import packed_positions
+    ids = np.concatenate([r.input_ids for r in records])
+    cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
+    return ids, cu, packed_positions(records)
+
+
 def forward_run(ops, params, records, vp=None, image=None):
     """One call = what Engine.forward does for ``records`` (the head queued before the guard read). With
     ``image`` for records[0]'s one image, each call first makes its pixels on the host: from file bytes, decoding
     then preprocessing; from a decoded [H, W, 3] uint8 array, preprocessing only. Then the vision tower (``vp``)
     runs before the backbone."""
     from .. import images
-    from ..engine import image_inputs, packed_positions
+    from ..engine import image_inputs
     from ..model.backbone import backbone
     from ..model.head import heads
     from ..preprocess import preprocess
-    lens = [len(r.input_ids) for r in records]
-    ids = np.concatenate([r.input_ids for r in records])
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    pos = packed_positions(records)
+    ids, cu, pos = _packed(records)
 
     def run():
         recs = records
@@ -79,14 +84,11 @@ def forward_run(ops, params, records, vp=None, image=None):
 def breakdown(cp, ops, params, records, reps) -> dict:
     """Where one forward of ``records`` spends its time, for short prompts whose host time matters: the backbone
     (a CUDA graph where one fits) and the joint head, each timed to the GPU's end (``*_ms``), and the head's host
-    time alone (``head_launch_ms``: until its last launch returns, no synchronisation). Median of ``reps``."""
-    from ..engine import packed_positions
+    time alone (``head_launch_ms``: until its last launch returns, no synchronisation). ``head_ms`` includes the
+    guards' read, as Engine.forward's head does. Median of ``reps``."""
     from ..model.backbone import backbone
     from ..model.head import heads
-    lens = [len(r.input_ids) for r in records]
-    ids = np.concatenate([r.input_ids for r in records])
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    pos = packed_positions(records)
+    ids, cu, pos = _packed(records)
     qs = [r.questions for r in records]
     sync = cp.cuda.Device().synchronize
     rows = {"backbone_ms": [], "head_ms": [], "head_launch_ms": []}

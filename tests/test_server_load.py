@@ -34,7 +34,10 @@ async def client_loop(base: str, client: int, stop_at: float, record: list) -> N
                 async with http.post("/v1/systemone", json=body(client, n)) as reply:
                     await reply.read()
                     record.append((sent, time.monotonic() - sent, reply.status))
-                    if reply.status == 429:
+                    # a client that honours Retry-After (a tenth of it, to keep the test short); one that
+                    # ignores it on a draining server's 503s makes a storm that, on CI's two cores, starves
+                    # the device process of the CPU it needs to finish the accepted requests
+                    if reply.status in (429, 503):
                         await asyncio.sleep(float(reply.headers.get("Retry-After", "1")) / 10)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
                 record.append((sent, time.monotonic() - sent, type(error).__name__))
@@ -122,7 +125,8 @@ def test_sigterm_during_load_answers_every_accepted_request():
               f"{sorted(set(r[2] for r in after), key=str)}; "
               f"exit {s.proc.returncode} after {exit_after:.2f} s")
         assert len(answered_before) >= CLIENTS
-        assert all(r[2] == 200 for r in answered_before), [r for r in answered_before if r[2] != 200][:5]
+        drain_log = [line for line in s.lines if '"event": "drain' in line]
+        assert all(r[2] == 200 for r in answered_before), ([r for r in answered_before if r[2] != 200][:5], drain_log)
         assert all(r[2] in (200, 503) or isinstance(r[2], str) for r in after)
         assert s.proc.returncode == 0
         assert exit_after < 15 + 3

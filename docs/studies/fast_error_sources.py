@@ -138,6 +138,9 @@ def main() -> None:
         out[f"only {f}"] = errors({f}, records)
     for f in sorted(gemms):
         out[f"fast without {f}"] = errors(gemms - {f}, records)
+    conv_in = {"gdn_qk", "gdn_v"}    # every column that feeds the conv
+    out["only gdn_qk, gdn_v"] = errors(conv_in, records)
+    out["fast without gdn_qk, gdn_v"] = errors(gemms - conv_in, records)
     print(f"{'rounded to fp16':32s} {'worst |dp|':>10s} {'mean |dp|':>10s}")
     for k, (worst, mean) in out.items():
         print(f"{k:32s} {worst:10.3e} {mean:10.3e}")

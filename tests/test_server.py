@@ -50,6 +50,13 @@ def test_health_live_models(server):
     assert models[0]["max_context_length"] == 24576
 
 
+def test_server_header_names_no_versions(server):
+    # aiohttp's default (Python/3.x aiohttp/3.y) tells a scanner which known holes to try
+    for reply in (server.get("/health"), server.get("/nope"), server.decide(SUPPORT_TICKET),
+                  server.post("/v1/systemone", "{"), server.post("/v1/systemone", "x" * 30000)):
+        assert reply.headers["server"] == "clefcore", (reply.status, reply.headers["server"])
+
+
 def test_every_response_has_a_request_id_and_one_log_line(server):
     seen = set()
     for reply in (server.get("/health"), server.get("/nope"), server.decide(SUPPORT_TICKET),

@@ -1,7 +1,7 @@
 // Hopper causal GQA attention (sm_90a) with warpgroup MMAs: the causal prefill of clef-flash's full-attention
 // layers (head dim 256), as attention.cu's attn_fwd_d256 computes it, with wgmma.mma_async in place of mma.sync.
 // Routed by the attn_wgmma kernel switch on compute capability 9.0 with an fp16 K/V cache
-// (clefcore/backends/cuda/attention.py::wgmma_attention); attention.cu stays for every other case.
+// (clefcore/backends/cuda/attention.py::causal_kernels); attention.cu stays for every other case.
 //
 // numpy twin: clefcore/backends/cpu.py::attention (q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]).
 //

@@ -32,6 +32,11 @@ SWITCHES = (
            "fast precision: the delta rule in one fp16 tensor-core pass per product (cuda/gated_delta_fast.cu) "
            "instead of three (hi/lo halves, as the exact plans run it): 3-4 % faster from 8,192 tokens on the "
            "H100, fast's golden error 9.0e-3 instead of 6.4e-3"),
+    # Off until the GPU suite and the golden sets have run it: written and compiled (sm_90a, no spills) without a GPU
+    Switch("attn_wgmma", False,
+           "causal attention of head dim 256 on compute capability 9.0 (H100, H200) with warpgroup MMAs "
+           "(cuda/attention_wgmma.cu) instead of attention.cu's mma.sync kernel, same roundings; "
+           "not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

@@ -34,23 +34,9 @@
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the backend never routes to it there.
 
-typedef unsigned short wg_half;
+#include "wgmma.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ unsigned wg_smem(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes global -> shared, asynchronously; ok = false writes zeros and reads nothing
-__device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-
-// a K-major operand of 128-byte rows in 128-byte swizzle: leading offset unused (1), 1024 bytes between
-// 8-row groups, swizzle mode 1 (bits 62-63)
-__device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
 
 // d (64 x 256, fp32, this thread's share) += A (64 x 16) @ B (256 x 16)^T, both from shared memory
 __device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long da,
@@ -85,13 +71,6 @@ __device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long 
                    "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
                    "+f"(d[126]), "+f"(d[127])
                  : "l"(da), "l"(db));
-}
-
-// keeps the compiler from moving accesses of the accumulators across the asynchronous MMAs
-template <int R>
-__device__ __forceinline__ void wg_fence_acc(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // one k-tile of A (rows m0..) and W (rows n0..) into a stage, in 16-byte chunks: thread t copies chunk t % 8 of

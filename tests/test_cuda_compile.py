@@ -65,11 +65,33 @@ def test_wgmma_builds_for_sm_90a():
     assert r["registers"] >= 128 and r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 
+def test_attention_wgmma_builds_for_sm_90a():
+    """attention_wgmma.cu's body exists only for sm_90a: its kernel must compile there with its accumulators in
+    registers (O alone is 128 a thread), nothing spilled, and no wgmma serialized by ptxas (which it does, with a
+    "Potential Performance Loss" note, when the MMAs or their registers sit on a path that may differ within a
+    warpgroup)."""
+    c = NV.compile(C.source("attention_wgmma.cu"), "attention_wgmma.cu", "sm_90a")
+    r = C.ptxas_report(c.log)["attn_wgmma_fwd_d256"]
+    print(f"attn_wgmma_fwd_d256 on sm_90a: {r}")
+    assert 128 < r["registers"] <= 255, r
+    assert r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    assert "Performance Loss" not in c.log and "serialized" not in c.log, c.log
+
+
+def test_sm_90a_files_are_built_for_sm_90a():
+    """The Hopper-only files are the ones the run-time loader builds with -arch=sm_90a."""
+    assert C._SM90A == {p.name for p in C.kernel_files() if "__CUDA_ARCH_FEAT_SM90_ALL" in p.read_text()}
+
+
 def test_attention_entry_points_match_the_host():
     """attention.cu defines exactly the kernels attention.py launches: attn_fwd_d{D} for CAUSAL_DIMS, attn_bidir_d{D}
-    for BIDIR_DIMS (the vision tower's 72 among them) and attn_launch_d{D} for both."""
+    for BIDIR_DIMS (the vision tower's 72 among them) and attn_launch_d{D} for both; attention_wgmma.cu its
+    attn_wgmma_fwd_d{D} and attn_wgmma_launch_d{D} for WGMMA_DIMS."""
     from clefcore.backends.cuda.attention import BIDIR_DIMS, CAUSAL_DIMS
     entries = set(re.findall(r"\.entry (\w+)\(", C.ptx70_path("attention.cu").read_text()))
     want = ({f"attn_fwd_d{d}" for d in CAUSAL_DIMS} | {f"attn_bidir_d{d}" for d in BIDIR_DIMS}
             | {f"attn_launch_d{d}" for d in set(CAUSAL_DIMS) | set(BIDIR_DIMS)})
     assert entries == want
+    from clefcore.backends.cuda.attention import ATTN_WGMMA, WGMMA_DIMS
+    entries = set(re.findall(r"\.entry (\w+)\(", C.ptx70_path(ATTN_WGMMA.file).read_text()))
+    assert entries == {ATTN_WGMMA.name(kind, d) for d in WGMMA_DIMS for kind in ("fwd", "launch")}

@@ -1,8 +1,11 @@
 """The full-attention path of the CUDA backend: rotary, the K/V cache, causal GQA attention and the vision tower's
-bidirectional attention (cuda/attention.cu, cuda/rotary.cu), with their host-side work list. A mixin of
+bidirectional attention (cuda/attention.cu, cuda/rotary.cu; on Hopper under the attn_wgmma kernel switch the causal
+attention of cuda/attention_wgmma.cu, chosen in ``causal_kernels``), with their host-side work list. A mixin of
 ``CudaOps``."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,6 +17,35 @@ from .elementwise import ELEM_THREADS, sigmoid_gate_k
 # head dims with a kernel in attention.cu: attn_fwd_d{D} (causal), attn_bidir_d{D} (bidirectional)
 CAUSAL_DIMS = (16, 32, 64, 128, 256)
 BIDIR_DIMS = (16, 32, 64, 72, 128, 256)
+# head dims with a causal kernel in attention_wgmma.cu (sm_90a): attn_wgmma_fwd_d{D}
+WGMMA_DIMS = (256,)
+
+
+@dataclass(frozen=True)
+class AttnKernels:
+    """One kernel file's attention kernels: ``{prefix}_fwd_d{D}`` (causal), ``{prefix}_bidir_d{D}``
+    (bidirectional) and ``{prefix}_launch_d{D}``, which reports the launch shape as compiled for the device."""
+
+    file: str
+    prefix: str
+
+    def name(self, kind: str, D: int) -> str:
+        return f"{self.prefix}_{kind}_d{D}"
+
+
+ATTN = AttnKernels("attention.cu", "attn")                 # every GPU; mma.sync on sm_80+, wmma before
+ATTN_WGMMA = AttnKernels("attention_wgmma.cu", "attn_wgmma")   # causal, WGMMA_DIMS, sm_90a only
+
+
+def causal_kernels(switches, cc, native: bool, D: int, kv_fp16: bool) -> AttnKernels:
+    """The one place that picks the causal attention's kernels: attention_wgmma.cu (Hopper's warpgroup MMAs) when
+    the ``attn_wgmma`` kernel switch is on (``switches``: the names that are on), the GPU's compute capability
+    ``cc`` is 9.0 and runs ``native`` code (the file's body is built for sm_90a only; the compute_70 PTX has an
+    empty kernel), the head dim is one of WGMMA_DIMS and K and V come as fp16 (the K/V cache, which the kernel
+    reads as it is); attention.cu otherwise, exactly as without the switch."""
+    if "attn_wgmma" in switches and native and tuple(cc) == (9, 0) and D in WGMMA_DIMS and kv_fp16:
+        return ATTN_WGMMA
+    return ATTN
 
 
 def attention_tiles(cu, t0: int, t1: int, rows: int, causal: bool = True) -> np.ndarray:
@@ -66,7 +98,9 @@ class AttentionOps:
             raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
         t0 = int(q_offset)
         t1 = t0 + n
-        return self._attn_run(q, k[:t1], v[:t1], cu_seqlens, scale, t0, causal=True)
+        kernels = causal_kernels(self.switches, self.cc, not self.ptx70, D,
+                                 k.dtype == np.float16 and v.dtype == np.float16)
+        return self._attn_run(q, k[:t1], v[:t1], cu_seqlens, scale, t0, causal=True, kernels=kernels)
 
     def bidirectional_attention(self, q, k, v, cu_seqlens, scale):
         """See cpu.bidirectional_attention: every query row of a packed sequence (one image's patches) sees all of
@@ -110,34 +144,35 @@ class AttentionOps:
                 out[b0:b1] = self._bmm(sc / sc.sum(axis=-1, keepdims=True), vv).transpose(1, 0, 2)
         return out
 
-    def _attn_run(self, q, k, v, cu_seqlens, scale, t0, causal):
-        """attention.cu's attn_fwd_d{D} (causal) or attn_bidir_d{D} over query rows [t0, t0 + n) of the packed
+    def _attn_run(self, q, k, v, cu_seqlens, scale, t0, causal, kernels=ATTN):
+        """``kernels``' {prefix}_fwd_d{D} (causal) or {prefix}_bidir_d{D} over query rows [t0, t0 + n) of the packed
         stream (k/v: its rows from 0 on) -> fp32 [n, Hq, D]; q/k/v are converted to the fp16 the kernel reads
         where they are not already."""
         cp = self.cp
         n, hq, D = q.shape
         hkv = k.shape[1]
         cu = np.asarray(self.to_host(cu_seqlens), dtype=np.int64)
-        smem, warps = self._attn_shape(D)
+        smem, warps = self._attn_shape(kernels, D)
         tiles = attention_tiles(cu, t0, t0 + n, 16 * warps, causal)
         out = cp.empty((n, hq, D), dtype=cp.float32)
         if not len(tiles):
             return out
         tl = self._upload(tiles)
         q16, k16, v16 = self._half(q), self._half(k), self._half(v)
-        fn = self.kernel("attention.cu", f"attn_{'fwd' if causal else 'bidir'}_d{D}", smem)
+        fn = self.kernel(kernels.file, kernels.name("fwd" if causal else "bidir", D), smem)
         for i in range(0, len(tiles), 65535):     # gridDim.y's limit (65,535 one-token sequences in one block)
             fn((hq, min(65535, len(tiles) - i)), (32 * warps,), (q16, k16, v16, out, tl[i:], np.int32(hq),
                                                                  np.int32(hkv), np.float32(scale), np.int32(t0)),
                shared_mem=smem)
         return out
 
-    def _attn_shape(self, D):
-        """(shared-memory bytes, warps per block) of attn_fwd_d{D} and attn_bidir_d{D} as compiled for this device
-        (attention.cu chooses both per architecture): asked once from the module's attn_launch_d{D}."""
-        got = self.caches.attn_launch.get(D)
+    def _attn_shape(self, kernels: AttnKernels, D):
+        """(shared-memory bytes, warps per block) of ``kernels``' head-dim-D kernels as compiled for this device
+        (attention.cu chooses both per architecture): asked once from the file's {prefix}_launch_d{D}."""
+        key = (kernels.file, D)
+        got = self.caches.attn_launch.get(key)
         if got is None:
             n = self.cp.zeros(2, dtype=self.cp.int32)
-            self.kernel("attention.cu", f"attn_launch_d{D}")((1,), (1,), (n,))
-            got = self.caches.attn_launch[D] = tuple(int(v) for v in n.get())
+            self.kernel(kernels.file, kernels.name("launch", D))((1,), (1,), (n,))
+            got = self.caches.attn_launch[key] = tuple(int(v) for v in n.get())
         return got

@@ -217,7 +217,7 @@ def ptx70_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
 _MODULES: dict[tuple[str, bool], object] = {}
 # Files built for sm_90a, the Hopper target that has wgmma (plain sm_90 does not). CuPy appends its own
 # -arch=sm_90 after these options; NVRTC then builds sm_90a code (seen with NVRTC 12.9 here and 13.0 on an H100).
-_SM90A = frozenset({"gemm_wgmma.cu"})
+_SM90A = frozenset({"gemm_wgmma.cu", "attention_wgmma.cu"})
 
 
 def load_module(name: str, ptx70: bool = False):

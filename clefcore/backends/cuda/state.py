@@ -50,9 +50,9 @@ class Fp8Twins:
 @dataclass
 class Caches:
     """Memos kept for the life of a ``CudaOps`` (``CudaOps.caches``): compiled functions by (module, name), the
-    dynamic shared memory each was opted into, attention.cu's launch shape per head dim, and the small index
-    tables uploaded by content (``CudaOps._upload``), with the arena they live in once reserve() made one: kept
-    apart from the forwards' arena, where an entry that outlives its forward would pin a hole."""
+    dynamic shared memory each was opted into, the attention kernels' launch shape per (file, head dim), and the
+    small index tables uploaded by content (``CudaOps._upload``), with the arena they live in once reserve() made
+    one: kept apart from the forwards' arena, where an entry that outlives its forward would pin a hole."""
 
     functions: dict = field(default_factory=dict)
     smem: dict = field(default_factory=dict)

@@ -32,6 +32,12 @@ SWITCHES = (
            "fast precision: the delta rule in one fp16 tensor-core pass per product (cuda/gated_delta_fast.cu) "
            "instead of three (hi/lo halves, as the exact plans run it): 3-4 % faster from 8,192 tokens on the "
            "H100, fast's golden error 9.0e-3 instead of 6.4e-3"),
+    # Off until it has run on a GPU: written and desk-checked without one (tests/test_fused_elementwise_gpu.py).
+    Switch("fused_elementwise", False,
+           "fast precision: the RMSNorms, the attention's output gate and the MLP's SwiGLU write the next weight "
+           "GEMM's fp16 operand themselves (gate and up projections with SwiGLU in one gemm_mma.cu / gemm_wgmma.cu "
+           "kernel) instead of an fp32 activation that a cast pass or the GEMM rounds: the same bits, less memory "
+           "traffic; not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

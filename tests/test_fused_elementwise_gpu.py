@@ -325,3 +325,25 @@ def test_golden_logits_are_bit_equal_with_the_switch(config):
         return {k for k in seen if k[:2] == (N, K) and k[3] == "float16"}
 
     assert fp16_inputs(seen_on) and not fp16_inputs(seen_off), (config, sorted(seen_on), sorted(seen_off))
+
+
+def test_the_engine_answers_the_same_with_the_switch():
+    """clefcore.load(kernels=...) on the golden checkpoint, fast, wmma: the same response to every golden request
+    one by one (refusals alike) and to the valid ones packed in one forward. Responses round to 4 decimals: the
+    bits are the test above's; this one runs the engine's own path (prepare, forward, guards, answers)."""
+    import clefcore
+    from clefcore.errors import RequestError
+    bodies = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines() if line.strip()]
+    answers = {}
+    for kernels in (OFF, ON):
+        engine = clefcore.load(GOLD / "model", device="cuda", precision="fast", gemm="wmma", kernels=kernels)
+        one = []
+        for body in bodies:
+            try:
+                one.append(engine.decide(body))
+            except RequestError as e:
+                one.append(("refused", e.field, e.message))
+        valid = [b for b, got in zip(bodies, one) if isinstance(got, dict)]
+        answers[kernels] = (one, engine.decide_many(valid))
+        assert len(valid) > 10 and ("fused_elementwise" in engine.ops.switches) == (kernels == ON)
+    assert answers[ON] == answers[OFF]

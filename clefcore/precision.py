@@ -104,6 +104,13 @@ class Row:
             return self.delta_rule_one_pass
         return self.delta_rule
 
+    def fused_elementwise_under(self, switches) -> bool:
+        """Whether, with the kernel switches ``switches`` (names) on, an activation's producer writes the next
+        weight GEMM's fp16 operand itself (the fused_elementwise switch: the norms before a GEMM, the attention's
+        output gate, the MLP's SwiGLU in its gate/up GEMM's epilogue). Only where the GEMMs round their operand
+        once to fp16: that rounding moves into the producer, so the bits stay those of the unfused path."""
+        return self.gemm.fp16 and "fused_elementwise" in switches
+
 
 TABLE = {
     # fast's delta rule runs three passes: one (DELTA_ONE_PASS) took fast's worst golden error from 6.4e-3 to

@@ -37,6 +37,12 @@ SWITCHES = (
            "causal attention of head dim 256 on compute capability 9.0 (H100, H200) with warpgroup MMAs "
            "(cuda/attention_wgmma.cu) instead of attention.cu's mma.sync kernel, same roundings; "
            "not yet run on a GPU"),
+    # Off until it has run on a GPU: written and desk-checked without one (tests/test_fused_elementwise_gpu.py).
+    Switch("fused_elementwise", False,
+           "fast precision: the RMSNorms, the attention's output gate and the MLP's SwiGLU write the next weight "
+           "GEMM's fp16 operand themselves (gate and up projections with SwiGLU in one gemm_mma.cu / gemm_wgmma.cu "
+           "kernel) instead of an fp32 activation that a cast pass or the GEMM rounds: the same bits, less memory "
+           "traffic; not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

@@ -207,6 +207,12 @@ extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f32a(const float* 
                                                                   const half_t* Wu, half_t* H, int M, int N, int K) {
     gemm_body<false, true, false>(A, Wg, Wu, nullptr, nullptr, H, M, N, K, nullptr);
 }
+// A already fp16 (its producer rounded it: the fused_elementwise switch); the same products as gemm_swiglu_f32a's,
+// which rounds each A value to the same fp16 while staging it
+extern "C" __global__ void __launch_bounds__(256) gemm_swiglu_f16a(const half_t* A, const half_t* Wg,
+                                                                  const half_t* Wu, half_t* H, int M, int N, int K) {
+    gemm_body<true, true, false>(A, Wg, Wu, nullptr, nullptr, H, M, N, K, nullptr);
+}
 // precision="split": A = hi + lo (two fp16 halves, ~22 significant bits), two tensor-core passes; with
 // fp16-exact weights (every bf16 checkpoint value in fp16 range) the product is fp32-grade. amax: range scaling
 // (range.cuh), null outside the range-safe fallback.

@@ -19,8 +19,13 @@
 // inside or outside a row (the caller checks). The epilogue writes straight from the accumulators (two adjacent
 // columns per register pair). Blocks walk the output in groups of 8 block rows.
 //
+// gemm_mma_swiglu{_big}: the same tiles as one GEMM over the MLP's gate and up weights paired 8 rows by 8
+// (gemm_swiglu.cuh), writing H[M, N] = fp16(silu(A Wg^T) * (A Wu^T)) from the accumulators (the fused_elementwise
+// switch): the bits of gemm_mma_f16a on Wg, on Wu and gemm.cu's swiglu_half, without their fp32 [M, N] outputs.
+//
 // Older architectures compile this file to empty kernels (the compute_70 PTX of every file is built in CI);
 // the backend never routes to it there.
+#include "gemm_swiglu.cuh"
 
 typedef unsigned short mg_half;
 
@@ -50,11 +55,12 @@ __device__ __forceinline__ void mg_mma(float (&d)[4], const unsigned (&a)[4], un
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// one k-tile of A (rows m0..) and W (rows n0..) into a stage, in 16-byte chunks of 8 halves
-template <int BM, int BN, int BK, int THREADS>
+// one k-tile of A (rows m0..) and W (rows n0..) into a stage, in 16-byte chunks of 8 halves; SWIGLU: W's rows are
+// the paired rows of W (gate) and Wu (up), gemm_swiglu.cuh
+template <int BM, int BN, int BK, int THREADS, bool SWIGLU>
 __device__ __forceinline__ void mg_load_stage(mg_half* sA, mg_half* sB, const mg_half* __restrict__ A,
-                                              const mg_half* __restrict__ W, int M, int N, int K, int m0,
-                                              int n0, int k0) {
+                                              const mg_half* __restrict__ W, const mg_half* __restrict__ Wu,
+                                              int M, int N, int K, int m0, int n0, int k0) {
     constexpr int per_row = BK / 8, lds = BK + 8;
 #pragma unroll
     for (int c = threadIdx.x; c < BM * per_row; c += THREADS) {
@@ -65,19 +71,30 @@ __device__ __forceinline__ void mg_load_stage(mg_half* sA, mg_half* sB, const mg
 #pragma unroll
     for (int c = threadIdx.x; c < BN * per_row; c += THREADS) {
         const int r = c / per_row, kk = (c % per_row) * 8, gk = k0 + kk, gn = n0 + r;
-        const bool ok = gk < K && gn < N;
-        mg_cp16(sB + r * lds + kk, W + (size_t)(ok ? gn : 0) * K + (ok ? gk : 0), ok);
+        if (SWIGLU) {
+            bool rok;
+            const mg_half* row = swiglu_row(W, Wu, gn, N, K, rok);
+            const bool ok = rok && gk < K;
+            mg_cp16(sB + r * lds + kk, row + (ok ? gk : 0), ok);
+        } else {
+            const bool ok = gk < K && gn < N;
+            mg_cp16(sB + r * lds + kk, W + (size_t)(ok ? gn : 0) * K + (ok ? gk : 0), ok);
+        }
     }
 }
 
-template <int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N>
+// SWIGLU: W and Wu are the gate and up weights ([N, K] each), the tile's columns their paired rows, and the
+// output H [M, N] fp16 (bias, res and C unused); otherwise C [M, N] fp32 = A W^T (+ bias) (+ res), Wu and H unused.
+template <int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N, bool SWIGLU>
 __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_half* __restrict__ W,
-                                        const float* __restrict__ bias, const float* __restrict__ res,
-                                        float* __restrict__ C, int M, int N, int K) {
+                                        const mg_half* __restrict__ Wu, const float* __restrict__ bias,
+                                        const float* __restrict__ res, float* __restrict__ C,
+                                        mg_half* __restrict__ H, int M, int N, int K) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32, LDS = BK + 8, STAGE = (BM + BN) * LDS;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;   // each warp's output tile
     constexpr int MI = WTM / 16, NJ = WTN / 8;              // its m16 and n8 tiles (NJ even: x4 loads two)
-    static_assert(NJ % 2 == 0 && WTM % 16 == 0 && BK % 16 == 0, "tile shape");
+    // NJ even: x4 loads two n8 tiles; SWIGLU also pairs them, so each warp's columns start at a multiple of 16
+    static_assert(NJ % 2 == 0 && WTN % 16 == 0 && WTM % 16 == 0 && BK % 16 == 0 && BN % 16 == 0, "tile shape");
     extern __shared__ __align__(16) mg_half mg_smem_buf[];
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -106,7 +123,7 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT) {
             mg_half* st = mg_smem_buf + s * STAGE;
-            mg_load_stage<BM, BN, BK, THREADS>(st, st + BM * LDS, A, W, M, N, K, m0, n0, s * BK);
+            mg_load_stage<BM, BN, BK, THREADS, SWIGLU>(st, st + BM * LDS, A, W, Wu, M, N, K, m0, n0, s * BK);
         }
         mg_commit();                                      // empty groups keep the count uniform
     }
@@ -122,7 +139,7 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
             const int pf = kt + STAGES - 1;
             if (pf < KT) {
                 mg_half* st = mg_smem_buf + (pf % STAGES) * STAGE;
-                mg_load_stage<BM, BN, BK, THREADS>(st, st + BM * LDS, A, W, M, N, K, m0, n0, pf * BK);
+                mg_load_stage<BM, BN, BK, THREADS, SWIGLU>(st, st + BM * LDS, A, W, Wu, M, N, K, m0, n0, pf * BK);
             }
             mg_commit();
         }
@@ -147,6 +164,25 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
     mg_wait<0>();
 
     // accumulator (i, j): rows wm*WTM + i*16 + lane/4 (+ 8), columns wn*WTN + j*8 + (lane % 4) * 2 (+ 1)
+    if (SWIGLU) {
+        // paired columns n0 + wn*WTN + 16 jj + [0, 8) (tile 2 jj) are gate rows (n0 + wn*WTN) / 2 + 8 jj + [0, 8),
+        // the next 8 (tile 2 jj + 1) the up rows of the same outputs
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int gr = m0 + wm * WTM + i * 16 + (lane >> 2) + h * 8;
+                if (gr >= M) continue;
+#pragma unroll
+                for (int jj = 0; jj < NJ / 2; ++jj) {
+                    const int oc = (n0 + wn * WTN) / 2 + jj * 8 + (lane & 3) * 2;
+                    swiglu_put2(H, N, gr, oc, acc[i][2 * jj][h * 2], acc[i][2 * jj][h * 2 + 1],
+                                acc[i][2 * jj + 1][h * 2], acc[i][2 * jj + 1][h * 2 + 1]);
+                }
+            }
+        }
+        return;
+    }
     const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -180,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_mma_f16a_big(const mg_hal
                                                                     const float* __restrict__ res,
                                                                     float* __restrict__ C, int M, int N, int K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<256, 128, 64, 3, 4, 2>(A, W, bias, res, C, M, N, K);
+    mg_gemm<256, 128, 64, 3, 4, 2, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
 #endif
 }
 
@@ -190,6 +226,26 @@ extern "C" __global__ void __launch_bounds__(256) gemm_mma_f16a(const mg_half* _
                                                                 const float* __restrict__ res,
                                                                 float* __restrict__ C, int M, int N, int K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<128, 128, 32, 3, 2, 4>(A, W, bias, res, C, M, N, K);
+    mg_gemm<128, 128, 32, 3, 2, 4, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
+#endif
+}
+
+// The fused MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / BN), ceil(M / BM)), 256 threads, the same
+// dynamic shared memory as the tile's plain kernel. N = the gate's (and up's) rows = H's columns.
+extern "C" __global__ void __launch_bounds__(256) gemm_mma_swiglu_big(const mg_half* __restrict__ A,
+                                                                      const mg_half* __restrict__ Wg,
+                                                                      const mg_half* __restrict__ Wu,
+                                                                      mg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    mg_gemm<256, 128, 64, 3, 4, 2, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemm_mma_swiglu(const mg_half* __restrict__ A,
+                                                                  const mg_half* __restrict__ Wg,
+                                                                  const mg_half* __restrict__ Wu,
+                                                                  mg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    mg_gemm<128, 128, 32, 3, 2, 4, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
 #endif
 }

@@ -31,8 +31,13 @@
 // register pair, the layout of mma.sync's m16n8 tiles repeated). Blocks walk the output in groups of 8 block
 // rows, as gemm_mma.cu.
 //
+// gemm_wgmma_swiglu: the same tile as one GEMM over the MLP's gate and up weights paired 8 rows by 8
+// (gemm_swiglu.cuh), writing H[M, N] = fp16(silu(A Wg^T) * (A Wu^T)) from the accumulators (the fused_elementwise
+// switch): the bits of gemm_wgmma_f16a on Wg, on Wu and gemm.cu's swiglu_half, without their fp32 outputs.
+//
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the backend never routes to it there.
+#include "gemm_swiglu.cuh"
 
 #include "wgmma.cuh"
 
@@ -74,11 +79,12 @@ __device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long 
 }
 
 // one k-tile of A (rows m0..) and W (rows n0..) into a stage, in 16-byte chunks: thread t copies chunk t % 8 of
-// rows t / 8 + 32 i, whose r % 8, and so the swizzled chunk, is the same for every i
-template <int BM, int BN>
+// rows t / 8 + 32 i, whose r % 8, and so the swizzled chunk, is the same for every i. SWIGLU: W's rows are the
+// paired rows of W (gate) and Wu (up), gemm_swiglu.cuh
+template <int BM, int BN, bool SWIGLU>
 __device__ __forceinline__ void wg_load_stage(unsigned sA, unsigned sB, const wg_half* __restrict__ A,
-                                              const wg_half* __restrict__ W, int M, int N, int K, int m0, int n0,
-                                              int k0) {
+                                              const wg_half* __restrict__ W, const wg_half* __restrict__ Wu, int M,
+                                              int N, int K, int m0, int n0, int k0) {
     const int c = threadIdx.x & 7, r0 = threadIdx.x >> 3, gk = k0 + c * 8;
     const unsigned sw = (unsigned)((c ^ (r0 & 7)) << 4);
     const bool kok = gk < K;
@@ -91,8 +97,15 @@ __device__ __forceinline__ void wg_load_stage(unsigned sA, unsigned sB, const wg
 #pragma unroll
     for (int i = 0; i < BN / 32; ++i) {
         const int r = r0 + 32 * i, gn = n0 + r;
-        const bool ok = kok && gn < N;
-        wg_cp16(sB + r * 128 + sw, W + (ok ? (size_t)gn * K + gk : 0), ok);
+        if (SWIGLU) {
+            bool rok;
+            const wg_half* row = swiglu_row(W, Wu, gn, N, K, rok);
+            const bool ok = kok && rok;
+            wg_cp16(sB + r * 128 + sw, row + (ok ? gk : 0), ok);
+        } else {
+            const bool ok = kok && gn < N;
+            wg_cp16(sB + r * 128 + sw, W + (ok ? (size_t)gn * K + gk : 0), ok);
+        }
     }
 }
 
@@ -105,10 +118,13 @@ __device__ __forceinline__ void wg_mma<256>(float (&d)[128], unsigned long long 
     wg_mma_n256(d, da, db);
 }
 
-template <int BM, int BN, int STAGES>
+// SWIGLU: W and Wu are the gate and up weights ([N, K] each), the tile's columns their paired rows, and the
+// output H [M, N] fp16 (bias, res and C unused); otherwise C [M, N] fp32 = A W^T (+ bias) (+ res), Wu and H unused.
+template <int BM, int BN, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_half* __restrict__ W,
-                                        const float* __restrict__ bias, const float* __restrict__ res,
-                                        float* __restrict__ C, int M, int N, int K) {
+                                        const wg_half* __restrict__ Wu, const float* __restrict__ bias,
+                                        const float* __restrict__ res, float* __restrict__ C,
+                                        wg_half* __restrict__ H, int M, int N, int K) {
     constexpr int BK = 64, WM = BM / 2, MI = WM / 64, NA = BN / 2;   // per warpgroup: WM rows, MI m64 blocks
     constexpr unsigned SA = BM * 128, STAGE = (BM + BN) * 128;       // bytes
     static_assert(WM % 64 == 0 && (BN == 128 || BN == 256) && STAGES >= 4, "tile shape");
@@ -137,7 +153,8 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
 
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < KT) wg_load_stage<BM, BN>(base + s * STAGE, base + s * STAGE + SA, A, W, M, N, K, m0, n0, s * BK);
+        if (s < KT)
+            wg_load_stage<BM, BN, SWIGLU>(base + s * STAGE, base + s * STAGE + SA, A, W, Wu, M, N, K, m0, n0, s * BK);
         asm volatile("cp.async.commit_group;\n" ::);             // empty groups keep the count uniform
     }
 
@@ -157,7 +174,7 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
             const int pf = kt + STAGES - 2;               // into the stage of kt - 2
             if (pf < KT) {
                 const unsigned st = base + (pf % STAGES) * STAGE;
-                wg_load_stage<BM, BN>(st, st + SA, A, W, M, N, K, m0, n0, pf * BK);
+                wg_load_stage<BM, BN, SWIGLU>(st, st + SA, A, W, Wu, M, N, K, m0, n0, pf * BK);
             }
             asm volatile("cp.async.commit_group;\n" ::);
         }
@@ -170,6 +187,25 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
 
     // accumulator (i, 4 j + e): row wg*WM + i*64 + warp*16 + lane/4 (+ 8 for e >= 2), column 8 j + (lane % 4) * 2
     // (+ 1 for odd e)
+    if (SWIGLU) {
+        // paired columns n0 + 16 jj + [0, 8) (j = 2 jj) are gate rows n0 / 2 + 8 jj + [0, 8), the next 8 (j = 2 jj + 1)
+        // the up rows of the same outputs
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
+                if (gr >= M) continue;
+#pragma unroll
+                for (int jj = 0; jj < BN / 16; ++jj) {
+                    const int oc = n0 / 2 + jj * 8 + (lane & 3) * 2;
+                    swiglu_put2(H, N, gr, oc, acc[i][8 * jj + h * 2], acc[i][8 * jj + h * 2 + 1],
+                                acc[i][8 * jj + 4 + h * 2], acc[i][8 * jj + 4 + h * 2 + 1]);
+                }
+            }
+        }
+        return;
+    }
     const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -203,6 +239,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_f16a(const wg_ha
                                                                      const float* __restrict__ res,
                                                                      float* __restrict__ C, int M, int N, int K) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_gemm<128, 256, 4>(A, W, bias, res, C, M, N, K);
+    wg_gemm<128, 256, 4, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
+#endif
+}
+
+// The fused MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / 256), ceil(M / 128)), 256 threads, the same
+// 197,632 bytes of dynamic shared memory. N = the gate's (and up's) rows = H's columns.
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_swiglu(const wg_half* __restrict__ A,
+                                                                       const wg_half* __restrict__ Wg,
+                                                                       const wg_half* __restrict__ Wu,
+                                                                       wg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_gemm<128, 256, 4, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
 #endif
 }

@@ -13,13 +13,21 @@
 // (r / xh) * xs + (r % xh) * xhs, so one uniform stride (xh = 1: q/k views of a [T, H, 2, D] projection) or a
 // token stride and a head stride (the q/k column slices of the conv output viewed [T, H, D]) are read in
 // place; the output is always contiguous [R, D]. Memory-bound: bytes = read(s) + write once.
+//
+// The RMSNorms also come as *_h kernels that write y in fp16: the next weight GEMM's operand under the
+// fused_elementwise switch (clefcore/backends/cuda/norms.py). Same template, same fp32 arithmetic; only the
+// store rounds (put_y: cvt.rn, as gemm.cu's to_half would after an fp32 store), so y_h = fp16(y) bit for bit.
 #include "mma_sm70.cuh"
 
-// Each kernel's body is a template on G (compile-time divisions); the entry point picks G = 32 or 256.
-#define NORM_ENTRY(name, params, args) \
+// Each kernel's body is a template on G (compile-time divisions) and on y's type; the entry point picks G = 32
+// or 256.
+#define NORM_ENTRY(name, body, params, args) \
     extern "C" __global__ void __launch_bounds__(256) name params { \
-        if (G == 32) name##_g<32> args; else name##_g<256> args; \
+        if (G == 32) body<32> args; else body<256> args; \
     }
+
+__device__ __forceinline__ void put_y(float* __restrict__ y, long long i, float v) { y[i] = v; }
+__device__ __forceinline__ void put_y(half_t* __restrict__ y, long long i, float v) { y[i] = f2h(v); }
 
 #define ROW_MAP const float* __restrict__ x, long long xs, int xh, long long xhs   // an input with a row map
 __device__ __forceinline__ const float* map_row(ROW_MAP, int row) {
@@ -51,53 +59,67 @@ __device__ __forceinline__ float row_sumsq(const float* __restrict__ xr, int D) 
     return group_sum<G>(ss);
 }
 
-template <int G>
-__device__ __forceinline__ void rmsnorm_rows_g(ROW_MAP, const float* __restrict__ w, float* __restrict__ y, int R,
-                                               int D, float eps) {
+template <int G, typename T>
+__device__ __forceinline__ void rmsnorm_rows_g(ROW_MAP, const float* __restrict__ w, T* __restrict__ y, int R, int D,
+                                               float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = map_row(x, xs, xh, xhs, row);
     const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
-    float* yr = y + (long long)row * D;
-    for (int i = lane; i < D; i += G) yr[i] = xr[i] * inv * (1.f + w[i]);
+    T* yr = y + (long long)row * D;
+    for (int i = lane; i < D; i += G) put_y(yr, i, xr[i] * inv * (1.f + w[i]));
 }
-NORM_ENTRY(rmsnorm_rows, (ROW_MAP, const float* __restrict__ w, float* __restrict__ y, int R, int D, int G, float eps),
+NORM_ENTRY(rmsnorm_rows, rmsnorm_rows_g, (ROW_MAP, const float* __restrict__ w, float* __restrict__ y, int R, int D,
+                                          int G, float eps),
+           (x, xs, xh, xhs, w, y, R, D, eps))
+NORM_ENTRY(rmsnorm_rows_h, rmsnorm_rows_g, (ROW_MAP, const float* __restrict__ w, half_t* __restrict__ y, int R,
+                                            int D, int G, float eps),
            (x, xs, xh, xhs, w, y, R, D, eps))
 
-template <int G>
+template <int G, typename T>
 __device__ __forceinline__ void add_rmsnorm_rows_g(const float* __restrict__ x, const float* __restrict__ d,
                                                    const float* __restrict__ w, float* __restrict__ s,
-                                                   float* __restrict__ y, int R, int D, float eps) {
+                                                   T* __restrict__ y, int R, int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const long long o = (long long)row * D;
     float ss = 0.f;
     for (int i = lane; i < D; i += G) { float v = x[o + i] + d[o + i]; s[o + i] = v; ss += v * v; }
     const float inv = 1.f / sqrtf(group_sum<G>(ss) / (float)D + eps);
-    for (int i = lane; i < D; i += G) y[o + i] = s[o + i] * inv * (1.f + w[i]);
+    for (int i = lane; i < D; i += G) put_y(y, o + i, s[o + i] * inv * (1.f + w[i]));
 }
-NORM_ENTRY(add_rmsnorm_rows, (const float* __restrict__ x, const float* __restrict__ d, const float* __restrict__ w,
-                              float* __restrict__ s, float* __restrict__ y, int R, int D, int G, float eps),
+NORM_ENTRY(add_rmsnorm_rows, add_rmsnorm_rows_g, (const float* __restrict__ x, const float* __restrict__ d,
+                                                  const float* __restrict__ w, float* __restrict__ s,
+                                                  float* __restrict__ y, int R, int D, int G, float eps),
+           (x, d, w, s, y, R, D, eps))
+NORM_ENTRY(add_rmsnorm_rows_h, add_rmsnorm_rows_g, (const float* __restrict__ x, const float* __restrict__ d,
+                                                    const float* __restrict__ w, float* __restrict__ s,
+                                                    half_t* __restrict__ y, int R, int D, int G, float eps),
            (x, d, w, s, y, R, D, eps))
 
 // z follows its own row map (zs, zh, zhs): a per-head view of the GDN's fused projection is read in place
-template <int G>
+template <int G, typename T>
 __device__ __forceinline__ void gated_rmsnorm_rows_g(ROW_MAP, const float* __restrict__ z, long long zs, int zh,
                                                      long long zhs, const float* __restrict__ w,
-                                                     float* __restrict__ y, int R, int D, float eps) {
+                                                     T* __restrict__ y, int R, int D, float eps) {
     const int row = group_row<G>(), lane = threadIdx.x % G;
     if (row >= R) return;
     const float* xr = map_row(x, xs, xh, xhs, row);
     const float* zr = map_row(z, zs, zh, zhs, row);
     const float inv = 1.f / sqrtf(row_sumsq<G>(xr, D) / (float)D + eps);
-    float* yr = y + (long long)row * D;
+    T* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) {
         float zz = zr[i];
-        yr[i] = (xr[i] * inv) * w[i] * (zz / (1.f + expf(-zz)));
+        put_y(yr, i, (xr[i] * inv) * w[i] * (zz / (1.f + expf(-zz))));
     }
 }
-NORM_ENTRY(gated_rmsnorm_rows, (ROW_MAP, const float* __restrict__ z, long long zs, int zh, long long zhs,
-                                const float* __restrict__ w, float* __restrict__ y, int R, int D, int G, float eps),
+NORM_ENTRY(gated_rmsnorm_rows, gated_rmsnorm_rows_g, (ROW_MAP, const float* __restrict__ z, long long zs, int zh,
+                                                      long long zhs, const float* __restrict__ w,
+                                                      float* __restrict__ y, int R, int D, int G, float eps),
+           (x, xs, xh, xhs, z, zs, zh, zhs, w, y, R, D, eps))
+NORM_ENTRY(gated_rmsnorm_rows_h, gated_rmsnorm_rows_g, (ROW_MAP, const float* __restrict__ z, long long zs, int zh,
+                                                        long long zhs, const float* __restrict__ w,
+                                                        half_t* __restrict__ y, int R, int D, int G, float eps),
            (x, xs, xh, xhs, z, zs, zh, zhs, w, y, R, D, eps))
 
 template <int G>
@@ -115,8 +137,8 @@ __device__ __forceinline__ void layernorm_rows_g(ROW_MAP, const float* __restric
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) yr[i] = (xr[i] - mu) * inv * w[i] + b[i];
 }
-NORM_ENTRY(layernorm_rows, (ROW_MAP, const float* __restrict__ w, const float* __restrict__ b, float* __restrict__ y,
-                            int R, int D, int G, float eps),
+NORM_ENTRY(layernorm_rows, layernorm_rows_g, (ROW_MAP, const float* __restrict__ w, const float* __restrict__ b,
+                                              float* __restrict__ y, int R, int D, int G, float eps),
            (x, xs, xh, xhs, w, b, y, R, D, eps))
 
 template <int G>
@@ -128,5 +150,5 @@ __device__ __forceinline__ void l2norm_rows_g(ROW_MAP, float* __restrict__ y, in
     float* yr = y + (long long)row * D;
     for (int i = lane; i < D; i += G) yr[i] = xr[i] * f;
 }
-NORM_ENTRY(l2norm_rows, (ROW_MAP, float* __restrict__ y, int R, int D, int G, float eps, float scale),
+NORM_ENTRY(l2norm_rows, l2norm_rows_g, (ROW_MAP, float* __restrict__ y, int R, int D, int G, float eps, float scale),
            (x, xs, xh, xhs, y, R, D, eps, scale))

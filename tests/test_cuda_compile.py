@@ -58,11 +58,13 @@ def test_cubin_and_spills(name, target):
 
 
 def test_wgmma_builds_for_sm_90a():
-    """gemm_wgmma.cu's body exists only for sm_90a (the other targets above build it empty): its kernel must
-    compile there, with its 128 accumulators a thread in registers and nothing spilled."""
+    """gemm_wgmma.cu's body exists only for sm_90a (the other targets above build it empty): its kernels (the
+    plain GEMM and the fused_elementwise switch's gate/up + SwiGLU one) must compile there, with their 128
+    accumulators a thread in registers and nothing spilled."""
     rep = C.ptxas_report(NV.compile(C.source("gemm_wgmma.cu"), "gemm_wgmma.cu", "sm_90a").log)
-    r = rep["gemm_wgmma_f16a"]
-    assert r["registers"] >= 128 and r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    for name in ("gemm_wgmma_f16a", "gemm_wgmma_swiglu"):
+        r = rep[name]
+        assert r["registers"] >= 128 and r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 
 def test_attention_wgmma_builds_for_sm_90a():

@@ -40,14 +40,15 @@ def embed(table, ids):
     return table[ids].astype(np.float32)
 
 
-def rmsnorm(x, w, eps):
-    """Zero-centred RMSNorm over the last axis: x / rms(x) * (1 + w)."""
+def rmsnorm(x, w, eps, gemm_input=False):
+    """Zero-centred RMSNorm over the last axis: x / rms(x) * (1 + w). ``gemm_input`` (the result only feeds weight
+    GEMMs, so a GPU may write their operand) changes nothing here: numpy's one form is fp32; also below."""
     x = x.astype(np.float32, copy=False)
     inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
     return x * inv * (1.0 + w)
 
 
-def add_rmsnorm(x, delta, w, eps):
+def add_rmsnorm(x, delta, w, eps, gemm_input=False):
     """Residual add fused with the next norm: returns (x + delta, rmsnorm(x + delta))."""
     s = x + delta
     return s, rmsnorm(s, w, eps)
@@ -63,7 +64,7 @@ def mlp(x, w_gate, w_up, w_down):
     return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
-def sigmoid_gate(o, gate):
+def sigmoid_gate(o, gate, gemm_input=False):
     """Attention output times sigmoid(gate), both [T, heads, D]."""
     return o * sigmoid(gate)
 
@@ -213,7 +214,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None):
     return out
 
 
-def gated_rmsnorm(x, z, w, eps):
+def gated_rmsnorm(x, z, w, eps, gemm_input=False):
     """Per-head RMSNorm with a plain weight, times SiLU(z). x, z [..., d] (e.g. [tokens, heads, d])."""
     inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
     return (x * inv) * w * silu(z)

@@ -97,11 +97,14 @@ class Backend(Protocol):
         ...
 
     # -------------------------------------------------------------------------------------------- backbone
-    def rmsnorm(self, x, w, eps) -> Array:
-        ...
+    def rmsnorm(self, x, w, eps, gemm_input=False) -> Array:
+        """``gemm_input``: the result is read only as the activation of weight GEMMs (``linear``, ``mlp``) with x's
+        leading axis as their rows; the backend may then return it in the form those GEMMs take it (the CUDA
+        backend's fast plan, under the fused_elementwise switch: fp16, the rounding the GEMM would make). The same
+        for every op below that has the flag; numpy's result is fp32 either way."""
 
-    def add_rmsnorm(self, x, delta, w, eps) -> tuple[Array, Array]:
-        """(x + delta, rmsnorm(x + delta))."""
+    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False) -> tuple[Array, Array]:
+        """(x + delta, rmsnorm(x + delta)); ``gemm_input`` applies to the norm (the sum stays fp32)."""
 
     def linear(self, x, w, b=None) -> Array:
         """x @ w^T (+ b)."""
@@ -124,7 +127,7 @@ class Backend(Protocol):
     def attention(self, q, k, v, cu_seqlens, scale, q_offset=0) -> Array:
         """Causal GQA attention of query rows [q_offset, q_offset + n) of the packed stream."""
 
-    def sigmoid_gate(self, o, gate) -> Array:
+    def sigmoid_gate(self, o, gate, gemm_input=False) -> Array:
         ...
 
     def conv1d_silu(self, x, w, cu_seqlens, prev=None) -> Array:
@@ -139,7 +142,7 @@ class Backend(Protocol):
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None) -> Array:
         ...
 
-    def gated_rmsnorm(self, x, z, w, eps) -> Array:
+    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False) -> Array:
         ...
 
     # ------------------------------------------------------------------------------------------------ head

@@ -149,7 +149,9 @@ def layer_block(ops, c: TextConfig, i: int, L: dict, xb, b: Block, cu_seqlens, c
     """Layer i over the rows [b.t0, b.t1) of the stream, in place on xb (those rows of the residual stream): the
     mixer (attention reads and writes ``cache``, the GDN ``carry``), the MLP, both residual adds."""
     kind = c.layer_types[i]
-    h = ops.rmsnorm(xb, L["input_layernorm.weight"], c.rms_eps)
+    # the norms' outputs (and the attention's gated output) only feed weight GEMMs: gemm_input lets a backend
+    # write them as those GEMMs take them (the interface's rmsnorm)
+    h = ops.rmsnorm(xb, L["input_layernorm.weight"], c.rms_eps, gemm_input=True)
     if kind == "full_attention":
         mixed = full_attention(ops, c, L, h, cu_seqlens, cos, sin, b.t0, cache)
     else:
@@ -157,7 +159,7 @@ def layer_block(ops, c: TextConfig, i: int, L: dict, xb, b: Block, cu_seqlens, c
     # a dead or overflowing kernel must fail the request, not answer it (flags read once, at the end)
     ops.watch(mixed, f"layer {i} ({kind}) output, tokens {b.t0}-{b.t1}")
     del h
-    s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps)
+    s, h = ops.add_rmsnorm(xb, mixed, L["post_attention_layernorm.weight"], c.rms_eps, gemm_input=True)
     del mixed
     m = ops.mlp(h, L["mlp.gate_proj.weight"], L["mlp.up_proj.weight"], L["mlp.down_proj.weight"])
     ops.watch(m, f"layer {i} MLP output, tokens {b.t0}-{b.t1}")
@@ -193,7 +195,7 @@ def full_attention(ops, c: TextConfig, L: dict, h, cu_seqlens, cos, sin, t0: int
         k, v = cache
     o = ops.attention(q, k, v, cu_seqlens, 1.0 / math.sqrt(D), q_offset=t0)
     del q, k, v
-    o = ops.sigmoid_gate(o, gate)
+    o = ops.sigmoid_gate(o, gate, gemm_input=True)
     del qkv, qg, gate
     return ops.linear(o.reshape(n, c.num_heads * D), L["self_attn.o_proj.weight"])
 
@@ -221,7 +223,8 @@ def gated_deltanet(ops, c: TextConfig, L: dict, h, b: Block, carry: Carry | None
                             L["linear_attn.A_log"], L["linear_attn.dt_bias"])
     o = _delta_rule_block(ops, q, k, v, g, beta, b, carry)
     del q, k, v, g, beta, mixed
-    y = ops.gated_rmsnorm(o, proj[:, cd:cd + zd].reshape(n, hv, dv), L["linear_attn.norm.weight"], c.rms_eps)
+    y = ops.gated_rmsnorm(o, proj[:, cd:cd + zd].reshape(n, hv, dv), L["linear_attn.norm.weight"], c.rms_eps,
+                          gemm_input=True)
     del o, proj
     return ops.linear(y.reshape(n, hv * dv), L["linear_attn.out_proj.weight"])
 

@@ -64,8 +64,11 @@ def attention_tiles(cu, t0: int, t1: int, rows: int, causal: bool = True) -> np.
 
 
 class AttentionOps:
-    def sigmoid_gate(self, o, gate):
-        return sigmoid_gate_k()(self._f32(o), self._f32(gate))
+    def sigmoid_gate(self, o, gate, gemm_input=False):
+        """See cpu.sigmoid_gate; for a GEMM's activation (``gemm_input``: the o-projection's, rows o's leading
+        axis), in the dtype MatmulOps._operand_dtype names."""
+        half = gemm_input and o.ndim > 1 and self._operand_dtype(o.shape[0]) == self.cp.float16
+        return sigmoid_gate_k(half)(self._f32(o), self._f32(gate))
 
     def rope_tables(self, positions, rotary_dim, theta):
         c, s = _rope_tables_host(np.asarray(self.to_host(positions)), rotary_dim, theta)

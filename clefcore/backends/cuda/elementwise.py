@@ -35,9 +35,12 @@ def silu_k():
     return ek("clef_silu", "float32 x", "float32 y", "y = x / (1.0f + expf(-x))")
 
 
-def sigmoid_gate_k():
-    # numpy twin: clefcore/backends/cpu.py::sigmoid_gate
-    return ek("clef_sigmoid_gate", "float32 o, float32 g", "float32 y", "y = o / (1.0f + expf(-g))")
+def sigmoid_gate_k(half: bool = False):
+    # numpy twin: clefcore/backends/cpu.py::sigmoid_gate. half: y is written as the o-projection's fp16 operand
+    # (fused_elementwise): the same fp32 quotient from the same compiler and flags, then CuPy's float16
+    # conversion (__float2half: to nearest even, as gemm.cu's to_half)
+    return ek("clef_sigmoid_gate_half" if half else "clef_sigmoid_gate", "float32 o, float32 g",
+              "float16 y" if half else "float32 y", "y = o / (1.0f + expf(-g))")
 
 
 def gelu_k():

@@ -27,6 +27,11 @@ MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
 # cuBLAS from 512 rows up; docs/bench/2026-12-05-h100-wgmma-gemm/). Dynamic shared memory = 4 stages x
 # (A + W tile rows) x 128-byte rows, + 1024 to align the swizzle atoms.
 WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
+# Each tile's twin for the MLP under the fused_elementwise switch: the gate and up projections as one GEMM over
+# their rows paired 8 by 8 (cuda/gemm_swiglu.cuh), SwiGLU in its epilogue, fp16 out; same tile, shared memory
+# and launch as the plain kernel.
+MMA_SWIGLU = {"gemm_mma_f16a_big": "gemm_mma_swiglu_big", "gemm_mma_f16a": "gemm_mma_swiglu",
+              "gemm_wgmma_f16a": "gemm_wgmma_swiglu"}
 
 
 # gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
@@ -42,7 +47,24 @@ def shape_key(M, N, K, tag, path) -> tuple:
     return N, K, 1 << max(4, int(math.ceil(math.log2(max(M, 1))))), tag, path
 
 
+def swiglu_paired_rows(N: int) -> int:
+    """Rows of the gate/up pairing of N-row gate and up weights (cuda/gemm_swiglu.cuh): 16 per 8 outputs."""
+    return 16 * -(-N // 8)
+
+
 class MatmulOps:
+    def _fused(self) -> bool:
+        """Producers write the next GEMM's fp16 operand (the fused_elementwise switch, where the plan's row allows
+        it: clefcore/precision.py ``Row.fused_elementwise_under``). Every fused path asks here."""
+        return self.plan.row.fused_elementwise_under(self.switches)
+
+    def _operand_dtype(self, rows: int):
+        """The dtype an op asked for a GEMM's activation (``gemm_input``) writes it in, for a GEMM of ``rows``
+        rows: fp16 where fused, the rounding every route but gemm_rows.cu would make; fp32 otherwise, and for up to
+        _ROWS_MAX_M rows, which may take gemm_rows.cu (fp32 products: an fp16 operand would change its result,
+        and a cast of so few rows costs nothing)."""
+        return self.cp.float16 if self._fused() and rows > _ROWS_MAX_M else self.cp.float32
+
     def _half(self, x):
         """fp16, C-contiguous, 16-byte aligned; an fp16 array already so is returned as it is."""
         cp = self.cp
@@ -182,6 +204,12 @@ class MatmulOps:
         plan's row rounds them once."""
         return self.gemm.mma and K % 8 == 0 and self.plan.row.gemm.fp16
 
+    def _mma_tile(self):
+        """The "mma" route's kernel here: (module, (name, block rows, block columns, dynamic shared memory))."""
+        if self.gemm.wgmma:
+            return "gemm_wgmma.cu", WGMMA_TILE
+        return "gemm_mma.cu", next(t for t in MMA_TILES if t[3] <= self.max_smem_optin)
+
     def _mma(self, a16, w16, out, bias=None, res=None):
         """gemm_mma.cu (gemm_wgmma.cu on sm_90): out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both
         operands fp16 and 16-byte aligned (``_half``; weights are)."""
@@ -189,15 +217,28 @@ class MatmulOps:
         N = w16.shape[0]
         if w16.data.ptr % 16:
             raise errors.DeviceError(f"gemm_mma: weight at {w16.data.ptr:#x} is not 16-byte aligned")
-        if self.gemm.wgmma:
-            module, (name, bm, bn, smem) = "gemm_wgmma.cu", WGMMA_TILE
-        else:
-            module, (name, bm, bn, smem) = "gemm_mma.cu", next(t for t in MMA_TILES if t[3] <= self.max_smem_optin)
+        module, (name, bm, bn, smem) = self._mma_tile()
         fn = self.kernel(module, name, smem)
         fn((-(-N // bn), -(-M // bm)), (256,), (a16, w16, NULL if bias is None else bias,
                                               NULL if res is None else res, out, np.int32(M), np.int32(N),
                                               np.int32(K)), shared_mem=smem)
         return out
+
+    def _mma_swiglu(self, a16, w_gate, w_up, h16):
+        """The fused MLP's first half on the "mma" route: h16[M, I] fp16 = fp16(silu(a16 @ w_gate^T) * (a16 @
+        w_up^T)), one kernel (MMA_SWIGLU) over the gate and up rows paired (cuda/gemm_swiglu.cuh). Each output's
+        gate and up sums are the plain kernel's, term for term; SwiGLU is swiglu_half's: the bits of two _mma
+        calls and gemm.cu's swiglu_half."""
+        M, K = a16.shape
+        I = w_gate.shape[0]
+        for w in (w_gate, w_up):
+            if w.data.ptr % 16:
+                raise errors.DeviceError(f"gemm_mma swiglu: weight at {w.data.ptr:#x} is not 16-byte aligned")
+        module, (name, bm, bn, smem) = self._mma_tile()
+        fn = self.kernel(module, MMA_SWIGLU[name], smem)
+        fn((-(-swiglu_paired_rows(I) // bn), -(-M // bm)), (256,),
+           (a16, w_gate, w_up, h16, np.int32(M), np.int32(I), np.int32(K)), shared_mem=smem)
+        return h16
 
     def _wmma(self, a, w16, out, bias=None, res=None):
         M, K = a.shape
@@ -263,7 +304,8 @@ class MatmulOps:
             y = rowdot_k()(x2[:, None, :], w[None, :, :], axis=2).reshape(x.shape[:-1] + (w.shape[0],))
             return y if b is None else y + b
         lead = x.shape[:-1]
-        x = self._c(x).reshape(-1, x.shape[-1])
+        # an fp16 x (a producer wrote the GEMM's operand: _operand_dtype) goes in as it is
+        x = (self._half(x) if x.dtype == cp.float16 else self._c(x)).reshape(-1, x.shape[-1])
         M, K = x.shape
         N = w.shape[0]
         out = cp.empty((M, N), dtype=cp.float32)
@@ -274,15 +316,19 @@ class MatmulOps:
 
     def mlp(self, x, w_gate, w_up, w_down):
         """SwiGLU, processed in token blocks so the [T, intermediate] activation stays small (model.backbone
-        already hands it blocks of ``token_block`` rows; direct callers get the same bound). Two routes per
-        block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM) and
-        cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale)."""
+        already hands it blocks of ``token_block`` rows; direct callers get the same bound). The routes of a
+        block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM),
+        cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale), and on the
+        fp16 row of sm_80+ the mma route (gate and up GEMMs and a SwiGLU pass; one gate/up kernel with SwiGLU in its
+        epilogue under fused_elementwise). x may be fp16 (its producer rounded it: ``_operand_dtype``); the split
+        kernels take it widened back to fp32 (exactly)."""
         cp = self.cp
-        x = self._c(x)
+        split = self.plan.row.gemm.split
+        x = self._half(x) if x.dtype == cp.float16 and not split else self._c(x)
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
-        split = self.plan.row.gemm.split
+        fused = self._fused()
         step = self.token_block if self.token_block > 0 else max(T, 1)
         for t0 in range(0, T, step):
             xb = x[t0:t0 + step]
@@ -295,6 +341,8 @@ class MatmulOps:
                 args = (xb, w_gate, w_up, hb, np.int32(M), np.int32(I), np.int32(H))
                 if split:
                     self.kernel("gemm.cu", "gemm_swiglu_f32a_split")(grid, (256,), args + (self._range_amax(xb),))
+                elif xb.dtype == cp.float16:
+                    self.kernel("gemm.cu", "gemm_swiglu_f16a")(grid, (256,), (self._half(xb),) + args[1:])
                 else:
                     self.kernel("gemm.cu", "gemm_swiglu_f32a")(grid, (256,), args)
                 self._gemm(hb, w_down, ob)            # its own autotune (wmma or cuBLAS)
@@ -333,13 +381,17 @@ class MatmulOps:
 
             def run_m():                              # gate and up on the mma route, SwiGLU in one pass, down
                 a16 = self._half(xb)
-                gb = self._mma(a16, w_gate, cp.empty((M, I), dtype=cp.float32))
-                ub = self._mma(a16, w_up, cp.empty((M, I), dtype=cp.float32))
-                del a16
-                hb = cp.empty((M, I), dtype=cp.float16)
-                self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (ELEM_THREADS,),
-                                                      (gb, ub, hb, np.int64(gb.size)))
-                del gb, ub
+                if fused:                             # gate, up and SwiGLU in one kernel: the same bits
+                    hb = self._mma_swiglu(a16, w_gate, w_up, cp.empty((M, I), dtype=cp.float16))
+                    del a16
+                else:
+                    gb = self._mma(a16, w_gate, cp.empty((M, I), dtype=cp.float32))
+                    ub = self._mma(a16, w_up, cp.empty((M, I), dtype=cp.float32))
+                    del a16
+                    hb = cp.empty((M, I), dtype=cp.float16)
+                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (ELEM_THREADS,),
+                                                          (gb, ub, hb, np.int64(gb.size)))
+                    del gb, ub
                 self._gemm(hb, w_down, ob)            # its own autotune
 
             routes = {"wmma": run_w, "cublas": run_c}

@@ -1,5 +1,7 @@
 """RMSNorm (plain, fused with the residual add, gated), LayerNorm and L2 norm on the GPU (cuda/norms.cu): a mixin
-of ``CudaOps``."""
+of ``CudaOps``. The RMSNorms asked for a GEMM's activation (``gemm_input``) write it in the dtype
+``MatmulOps._operand_dtype`` names: fp16 under the fused_elementwise switch (the ``*_h`` kernels: the same fp32
+value, rounded once where the GEMM would have rounded it)."""
 
 from __future__ import annotations
 
@@ -14,38 +16,45 @@ class NormOps:
             return (max(1, R),), (256,), np.int32(256)
         return (max(1, -(-R // 8)),), (256,), np.int32(32)
 
-    def rmsnorm(self, x, w, eps):
+    def _norm_out(self, x, shape, gemm_input):
+        """A norm's output buffer of ``shape`` and its kernel's name suffix: fp32 (""), or, for a GEMM's
+        activation whose rows are x's leading axis, the dtype _operand_dtype names (fp16: "_h")."""
+        cp = self.cp
+        dtype = self._operand_dtype(x.shape[0]) if gemm_input and x.ndim > 1 else cp.float32
+        return cp.empty(shape, dtype=dtype), "_h" if dtype == cp.float16 else ""
+
+    def rmsnorm(self, x, w, eps, gemm_input=False):
         x, R, D, *rmap = self._row_map(x)
-        y = self.cp.empty(tuple(x.shape), dtype=self.cp.float32)
+        y, h = self._norm_out(x, tuple(x.shape), gemm_input)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), self._c(w), y, np.int32(R),
-                                                       np.int32(D), G, np.float32(eps)))
+        self.kernel("norms.cu", "rmsnorm_rows" + h)(g, b, (x, *self._map_args(*rmap), self._c(w), y, np.int32(R),
+                                                           np.int32(D), G, np.float32(eps)))
         return y
 
-    def add_rmsnorm(self, x, delta, w, eps):
+    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False):
         x, d = self._c(x), self._c(delta)
         D = x.shape[-1]
         R = x.size // D
         s = self.cp.empty(x.shape, dtype=self.cp.float32)
-        y = self.cp.empty(x.shape, dtype=self.cp.float32)
+        y, h = self._norm_out(x, x.shape, gemm_input)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "add_rmsnorm_rows")(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D), G,
-                                                           np.float32(eps)))
+        self.kernel("norms.cu", "add_rmsnorm_rows" + h)(g, b, (x, d, self._c(w), s, y, np.int32(R), np.int32(D), G,
+                                                               np.float32(eps)))
         return s, y
 
-    def gated_rmsnorm(self, x, z, w, eps):
+    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False):
         """x, z [..., heads, d]; both read through a row map (z is a per-head view of a wider projection)."""
         shape = x.shape
         x, R, D, *rmap = self._row_map(x)
         z, Rz, Dz, *zmap = self._row_map(z)
         if (Rz, Dz) != (R, D):
             raise ValueError(f"gated_rmsnorm: z {z.shape} does not match x {shape}")
-        y = self.cp.empty((R, D), dtype=self.cp.float32)
+        y, h = self._norm_out(x, shape, gemm_input)
         g, b, G = self._row_launch(R, D)
-        self.kernel("norms.cu", "gated_rmsnorm_rows")(g, b, (x, *self._map_args(*rmap), z, *self._map_args(*zmap),
-                                                             self._c(w), y, np.int32(R), np.int32(D), G,
-                                                             np.float32(eps)))
-        return y.reshape(shape)
+        self.kernel("norms.cu", "gated_rmsnorm_rows" + h)(g, b, (x, *self._map_args(*rmap), z,
+                                                                 *self._map_args(*zmap), self._c(w), y, np.int32(R),
+                                                                 np.int32(D), G, np.float32(eps)))
+        return y
 
     def layernorm(self, x, w, b, eps=1e-5):
         x, R, D, *rmap = self._row_map(x)

@@ -1,0 +1,389 @@
+"""The fused_elementwise kernel switch without a GPU: where it applies (the fast row of the precision table, one
+method), what each op routes to with it on and off (recorded, not launched: off runs exactly the old kernels,
+exact never fuses), that the model asks for GEMM operands where a GEMM is the only reader, a numpy model of the
+fused gate/up GEMM's column pairing and epilogue on both tile layouts, and the PTX of the fp16-writing norms
+(the same fp32 arithmetic as the fp32 ones, one cvt.rn before the store). The GPU side:
+tests/test_fused_elementwise_gpu.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clefcore import switches
+from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
+from clefcore.backends.cuda import attention
+from clefcore.backends.cuda.attention import AttentionOps
+from clefcore.backends.cuda.matmul import MMA_SWIGLU, MMA_TILES, WGMMA_TILE, MatmulOps, swiglu_paired_rows
+from clefcore.backends.cuda.norms import NormOps
+from clefcore.backends.cuda.ops import CudaOps
+from clefcore.backends.cuda.state import GemmChoices
+from clefcore.precision import RANGE_SAFE, TABLE, Plan
+
+GOLD = Path(__file__).parent / "golden"
+ON = frozenset({"fused_elementwise"})
+OFF = frozenset()
+
+
+# --------------------------------------------------------------------------------------- the switch and the row
+
+def test_the_switch_is_defined_once_and_off_by_default():
+    s = switches.BY_NAME["fused_elementwise"]
+    assert s.default is False and s.env == "CLEFCORE_FUSED_ELEMENTWISE" and "not yet run on a GPU" in s.help
+    assert "fused_elementwise" not in switches.resolve(None, environ={})
+    assert "fused_elementwise" in switches.resolve(None, environ={s.env: "1"})
+
+
+@pytest.mark.parametrize("path", list(TABLE))
+def test_only_the_fast_row_fuses_and_only_under_the_switch(path):
+    row = TABLE[path]
+    assert row.fused_elementwise_under(OFF) is False
+    assert row.fused_elementwise_under(frozenset({"gdn_one_pass"})) is False
+    assert row.fused_elementwise_under(ON) is (row.gemm.fp16 and row.mode == "fast")
+    assert RANGE_SAFE.row.fused_elementwise_under(ON) is False          # the fallback's plan: split
+
+
+class _Fake:
+    """CudaOps's routing with numpy arrays and every kernel recorded instead of launched."""
+
+    _fused = MatmulOps._fused
+    _operand_dtype = MatmulOps._operand_dtype
+    _mma_runs = MatmulOps._mma_runs
+    _norm_out = NormOps._norm_out
+    _row_launch = NormOps._row_launch
+    _row_map = CudaOps._row_map
+    _f32 = CudaOps._f32
+    _map_args = staticmethod(CudaOps._map_args)
+    rmsnorm, add_rmsnorm, gated_rmsnorm = NormOps.rmsnorm, NormOps.add_rmsnorm, NormOps.gated_rmsnorm
+    sigmoid_gate = AttentionOps.sigmoid_gate
+    mlp = MatmulOps.mlp
+
+    def __init__(self, path="fp16", on=True, pick="mma", mma=True):
+        self.plan, self.switches, self.pick = Plan(path), ON if on else OFF, pick
+        self.gemm = GemmChoices(mma=mma)
+        self.token_block = 0
+        self.cp = np
+        self.calls, self.offered = [], []
+
+    def _c(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def _half(self, x):
+        if x.dtype == np.float16:
+            return x
+        self.calls.append("cast")
+        return x.astype(np.float16)
+
+    def kernel(self, module, name, smem=0):
+        return lambda grid, block, args, **kw: self.calls.append(name)
+
+    def _grid1(self, n):
+        return (1,)
+
+    def _choose(self, M, N, K, routes, tag=""):
+        self.offered.append(set(routes))
+        return self.pick
+
+    def _mma(self, a16, w, out, bias=None, res=None):
+        assert a16.dtype == np.float16
+        self.calls.append("mma")
+        return out
+
+    def _mma_swiglu(self, a16, wg, wu, h16):
+        assert a16.dtype == np.float16 and h16.dtype == np.float16
+        self.calls.append("mma_swiglu")
+        return h16
+
+    def _cublas(self, a16, w, out, accumulate=False):
+        assert a16.dtype == np.float16
+        self.calls.append("cublas")
+        return out
+
+    def _gemm(self, x, w, out, bias=None):
+        self.calls.append(f"gemm {x.dtype}")
+        return out
+
+    def _range_amax(self, x):
+        return np.uint64(0)
+
+
+@pytest.mark.parametrize("path,on,rows,want", [
+    ("fp16", True, 65, np.float16), ("fp16", True, 8192, np.float16),
+    ("fp16", True, 64, np.float32), ("fp16", True, 1, np.float32),        # may take gemm_rows.cu (fp32 products)
+    ("fp16", False, 8192, np.float32),
+    ("split", True, 8192, np.float32), ("split8", True, 8192, np.float32),
+])
+def test_the_operand_dtype_rule(path, on, rows, want):
+    assert _Fake(path, on)._operand_dtype(rows) is want
+
+
+@pytest.mark.parametrize("path,on,R,fused", [("fp16", True, 65, True), ("fp16", True, 64, False),
+                                             ("fp16", False, 65, False), ("split", True, 65, False)])
+def test_the_norms_pick_their_kernels(path, on, R, fused):
+    """gemm_input and the rule fused: the *_h kernels into fp16; otherwise the fp32 kernels as before; without
+    gemm_input (q/k norms, the final norm) always the fp32 ones; add_rmsnorm's sum stays fp32."""
+    ops = _Fake(path, on)
+    x, w = np.ones((R, 96), np.float32), np.ones(96, np.float32)
+    h = "_h" if fused else ""
+    want = np.float16 if fused else np.float32
+    assert ops.rmsnorm(x, w, 1e-6, gemm_input=True).dtype == want
+    assert ops.rmsnorm(x, w, 1e-6).dtype == np.float32
+    s, y = ops.add_rmsnorm(x, x, w, 1e-6, gemm_input=True)
+    assert s.dtype == np.float32 and y.dtype == want
+    g = ops.gated_rmsnorm(x.reshape(R, 3, 32), x.reshape(R, 3, 32), w[:32], 1e-6, gemm_input=True)
+    assert g.dtype == want and g.shape == (R, 3, 32)
+    assert ops.calls == ["rmsnorm_rows" + h, "rmsnorm_rows", "add_rmsnorm_rows" + h, "gated_rmsnorm_rows" + h]
+
+
+@pytest.mark.parametrize("path,on,n,half", [("fp16", True, 65, True), ("fp16", True, 64, False),
+                                            ("fp16", False, 65, False), ("split", True, 65, False)])
+def test_the_output_gate_picks_its_kernel(monkeypatch, path, on, n, half):
+    made = []
+    monkeypatch.setattr(attention, "sigmoid_gate_k", lambda half=False: made.append(half) or (lambda o, g: None))
+    ops = _Fake(path, on)
+    o = np.ones((n, 4, 32), np.float32)
+    ops.sigmoid_gate(o, o, gemm_input=True)
+    ops.sigmoid_gate(o, o)
+    assert made == [half, False]
+
+
+# ---------------------------------------------------------------------------------------------------- the MLP
+
+@pytest.mark.parametrize("pick,on,dtype,want", [
+    # the mma route: switch off runs exactly what it ran before (cast, two GEMMs, swiglu_half, down)
+    ("mma", False, np.float32, ["cast", "mma", "mma", "swiglu_half", "gemm float16"]),
+    ("mma", True, np.float16, ["mma_swiglu", "gemm float16"]),
+    ("mma", True, np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
+    ("wmma", False, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
+    ("wmma", True, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
+    ("cublas", False, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
+    ("cublas", True, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # the cast pass is gone
+])
+def test_the_mlp_routes(pick, on, dtype, want):
+    ops = _Fake("fp16", on, pick)
+    x = np.ones((100, 64), dtype)
+    w = np.ones((160, 64), np.float16)
+    ops.mlp(x, w, w, np.ones((64, 160), np.float16))
+    assert ops.calls == want and ops.offered == [{"wmma", "cublas", "mma"}]
+
+
+def test_exact_never_fuses_the_mlp():
+    """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
+    ops = _Fake("split", True, "wmma")
+    w = np.ones((160, 64), np.float16)
+    ops.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
+    assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{"wmma", "cublas"}]
+
+
+def test_every_mma_tile_has_its_fused_twin():
+    assert set(MMA_SWIGLU) == {name for name, *_ in MMA_TILES} | {WGMMA_TILE[0]}
+    source = {f: (Path(__file__).parent.parent / "cuda" / f).read_text() for f in ("gemm_mma.cu", "gemm_wgmma.cu")}
+    for plain, fused in MMA_SWIGLU.items():
+        module = "gemm_wgmma.cu" if plain == WGMMA_TILE[0] else "gemm_mma.cu"
+        assert re.search(rf"\b{fused}\(", source[module]), (module, fused)
+
+
+# ----------------------------------------------------------------------------------------- the model's requests
+
+class _Recording(CpuOps):
+    """The numpy backend, recording which norms and gates were asked for a GEMM's operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def rmsnorm(self, x, w, eps, gemm_input=False):
+        self.asked.append(("rmsnorm", gemm_input))
+        return cpu.rmsnorm(x, w, eps, gemm_input)
+
+    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False):
+        self.asked.append(("add_rmsnorm", gemm_input))
+        return cpu.add_rmsnorm(x, delta, w, eps, gemm_input)
+
+    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False):
+        self.asked.append(("gated_rmsnorm", gemm_input))
+        return cpu.gated_rmsnorm(x, z, w, eps, gemm_input)
+
+    def sigmoid_gate(self, o, gate, gemm_input=False):
+        self.asked.append(("sigmoid_gate", gemm_input))
+        return cpu.sigmoid_gate(o, gate, gemm_input)
+
+
+def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader():
+    """Each layer's input norm, post-mixer norm, GDN output norm and attention gate are asked for GEMM operands;
+    the q/k norms (read by the rotary) and the final norm (read by the head) are not. On numpy the flag changes
+    nothing: the same hidden states bit for bit."""
+    from clefcore.checkpoint import Checkpoint
+    from clefcore.model.backbone import backbone
+    from clefcore.model.params import load_params
+    ck = Checkpoint(GOLD / "model")
+    rec = _Recording()
+    p = load_params(ck, rec)
+    ids = np.arange(70, dtype=np.int64) % ck.text.vocab_size
+    hs, _ = backbone(rec, p, ids, np.array([0, 70]), np.arange(70))
+    kinds = ck.text.layer_types
+    n_attn, n_gdn = kinds.count("full_attention"), kinds.count("linear_attention")
+    asked = {k: rec.asked.count(k) for k in set(rec.asked)}
+    assert asked == {("rmsnorm", True): len(kinds), ("add_rmsnorm", True): len(kinds),
+                     ("gated_rmsnorm", True): n_gdn, ("sigmoid_gate", True): n_attn,
+                     ("rmsnorm", False): 2 * n_attn + 1}
+    plain, _ = backbone(CpuOps(), load_params(ck, CpuOps()), ids, np.array([0, 70]), np.arange(70))
+    assert np.array_equal(hs, plain)
+
+
+def test_numpy_ignores_the_flag():
+    x, d, w = (np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32) for _ in range(3))
+    for got, want in ((cpu.rmsnorm(x, w[0], 1e-6, True), cpu.rmsnorm(x, w[0], 1e-6)),
+                      (cpu.gated_rmsnorm(x, d, w[0], 1e-6, True), cpu.gated_rmsnorm(x, d, w[0], 1e-6)),
+                      (cpu.sigmoid_gate(x, d, True), cpu.sigmoid_gate(x, d)),
+                      (cpu.add_rmsnorm(x, d, w[0], 1e-6, True)[1], cpu.add_rmsnorm(x, d, w[0], 1e-6)[1])):
+        assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------- a numpy model of the fused gate/up GEMM
+
+def swiglu_row(p, N):
+    """gemm_swiglu.cuh's swiglu_row: (weight "g" or "u", row, ok) of paired row p."""
+    row = ((p >> 4) << 3) | (p & 7)
+    return ("u" if p & 8 else "g"), row, row < N
+
+
+def _mma_sync_pairs(BM, BN, WARPS_M, WARPS_N):
+    """gemm_mma.cu's SWIGLU epilogue for one block: per output pair it writes, (tile row, gate accumulator's tile
+    column, up accumulator's tile column, output column - n0 / 2). The accumulators are named as the epilogue
+    indexes them (acc[i][2 jj][h * 2 + t], acc[i][2 jj + 1][...]); the m16n8 layout places acc[i][j][e] at row
+    wm*WTM + i*16 + lane/4 + 8 (e >= 2), column wn*WTN + 8 j + 2 (lane % 4) + e % 2."""
+    WTM, WTN = BM // WARPS_M, BN // WARPS_N
+    MI, NJ = WTM // 16, WTN // 8
+    out = []
+    for warp in range(WARPS_M * WARPS_N):
+        wm, wn = warp // WARPS_N, warp % WARPS_N
+        for lane in range(32):
+            for i in range(MI):
+                for h in range(2):
+                    erow = wm * WTM + i * 16 + (lane >> 2) + h * 8             # the epilogue's gr - m0
+                    for jj in range(NJ // 2):
+                        oc = (wn * WTN) // 2 + jj * 8 + (lane & 3) * 2         # its oc - n0 / 2
+                        for t in range(2):
+                            (jg, eg), (ju, eu) = (2 * jj, h * 2 + t), (2 * jj + 1, h * 2 + t)
+                            row = wm * WTM + i * 16 + (lane >> 2) + 8 * (eg >= 2)
+                            assert row == erow and row == wm * WTM + i * 16 + (lane >> 2) + 8 * (eu >= 2)
+                            out.append((row, wn * WTN + 8 * jg + 2 * (lane & 3) + eg % 2,
+                                        wn * WTN + 8 * ju + 2 * (lane & 3) + eu % 2, oc + t))
+    return np.array(out)
+
+
+def _wgmma_pairs(BM, BN):
+    """gemm_wgmma.cu's SWIGLU epilogue, as _mma_sync_pairs: it reads acc[i][8 jj + h * 2 + t] (gate) and
+    acc[i][8 jj + 4 + h * 2 + t] (up); wgmma's layout places acc[i][4 j + e] at row wg*WM + i*64 + warp*16 +
+    lane/4 + 8 (e >= 2), column 8 j + 2 (lane % 4) + e % 2."""
+    WM = BM // 2
+    out = []
+    for wg in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                for i in range(WM // 64):
+                    for h in range(2):
+                        erow = wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8
+                        for jj in range(BN // 16):
+                            oc = jj * 8 + (lane & 3) * 2
+                            for t in range(2):
+                                cols = []
+                                for idx in (8 * jj + h * 2 + t, 8 * jj + 4 + h * 2 + t):
+                                    j, e = divmod(idx, 4)
+                                    assert wg * WM + i * 64 + warp * 16 + (lane >> 2) + 8 * (e >= 2) == erow
+                                    cols.append(8 * j + 2 * (lane & 3) + e % 2)
+                                out.append((erow, cols[0], cols[1], oc + t))
+    return np.array(out)
+
+
+def _run_model(pairs, BM, BN, A, Wg, Wu):
+    """The kernel's grid over A [M, K], Wg and Wu [N, K]: each block's tile product over its paired weight rows
+    (zero rows where swiglu_row says not ok, zero A rows past M), then its epilogue's writes. Returns H (NaN where
+    nothing was written) and how many times each output was written."""
+    M, N = A.shape[0], Wg.shape[0]
+    H, count = np.full((M, N), np.nan), np.zeros((M, N), int)
+    for bn in range(-(-swiglu_paired_rows(N) // BN)):
+        n0 = bn * BN
+        Wt = np.zeros((BN, A.shape[1]))
+        for r in range(BN):
+            which, row, ok = swiglu_row(n0 + r, N)
+            if ok:
+                Wt[r] = (Wg if which == "g" else Wu)[row]
+        for bm in range(-(-M // BM)):
+            m0 = bm * BM
+            At = np.zeros((BM, A.shape[1]))
+            At[:min(BM, M - m0)] = A[m0:m0 + BM]
+            P = At @ Wt.T
+            gr, oc = m0 + pairs[:, 0], n0 // 2 + pairs[:, 3]
+            keep = (gr < M) & (oc < N)
+            g, u = P[pairs[keep, 0], pairs[keep, 1]], P[pairs[keep, 0], pairs[keep, 2]]
+            H[gr[keep], oc[keep]] = g / (1 + np.exp(-g)) * u
+            np.add.at(count, (gr[keep], oc[keep]), 1)
+    return H, count
+
+
+_LAYOUTS = {name: (_mma_sync_pairs, (bm, bn, wm, wn)) for (name, bm, bn, _), (wm, wn) in
+            zip(MMA_TILES, [(4, 2), (2, 4)])}
+_LAYOUTS[WGMMA_TILE[0]] = (_wgmma_pairs, WGMMA_TILE[1:3])
+
+
+@pytest.mark.parametrize("tile", list(_LAYOUTS))
+@pytest.mark.parametrize("M,N", [(1, 1), (63, 8), (65, 160), (300, 201), (129, 264)])
+def test_the_pairing_and_epilogue_give_every_output_its_own_gate_and_up(tile, M, N):
+    """The launch's grid (matmul.py: ceil(16 ceil(N / 8) / BN) column blocks), the loaders' paired rows and the
+    epilogue's register pairs: every output (row, column) is written once, from the gate and up sums of that very
+    row and column; rows and columns past M and N are not."""
+    layout, shape = _LAYOUTS[tile]
+    BM, BN = shape[:2]
+    pairs = layout(*shape)
+    assert len(pairs) == BM * BN // 2 and len({tuple(p) for p in pairs[:, [0, 3]]}) == len(pairs)
+    rng = np.random.default_rng(M * 1000 + N)
+    A, Wg, Wu = (rng.standard_normal(s) for s in ((M, 24), (N, 24), (N, 24)))
+    H, count = _run_model(pairs, BM, BN, A, Wg, Wu)
+    g, u = A @ Wg.T, A @ Wu.T
+    assert np.array_equal(count, np.ones((M, N), int))
+    np.testing.assert_allclose(H, g / (1 + np.exp(-g)) * u, rtol=1e-12, atol=1e-12)
+
+
+def test_the_model_catches_a_wrong_pairing():
+    """The model can fail: pairing each gate tile with the next gate tile instead of its up tile is caught."""
+    BM, BN, WM, WN = 128, 128, 2, 4
+    pairs = _mma_sync_pairs(BM, BN, WM, WN)
+    pairs[:, 2] = (pairs[:, 1] + 16) % BN
+    A, W = np.ones((5, 8)), np.arange(16 * 8, dtype=float).reshape(16, 8)
+    H, _ = _run_model(pairs, BM, BN, A, W, W + 1)
+    g, u = A @ W.T, A @ (W + 1).T
+    assert not np.allclose(H, g / (1 + np.exp(-g)) * u)
+
+
+# ------------------------------------------------------------------------------------------- the norms' PTX
+
+def _float_ops(ptx: str, kernel: str) -> list[str]:
+    body = re.search(rf"\.entry {kernel}\((.*?)\n\}}", ptx, re.S).group(1)
+    ops = [line.split()[0] for line in body.splitlines() if line.strip() and not line.strip().startswith("//")]
+    return [op for op in ops if ".f32" in op or ".f16" in op]
+
+
+@pytest.mark.parametrize("target", ["compute_70", "compute_90"])
+def test_the_fp16_norms_do_the_fp32_norms_arithmetic_then_round(target):
+    """norms.cu's *_h kernels: the fp32 kernel's floating-point instructions in the same order (both group sizes'
+    bodies), except that each store of y becomes a cvt.rn.f16.f32 (then a 16-bit store): the same fp32 value,
+    rounded once to nearest even, as gemm.cu's to_half rounds it after the fp32 store (its f2h: the same cvt.rn)."""
+    from clefcore.backends.cuda import compile as C
+    try:
+        ptx = C.compile_file("norms.cu", target).image.decode(errors="replace")
+        half = C.compile_file("gemm.cu", target).image.decode(errors="replace")
+    except C.NvrtcError as e:
+        pytest.skip(str(e))
+    assert _float_ops(half, "to_half") == ["ld.global.nc.f32", "cvt.rn.f16.f32"]
+    for name in ("rmsnorm_rows", "add_rmsnorm_rows", "gated_rmsnorm_rows"):
+        f32, f16 = _float_ops(ptx, name), _float_ops(ptx, name + "_h")
+        # instruction for instruction, but where the fp32 kernel stores y (not add_rmsnorm's fp32 sum)
+        assert len(f32) == len(f16), name
+        diff = {(a, b) for a, b in zip(f32, f16) if a != b}
+        assert diff == {("st.global.f32", "cvt.rn.f16.f32")}, (name, diff)

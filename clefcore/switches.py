@@ -32,6 +32,12 @@ SWITCHES = (
            "fast precision: the delta rule in one fp16 tensor-core pass per product (cuda/gated_delta_fast.cu) "
            "instead of three (hi/lo halves, as the exact plans run it): 3-4 % faster from 8,192 tokens on the "
            "H100, fast's golden error 9.0e-3 instead of 6.4e-3"),
+    # Off until a GPU run has checked it: written without a device, its tests and bench comparison not yet run.
+    Switch("head_graph", False,
+           "the joint head's launches captured once per question layout in a CUDA graph and replayed, "
+           "instead of its hundreds of launches from Python (its attention products through cuBLAS callable "
+           "in a capture, its per-question softmax sum in one deterministic kernel instead of CuPy's scatter "
+           "atomics); not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

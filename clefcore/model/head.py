@@ -83,7 +83,7 @@ class HeadLayout:
         qs = [(b, q) for b in range(B) for q in questions_of[b]]
         self.T, self.B, self.nq = int(cu[-1]), B, len(qs)
         self.rows = head_rows(cu, questions_of)
-        q_seq = np.array([b for b, _ in qs], dtype=np.int64)                                 # sequence of each question
+        q_seq = np.array([b for b, _ in qs], dtype=np.int64)                          # sequence of each question
         owner = np.concatenate([np.full(len(q.option_spans), i) for i, (_, q) in enumerate(qs)])  # question of option
         self.option_spans = (np.array([cu[b] + s for b, q in qs for s, _ in q.option_spans], dtype=np.int64),
                              np.array([cu[b] + e for b, q in qs for _, e in q.option_spans], dtype=np.int64))

@@ -59,7 +59,7 @@ def segment_softmax_sum_k():
     # non-decreasing owner, then their max, the sum of exp(score - max) and the weighted sum of the column, each
     # in row order; every operation rounded on its own (no fused multiply-add), as CuPy's separate kernels round.
     return ek("clef_segment_softmax_sum",
-              "raw float32 scores, raw float32 values, raw int64 owner, int64 n, int64 width", "float32 out",
+              "raw float32 scores, raw float32 values, raw int64 owner, int64 n, int64 width", "float32 y",
               "const long long q = i / width, j = i - q * width;"
               "long long lo = 0, hi = n;"
               "while (lo < hi) { long long mid = (lo + hi) >> 1; if (owner[mid] < q) lo = mid + 1; else hi = mid; }"
@@ -72,6 +72,8 @@ def segment_softmax_sum_k():
               "float den = 0.0f;"
               "for (long long r = a; r < b; ++r) den = __fadd_rn(den, expf(__fsub_rn(scores[r], m)));"
               "float acc = 0.0f;"
-              "for (long long r = a; r < b; ++r)"
-              "  acc = __fadd_rn(acc, __fmul_rn(__fdiv_rn(expf(__fsub_rn(scores[r], m)), den), values[r * width + j]));"
-              "out = acc;")
+              "for (long long r = a; r < b; ++r) {"
+              "  const float w = __fdiv_rn(expf(__fsub_rn(scores[r], m)), den);"
+              "  acc = __fadd_rn(acc, __fmul_rn(w, values[r * width + j]));"
+              "}"
+              "y = acc;")

@@ -263,6 +263,34 @@ def test_the_cache_keeps_at_most_its_capacity(gpu):
         cache.capacity = saved
 
 
+def test_captures_that_come_with_the_traffic_hold_no_more_memory(gpu):
+    """Every layout seen twice is captured, and the cache keeps the last few: forty more captures past a full
+    cache leave the device's memory beyond the cache's own pools where it was (nothing a capture makes, such as a
+    library's per-stream workspace, may pile up; 64 MiB of slack for the driver's own bookkeeping)."""
+    import cupy
+    ops, p = gpu
+    cache = ops.head_graphs
+
+    def used_beyond_the_cache():
+        cupy.get_default_memory_pool().free_all_blocks()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free - cache.nbytes()
+
+    def capture(lengths):
+        for L in lengths:
+            s = _stream(ops, p, [(L, TWO)])
+            for _ in range(3):
+                _head(ops, p, s)
+
+    capture(range(600, 600 + cache.capacity))                      # the cache full
+    before, c0 = used_beyond_the_cache(), cache.captures
+    capture(range(700, 740))
+    assert cache.captures == c0 + 40
+    grown = used_beyond_the_cache() - before
+    print(f"40 captures past a full cache: {grown / 2 ** 20:.1f} MiB beyond the cache's pools")
+    assert grown <= 64 << 20
+
+
 def test_a_layout_too_large_runs_its_launches(gpu):
     ops, p = gpu
     cache = ops.head_graphs

@@ -72,6 +72,7 @@ class GraphCache:
         self._graphs: OrderedDict = OrderedDict()
         self._seen = _Recent(REMEMBERED)
         self._failed = _Recent(REMEMBERED)
+        self._stream = None          # the side stream every capture of this cache runs on (made at the first)
         self.launches = 0
         self.captures = 0
 
@@ -122,7 +123,11 @@ class GraphCache:
     def _capture(self, key, fn, inputs, reads):
         ops, cp = self.ops, self.ops.cp
         pool = cp.cuda.MemoryPool()
-        stream = cp.cuda.Stream(non_blocking=True)
+        # one side stream for all of them: what a library keeps per stream (a cuBLAS workspace) is made once, not
+        # once per capture, and the head's captures come with the traffic
+        if self._stream is None:
+            self._stream = cp.cuda.Stream(non_blocking=True)
+        stream = self._stream
         before = ops._watched
         ops._watched, ops._pinned = [], []
         graph = out = None

@@ -184,7 +184,9 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
         assert [c["case"] for c in cases] == ["200 tokens", "2x160 packed"]
         # --breakdown 200: the 200-token case, not the 320-token packed one; the head's launches end before it does
         parts = cases[0]["breakdown"]
-        assert "breakdown" not in cases[1] and set(parts) == {"backbone_ms", "head_ms", "head_launch_ms"}
+        assert "breakdown" not in cases[1] and set(parts) == {"backbone_ms", "head_ms", "head_launch_ms",
+                                                               "head_graph_replays"}
+        assert parts["head_graph_replays"] == 0                    # the head_graph switch is off
         assert 0 < parts["head_launch_ms"] <= parts["head_ms"] and parts["backbone_ms"] > 0, parts
         for c in cases:
             # the tiny model's fp32-operand GEMMs have only wmma among clefcore's kernels, so a run without cuBLAS

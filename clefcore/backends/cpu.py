@@ -254,10 +254,11 @@ def gelu(x):
     return (0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))).astype(np.float32)
 
 
-def mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+def mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
     """torch.nn.MultiheadAttention forward. ``groups`` = (gq, gk), non-decreasing group ids of the query and the
     key rows (the packed sequences of the joint head): a query attends only to the keys of its own group
-    (None: to every key)."""
+    (None: to every key). The blocks are planned on ``groups``; the mask reads ``group_ids``, the same ids as the
+    caller holds them (the joint head's index table), where given."""
     W = xq.shape[-1]
     d = W // heads
     q = (xq @ in_w[:W].T + in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
@@ -271,7 +272,8 @@ def mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
         k0, k1 = group_keys(groups, b0, b1, v.shape[1])
         sc = (q[:, b0:b1] @ k[:, :, k0:k1]) * np.float32(1.0 / np.sqrt(d))
         if groups is not None:
-            sc = np.where(groups[0][b0:b1, None] == groups[1][None, k0:k1], sc, np.float32(-np.inf))
+            gq, gk = groups if group_ids is None else group_ids
+            sc = np.where(gq[b0:b1, None] == gk[None, k0:k1], sc, np.float32(-np.inf))
         sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
         o[:, b0:b1] = (sc / sc.sum(axis=-1, keepdims=True)) @ v[:, k0:k1]
     return o.transpose(1, 0, 2).reshape(-1, W) @ out_w.T + out_b
@@ -393,6 +395,7 @@ class CpuOps:
     token_block: int
     graphs: None
     tower_graphs: None
+    head_graphs: None
 
     def __init__(self):
         self.plan = Plan(FP32)
@@ -401,6 +404,7 @@ class CpuOps:
         self.token_block = 0
         self.graphs = None       # nothing to replay: numpy has no launch overhead to save
         self.tower_graphs = None
+        self.head_graphs = None
 
     # ------------------------------------------------------------------------------ forward and guards
     def fallback(self):

@@ -44,6 +44,7 @@ class Backend(Protocol):
     token_block: int           # the backbone's default token block (0 = the whole stream at once)
     graphs: Graphs | None      # short single-sequence prompts' graphs, or None (never replayed)
     tower_graphs: Graphs | None   # the vision tower's graphs, or None
+    head_graphs: Graphs | None    # the joint head's graphs, one per question layout, or None (never replayed)
     falls_back: bool           # has a range-safe path to answer a batch again after a guard tripped
 
     # ---------------------------------------------------------------------------------- forward and guards
@@ -155,17 +156,21 @@ class Backend(Protocol):
     def sigmoid(self, x) -> Array:
         ...
 
-    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None) -> Array:
-        ...
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None) -> Array:
+        """torch's MultiheadAttention. ``groups`` = (query ids, key ids), non-decreasing host ints: a query
+        attends to the keys of its own group only. ``group_ids``: the same two id arrays as the backend's arrays,
+        where the caller holds them there already (the joint head's index table: nothing is uploaded inside
+        a CUDA graph's capture); None: the backend makes them from ``groups``."""
 
     def span_means(self, x, starts, ends) -> Array:
-        ...
+        """The mean of x's rows [s, e) per span; ``starts``/``ends``: host ints or the backend's int arrays."""
 
     def normalize(self, x, eps) -> Array:
         ...
 
     def segment_softmax_sum(self, scores, values, owner, n_groups) -> Array:
-        ...
+        """Per group: the softmax of the scores of its rows, then the weighted sum of their values; ``owner``
+        (each row's group, host ints or the backend's) non-decreasing: a group's rows are adjacent."""
 
     # --------------------------------------------------------------------------------------- vision tower
     def patch_rows(self, images) -> Array:

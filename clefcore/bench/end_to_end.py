@@ -85,14 +85,17 @@ def breakdown(cp, ops, params, records, reps) -> dict:
     """Where one forward of ``records`` spends its time, for short prompts whose host time matters: the backbone
     (a CUDA graph where one fits) and the joint head, each timed to the GPU's end (``*_ms``), and the head's host
     time alone (``head_launch_ms``: until its last launch returns, no synchronisation). ``head_ms`` includes the
-    guards' read, as Engine.forward's head does. Median of ``reps``."""
+    guards' read, as Engine.forward's head does. Median of ``reps``. ``head_graph_replays``: of the timed runs,
+    those whose head replayed a CUDA graph (the head_graph kernel switch; 0 without it)."""
     from ..model.backbone import backbone
     from ..model.head import heads
     ids, cu, pos = _packed(records)
     qs = [r.questions for r in records]
     sync = cp.cuda.Device().synchronize
     rows = {"backbone_ms": [], "head_ms": [], "head_launch_ms": []}
-    for _ in range(reps + 1):                      # the first run is a warm-up
+    replays = 0
+    for i in range(reps + 1):                      # the first run is a warm-up
+        launched = ops.head_graphs.launches if ops.head_graphs is not None else 0
         sync()
         t0 = time.perf_counter()
         hs, _ = backbone(ops, params, ids, cu, pos, check=False)
@@ -105,7 +108,9 @@ def breakdown(cp, ops, params, records, reps) -> dict:
         t3 = time.perf_counter()
         for key, v in (("backbone_ms", t1 - t0), ("head_ms", t3 - t1), ("head_launch_ms", t2 - t1)):
             rows[key].append(v * 1e3)
-    return {k: statistics.median(v[1:]) for k, v in rows.items()}
+        if i and ops.head_graphs is not None:
+            replays += ops.head_graphs.launches - launched
+    return {**{k: statistics.median(v[1:]) for k, v in rows.items()}, "head_graph_replays": replays}
 
 
 def route_counts(seen: dict) -> dict:
@@ -140,7 +145,7 @@ def measure(cp, ops, label, T, run, reps):
     reserved = pool.total_bytes() - base
     dev = _device_used(cp) - dev0
     ts = []
-    graphs = [g for g in (ops.graphs, ops.tower_graphs) if g is not None]
+    graphs = [g for g in (ops.graphs, ops.tower_graphs, ops.head_graphs) if g is not None]
     l0 = sum(g.launches for g in graphs)
     for _ in range(reps if T <= 8192 else max(1, reps - 1)):
         t0 = time.perf_counter()
@@ -184,5 +189,6 @@ def text_cases(cp, ops, params, lengths, packed, reps, split_upto=0):
         res.append(measure(cp, ops, label, sum(lens), forward_run(ops, params, records), reps))
         if sum(lens) <= split_upto:
             res[-1]["breakdown"] = parts = breakdown(cp, ops, params, records, reps)
-            print("    " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+            print("    " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                  for k, v in parts.items()))
     return res

@@ -54,3 +54,29 @@ def gdn_gates_k():
     return ek("clef_gdn_gates", "float32 a, float32 b, float32 a_log, float32 dt_bias", "float32 g, float32 beta",
                "float z = a + dt_bias; float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));"
                "g = -expf(a_log) * sp; beta = 1.0f / (1.0f + expf(-b));")
+
+
+def segment_softmax_sum_k():
+    # numpy twin: clefcore/backends/cpu.py::segment_softmax_sum (np.add.at adds in row order, as this loop does).
+    # One output value (group q, column j) a thread: the group's rows [a, b) by binary search in the
+    # non-decreasing owner, then their max, the sum of exp(score - max) and the weighted sum of the column, each
+    # in row order; every operation rounded on its own (no fused multiply-add), as CuPy's separate kernels round.
+    return ek("clef_segment_softmax_sum",
+              "raw float32 scores, raw float32 values, raw int64 owner, int64 n, int64 width", "float32 y",
+              "const long long q = i / width, j = i - q * width;"
+              "long long lo = 0, hi = n;"
+              "while (lo < hi) { long long mid = (lo + hi) >> 1; if (owner[mid] < q) lo = mid + 1; else hi = mid; }"
+              "const long long a = lo;"
+              "hi = n;"
+              "while (lo < hi) { long long mid = (lo + hi) >> 1; if (owner[mid] <= q) lo = mid + 1; else hi = mid; }"
+              "const long long b = lo;"
+              "float m = -__int_as_float(0x7f800000);"
+              "for (long long r = a; r < b; ++r) m = fmaxf(m, scores[r]);"
+              "float den = 0.0f;"
+              "for (long long r = a; r < b; ++r) den = __fadd_rn(den, expf(__fsub_rn(scores[r], m)));"
+              "float acc = 0.0f;"
+              "for (long long r = a; r < b; ++r) {"
+              "  const float w = __fdiv_rn(expf(__fsub_rn(scores[r], m)), den);"
+              "  acc = __fadd_rn(acc, __fmul_rn(w, values[r * width + j]));"
+              "}"
+              "y = acc;")

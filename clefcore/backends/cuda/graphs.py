@@ -11,6 +11,10 @@ capture that fails for any reason falls back to eager runs for that key and is l
 forward faster, never wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
+Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under
+the head_graph switch, the joint head's (per question layout, clefcore/model/head.py). A cache remembers the keys
+it has seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the head's keys come with
+the traffic.
 """
 
 from __future__ import annotations
@@ -20,6 +24,29 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 log = logging.getLogger("clefcore.cuda")
+
+REMEMBERED = 4096     # keys seen (or failed) that a cache remembers, the oldest forgotten first
+
+
+class _Recent:
+    """A set of at most ``size`` keys that forgets its oldest: forgetting a key seen once only means that its next
+    sighting is taken for a first one (run eagerly), and a failed one is tried again."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._keys: OrderedDict = OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def add(self, key) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+
+    def discard(self, key) -> None:
+        self._keys.pop(key, None)
 
 
 @dataclass
@@ -43,8 +70,9 @@ class GraphCache:
         self.capacity = int(capacity)
         self.bucket = int(bucket)
         self._graphs: OrderedDict = OrderedDict()
-        self._seen: set = set()
-        self._failed: set = set()
+        self._seen = _Recent(REMEMBERED)
+        self._failed = _Recent(REMEMBERED)
+        self._stream = None          # the side stream every capture of this cache runs on (made at the first)
         self.launches = 0
         self.captures = 0
 
@@ -95,7 +123,11 @@ class GraphCache:
     def _capture(self, key, fn, inputs, reads):
         ops, cp = self.ops, self.ops.cp
         pool = cp.cuda.MemoryPool()
-        stream = cp.cuda.Stream(non_blocking=True)
+        # one side stream for all of them: what a library keeps per stream (a cuBLAS workspace) is made once, not
+        # once per capture, and the head's captures come with the traffic
+        if self._stream is None:
+            self._stream = cp.cuda.Stream(non_blocking=True)
+        stream = self._stream
         before = ops._watched
         ops._watched, ops._pinned = [], []
         graph = out = None

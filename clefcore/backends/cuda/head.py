@@ -1,5 +1,12 @@
 """The joint schema head's ops on the GPU: GELU, grouped multi-head attention over the head's few rows (fp32),
-span means, normalisation and the per-question softmax. A mixin of ``CudaOps``."""
+span means, normalisation and the per-question softmax. A mixin of ``CudaOps``.
+
+Under the head_graph kernel switch (``CudaOps.head_graphs`` is then a cache, not None; model/head.py replays the
+head from it) two ops take kernels a CUDA graph capture accepts: the attention's fp32 products call cuBLAS through
+clefcore's ctypes entry (cublas.py; CuPy's own binding refuses a capture) with CuPy's very arguments, and the
+per-question softmax sum runs one kernel that adds each question's options in row order, where CuPy's scatter adds
+them with atomics in whatever order the GPU schedules them (for three options and more, rounding that moves from
+run to run, which no replay could be checked against bit for bit)."""
 
 from __future__ import annotations
 
@@ -8,16 +15,18 @@ import math
 import numpy as np
 
 from ..cpu import check_groups, group_keys
-from .elementwise import gelu_k, rowdot_k
+from . import cublas
+from .elementwise import gelu_k, rowdot_k, segment_softmax_sum_k
 
 
 class HeadOps:
     def gelu(self, x):
         return gelu_k()(self._f32(x))
 
-    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
         """See cpu.mha. With groups the scores are masked per query block, each block against the key range of
-        its groups only, in blocks that keep the score matrix under 64 MiB."""
+        its groups only, in blocks that keep the score matrix under 64 MiB. The mask reads ``group_ids`` (the
+        same ids on the device) where given, else ``groups`` uploaded."""
         cp = self.cp
         check_groups(groups)
         W = xq.shape[-1]
@@ -35,7 +44,9 @@ class HeadOps:
         n, m = q.shape[1], v.shape[1]
         o = cp.empty((heads, n, d), dtype=cp.float32)
         rows = n if groups is None else max(1, (16 << 20) // max(1, heads * m))
-        if groups is not None:
+        if group_ids is not None:
+            gq, gk = group_ids
+        elif groups is not None:
             gq, gk = self._upload(np.asarray(groups[0], np.int32)), self._upload(np.asarray(groups[1], np.int32))
         for b0 in range(0, n, rows):
             b1 = min(b0 + rows, n)
@@ -48,21 +59,31 @@ class HeadOps:
         return self.linear(o.transpose(1, 0, 2).reshape(-1, W), out_w, out_b)
 
     def _bmm(self, a, b):
-        """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul (cuBLAS), or
-        where cuBLAS cannot be loaded a reduction over broadcast views (nothing [h, n, m, k] is materialised)."""
-        if self.cublas_missing is None:
-            return self.cp.matmul(a, b)
-        return rowdot_k()(a[:, :, None, :], b.transpose(0, 2, 1)[:, None, :, :], axis=3)
+        """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul (cuBLAS;
+        under head_graph the same cuBLAS call made through ctypes), or where cuBLAS cannot be loaded a reduction
+        over broadcast views (nothing [h, n, m, k] is materialised)."""
+        cp = self.cp
+        if self.cublas_missing is not None:
+            return rowdot_k()(a[:, :, None, :], b.transpose(0, 2, 1)[:, None, :, :], axis=3)
+        if self.head_graphs is None:
+            return cp.matmul(a, b)
+        # what CuPy's matmul does with these operands: C-contiguous copies where they are views, a fresh output
+        a, b = cp.ascontiguousarray(a, dtype=cp.float32), cp.ascontiguousarray(b, dtype=cp.float32)
+        h, n, k = a.shape
+        out = cp.empty((h, n, b.shape[2]), dtype=cp.float32)
+        cublas.gemm_batched_f32(self.device.cublas_handle, a.data.ptr, b.data.ptr, out.data.ptr, h, n, k,
+                                b.shape[2], cp.cuda.get_current_stream().ptr)
+        return out
 
     def span_means(self, x, starts, ends):
+        """See cpu.span_means; ``starts``/``ends`` on the host or the device, never read back."""
         cp = self.cp
         x = self._f32(x)
         c = cp.zeros((x.shape[0] + 1, x.shape[1]), dtype=cp.float64)
         cp.cumsum(x, axis=0, dtype=cp.float64, out=c[1:])
-        s = np.asarray(self.to_host(starts), dtype=np.int64)
-        e = np.asarray(self.to_host(ends), dtype=np.int64)
-        n = self._to_device((e - s).astype(np.float64))[:, None]
-        return ((c[self._to_device(e)] - c[self._to_device(s)]) / n).astype(cp.float32)
+        s, e = self.asarray(starts), self.asarray(ends)
+        n = (e - s).astype(cp.float64)[:, None]          # span lengths: integers, exact in float64
+        return ((c[e] - c[s]) / n).astype(cp.float32)
 
     def normalize(self, x, eps):
         cp = self.cp
@@ -70,10 +91,16 @@ class HeadOps:
         return x / cp.maximum(cp.sqrt(cp.sum(x * x, axis=-1, keepdims=True)), np.float32(eps))
 
     def segment_softmax_sum(self, scores, values, owner, n_groups):
+        """See cpu.segment_softmax_sum; ``owner`` non-decreasing (a question's options are adjacent rows)."""
         cp = self.cp
         scores = self._f32(scores)
         values = self._f32(values)
         own = self.asarray(owner)
+        if self.head_graphs is not None:
+            out = cp.empty((n_groups, values.shape[1]), dtype=cp.float32)
+            return segment_softmax_sum_k()(self._c(scores), self._c(values).reshape(-1),
+                                           own.astype(cp.int64, copy=False), np.int64(scores.shape[0]),
+                                           np.int64(values.shape[1]), out)
         m = cp.full(n_groups, -np.inf, dtype=cp.float32)
         cp.maximum.at(m, own, scores)
         e = cp.exp(scores - m[own])

@@ -35,6 +35,10 @@ from .vision import VisionOps
 
 log = logging.getLogger("clefcore.cuda")
 
+# head_graph: the question layouts whose joint-head graphs are kept (a graph's pool at 1,024 tokens: a few tens of
+# MB, its inputs' copies and the head's activations)
+HEAD_GRAPHS = 8
+
 
 def row_map(shape, strides, itemsize):
     """How a kernel walks x [..., D] (its shape and byte strides) as R rows of D in place: row r starts
@@ -102,6 +106,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     token_block: int
     graphs: GraphCache
     tower_graphs: GraphCache
+    head_graphs: GraphCache | None
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = gpu_settings.GEMM_DEFAULT,
                  tables: str = "host", ptx70: bool = False, token_block: int = gpu_settings.TOKEN_BLOCK,
@@ -175,6 +180,9 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         # the vision tower's graphs (fast mode, per set of image sizes) in a cache of their own, so that the image
         # sizes a service sees never evict the short prompts' graphs
         self.tower_graphs = GraphCache(self, graph_tokens, 2)
+        # the joint head's graphs, one per question layout (model/head.py), where the head_graph switch is on:
+        # the one place that reads it (None: the head's launches run from Python, on today's kernels)
+        self.head_graphs = GraphCache(self, graph_tokens, HEAD_GRAPHS) if "head_graph" in self.switches else None
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):
@@ -267,6 +275,9 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         (``to_host``, ``check_watched``), by which point the stream has passed their copies."""
         cp = self.cp
         a = np.ascontiguousarray(a)
+        if self._pinned is not None:
+            # a copy recorded into a graph would re-read a staging buffer that is gone by its replay
+            raise errors.DeviceError(f"host upload of {a.shape} {a.dtype} during a CUDA graph capture")
         if a.size == 0:
             return cp.asarray(a)
         import cupyx
@@ -435,7 +446,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     def memory_in_use(self) -> int:
         """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
         whole reservation (the server's device-memory gauge)."""
-        used = int(self.cp.get_default_memory_pool().used_bytes()) + self.graphs.nbytes() + self.tower_graphs.nbytes()
+        graphs = [g for g in (self.graphs, self.tower_graphs, self.head_graphs) if g is not None]
+        used = int(self.cp.get_default_memory_pool().used_bytes()) + sum(g.nbytes() for g in graphs)
         return used + sum(int(a.capacity) for a in _arenas(self))
 
     def status(self) -> dict:

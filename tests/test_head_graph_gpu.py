@@ -1,0 +1,456 @@
+"""The joint head as a CUDA graph (the head_graph kernel switch: clefcore/model/head.py, CudaOps.head_graphs,
+clefcore/backends/cuda/head.py) on the tiny golden model.
+
+Bit for bit, not within a tolerance: a replay runs the very kernels that the head's launches from Python run, on
+the same inputs (the graph's static buffers hold copies of them), so every logit must carry the same bits. The
+reference is the switch's kernels launched one by one (``_launched``): the first sighting of a layout, a capture
+and every replay must equal it, for any layout and fresh inputs. Against the switch off (CuPy's own kernels) the
+head's logits are the same bits wherever every question has at most two options: the switch's segment softmax adds
+a question's options in row order where CuPy's scatter adds them in the GPU's order, which for two options is the
+same sum and for three or more may round otherwise from run to run (checked at the op level, within the bound of
+that reordering). The switch's batched product is CuPy's matmul's own cuBLAS call, bit for bit.
+
+Needs a GPU; the key, the routing and a numpy model of the segment kernel are checked without one
+(tests/test_head_layout.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clefcore import answers, precision
+from clefcore.backends import cpu
+from clefcore.backends.cpu import CpuOps
+from clefcore.checkpoint import Checkpoint
+from clefcore.model.head import HeadLayout, heads
+from clefcore.model.params import load_params
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import MARKS, NEEDS_CUBLAS, reseed  # noqa: E402
+
+pytestmark = MARKS
+GOLD = Path(__file__).parent / "golden" / "model"
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    reseed(RNG, request)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from clefcore.backends.cuda import CudaOps
+    ops = CudaOps(0, kernels="head_graph")
+    return ops, load_params(Checkpoint(GOLD), ops)
+
+
+def q(span, options, type_index):
+    return types.SimpleNamespace(question_span=span, option_spans=tuple(options), type_index=type_index)
+
+
+def _questions(L, kinds):
+    """Questions laid out left to right from token 2 of an L-token sequence: ``kinds`` = (options, type) each; a
+    question span of 1-4 tokens, options of 1-3 tokens, gaps of 0-2."""
+    t, qs = 2, []
+    for n_opts, type_index in kinds:
+        span = (t, t + int(RNG.integers(1, 5)))
+        t = span[1]
+        opts = []
+        for _ in range(n_opts):
+            opts.append((t, t + int(RNG.integers(1, 4))))
+            t = opts[-1][1]
+        t += int(RNG.integers(0, 3))
+        qs.append(q(span, opts, type_index))
+    assert t < L - 1, "the test's sequence is too short for its questions"
+    return qs
+
+
+def _stream(ops, p, seqs):
+    """A packed stream: ``seqs`` = (length, kinds) per sequence -> (hs on the device, ids, cu_seqlens, questions)."""
+    lens = [L for L, _ in seqs]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    qs = [_questions(L, kinds) for L, kinds in seqs]
+    hs = ops.asarray(RNG.standard_normal((int(cu[-1]), p.text.hidden_size)).astype(np.float32))
+    return hs, RNG.integers(0, p.text.vocab_size, int(cu[-1])), cu, qs
+
+
+def _fresh(ops, p, s):
+    """Another stream of the same layout: new states and token ids."""
+    hs, ids, cu, qs = s
+    return (ops.asarray(RNG.standard_normal(hs.shape).astype(np.float32)),
+            RNG.integers(0, p.text.vocab_size, len(ids)), cu, qs)
+
+
+def _head(ops, p, s):
+    hs, ids, cu, qs = s
+    return heads(ops, p, hs, ids, cu, qs)
+
+
+def _bits(logits):
+    return np.concatenate([z for seq in logits for z in seq]).astype(np.float32).view(np.uint32)
+
+
+def _same(got, want):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@contextmanager
+def _launched(ops):
+    """The switch's kernels launched one by one from Python (no graph): what a replay must reproduce."""
+    cache = ops.head_graphs
+    saved, cache.max_tokens = cache.max_tokens, 0
+    try:
+        yield
+    finally:
+        cache.max_tokens = saved
+
+
+@contextmanager
+def _off(ops):
+    """The switch off: no head graphs, CuPy's own kernels (the GEMM autotune's choices shared with the switch on)."""
+    saved, ops.head_graphs = ops.head_graphs, None
+    try:
+        yield
+    finally:
+        ops.head_graphs = saved
+
+
+TWO = [(2, 0), (2, 1), (2, 2)]                  # every question with two options: sums the same in any order
+MANY = [(7, 1), (2, 0), (10, 2), (3, 1)]
+LAYOUTS = {
+    "two options": [(120, TWO)],
+    "many options": [(300, MANY)],
+    "one question": [(41, [(2, 0)])],
+    "255 options": [(900, [(255, 1)])],
+    "packed": [(100, TWO), (57, [(3, 2)]), (163, MANY)],
+    "packed two options": [(90, TWO), (61, [(2, 1), (2, 0)])],
+}
+
+
+def _counts(ops):
+    return ops.head_graphs.captures, ops.head_graphs.launches
+
+
+def test_the_switch_makes_the_cache(gpu):
+    from clefcore.backends.cuda import CudaOps
+    from clefcore.backends.cuda.ops import HEAD_GRAPHS
+    ops, _ = gpu
+    assert ops.head_graphs.max_tokens == ops.graphs.max_tokens and ops.head_graphs.capacity == HEAD_GRAPHS
+    assert CudaOps(0, kernels="head_graph=off").head_graphs is None
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_first_sight_capture_and_replays_equal_the_launches_bit_for_bit(gpu, name):
+    ops, p = gpu
+    s = _stream(ops, p, LAYOUTS[name])
+    with _launched(ops):
+        want = _head(ops, p, s)
+    c0, l0 = _counts(ops)
+    _same(_head(ops, p, s), want)                                  # first sight: launched
+    assert _counts(ops) == (c0, l0)
+    _same(_head(ops, p, s), want)                                  # captured, then launched as a graph
+    assert _counts(ops) == (c0 + 1, l0 + 1)
+    _same(_head(ops, p, s), want)                                  # replayed
+    assert _counts(ops) == (c0 + 1, l0 + 2)
+    for _ in range(2):                                             # fresh states and tokens, same layout
+        s2 = _fresh(ops, p, s)
+        with _launched(ops):
+            want2 = _head(ops, p, s2)
+        _same(_head(ops, p, s2), want2)
+        assert not np.array_equal(_bits(want2), _bits(want))
+    assert _counts(ops) == (c0 + 1, l0 + 4)
+    assert ops.memory_in_use() >= ops.head_graphs.nbytes() > 0
+
+
+@pytest.mark.parametrize("name", ["two options", "packed two options", "one question"])
+def test_switch_on_equals_switch_off_bit_for_bit(gpu, name):
+    """Where every question has two options the switch changes no bit of any logit, hence of any probability."""
+    ops, p = gpu
+    s = _stream(ops, p, LAYOUTS[name])
+    with _off(ops):
+        want = _head(ops, p, s)
+    for _ in range(3):                                             # launched, captured, replayed
+        got = _head(ops, p, s)
+        _same(got, want)
+        for a, b in zip((z for seq in got for z in seq), (z for seq in want for z in seq)):
+            assert np.array_equal(answers.softmax(a), answers.softmax(b))
+
+
+def test_the_switch_against_the_numpy_head(gpu):
+    """A replay against the fp32 numpy head on the same states: within the precision mode's contract (fast:
+    1e-2 in probability; the head's GEMMs round their activations to fp16 there)."""
+    ops, p = gpu
+    s = _stream(ops, p, LAYOUTS["packed"])
+    for _ in range(3):
+        got = _head(ops, p, s)
+    hs, ids, cu, qs = s
+    p_cpu = load_params(Checkpoint(GOLD), CpuOps())
+    want = heads(CpuOps(), p_cpu, ops.to_host(hs), ids, cu, qs)
+    bound = precision.VERIFY_BOUND[ops.mode][1]
+    worst = max(float(np.max(np.abs(answers.softmax(a) - answers.softmax(b))))
+                for ga, wa in zip(got, want) for a, b in zip(ga, wa))
+    print(f"head graph vs numpy: worst probability difference {worst:.2e} (bound {bound})")
+    assert worst <= bound
+
+
+def test_a_replay_after_another_layout(gpu):
+    ops, p = gpu
+    a, b = _stream(ops, p, [(130, MANY)]), _stream(ops, p, [(70, TWO), (71, [(4, 1)])])
+    with _launched(ops):
+        want_a, want_b = _head(ops, p, a), _head(ops, p, b)
+    c0, l0 = _counts(ops)
+    for s, want in ((a, want_a), (a, want_a), (b, want_b), (b, want_b), (a, want_a), (b, want_b), (a, want_a)):
+        _same(_head(ops, p, s), want)
+    assert _counts(ops) == (c0 + 2, l0 + 5)
+
+
+def _moved(qs, seq, i, **changes):
+    out = [list(x) for x in qs]
+    old = out[seq][i]
+    out[seq][i] = q(changes.get("span", old.question_span), changes.get("options", old.option_spans),
+                    changes.get("type_index", old.type_index))
+    return out
+
+
+def test_a_changed_layout_never_replays_another_layouts_graph(gpu):
+    """Same token count, same numbers of questions and options: one option span started a token earlier, one
+    question's type, one sequence bound. Each is a layout of its own: launched at first sight, never a replay of the
+    graph captured for the first."""
+    ops, p = gpu
+    s = _stream(ops, p, [(110, MANY), (90, TWO)])
+    hs, ids, cu, qs = s
+    for _ in range(2):
+        _head(ops, p, s)                                           # the first layout's graph, captured
+    (o0, o1), rest = qs[0][0].option_spans[0], qs[0][0].option_spans[1:]
+    variants = [(cu, _moved(qs, 0, 0, options=[(o0 - 1, o1)] + list(rest))),
+                (cu, _moved(qs, 1, 2, type_index=0)),
+                (np.array([0, 111, 200]), qs)]
+    for cu2, qs2 in variants:
+        s2 = (hs, ids, cu2, qs2)
+        assert HeadLayout(cu2, qs2, ops.token_block).key != HeadLayout(cu, qs, ops.token_block).key
+        with _launched(ops):
+            want = _head(ops, p, s2)
+        c0, l0 = _counts(ops)
+        _same(_head(ops, p, s2), want)
+        assert _counts(ops) == (c0, l0)                            # launched: no graph of another layout
+
+
+def test_the_cache_keeps_at_most_its_capacity(gpu):
+    ops, p = gpu
+    cache = ops.head_graphs
+    saved, cache.capacity = cache.capacity, 2
+    try:
+        streams = [_stream(ops, p, [(200 + i, TWO)]) for i in range(3)]
+        with _launched(ops):
+            wants = [_head(ops, p, s) for s in streams]
+        for s, want in zip(streams, wants):
+            for _ in range(2):
+                _same(_head(ops, p, s), want)                      # each captured: the oldest falls out at the third
+        assert len(cache._graphs) == 2
+        c0, l0 = _counts(ops)
+        _same(_head(ops, p, streams[2]), wants[2])                 # kept: replayed
+        assert _counts(ops) == (c0, l0 + 1)
+        _same(_head(ops, p, streams[0]), wants[0])                 # dropped: captured again
+        assert _counts(ops) == (c0 + 1, l0 + 2) and len(cache._graphs) == 2
+    finally:
+        cache.capacity = saved
+
+
+def test_captures_that_come_with_the_traffic_hold_no_more_memory(gpu):
+    """Every layout seen twice is captured, and the cache keeps the last few: forty more captures past a full
+    cache leave the device's memory beyond the cache's own pools where it was (nothing a capture makes, such as a
+    library's per-stream workspace, may pile up; 64 MiB of slack for the driver's own bookkeeping)."""
+    import cupy
+    ops, p = gpu
+    cache = ops.head_graphs
+
+    def used_beyond_the_cache():
+        cupy.get_default_memory_pool().free_all_blocks()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free - cache.nbytes()
+
+    def capture(lengths):
+        for L in lengths:
+            s = _stream(ops, p, [(L, TWO)])
+            for _ in range(3):
+                _head(ops, p, s)
+
+    capture(range(600, 600 + cache.capacity))                      # the cache full
+    before, c0 = used_beyond_the_cache(), cache.captures
+    capture(range(700, 740))
+    assert cache.captures == c0 + 40
+    grown = used_beyond_the_cache() - before
+    print(f"40 captures past a full cache: {grown / 2 ** 20:.1f} MiB beyond the cache's pools")
+    assert grown <= 64 << 20
+
+
+def test_a_layout_too_large_runs_its_launches(gpu):
+    ops, p = gpu
+    cache = ops.head_graphs
+    s = _stream(ops, p, [(260, TWO)])
+    saved, cache.max_tokens = cache.max_tokens, 259
+    try:
+        with _off(ops):
+            want = _head(ops, p, s)
+        c0, l0 = _counts(ops)
+        for _ in range(3):
+            _same(_head(ops, p, s), want)
+        assert _counts(ops) == (c0, l0)
+    finally:
+        cache.max_tokens = saved
+
+
+def test_a_replaced_weight_is_never_replayed_stale(gpu):
+    ops, p = gpu
+    s = _stream(ops, p, [(150, MANY)])
+    for _ in range(3):
+        before = _head(ops, p, s)
+    name = "question_projection.weight"
+    saved = p.head[name]
+    p.head[name] = saved * 2                                       # another array: the graph must not run
+    try:
+        with _launched(ops):
+            want = _head(ops, p, s)
+        assert not np.array_equal(_bits(want), _bits(before))
+        c0, l0 = _counts(ops)
+        _same(_head(ops, p, s), want)
+        assert _counts(ops) == (c0, l0)
+    finally:
+        p.head[name] = saved
+    for _ in range(3):                                             # the weights back: the answers of before
+        _same(_head(ops, p, s), before)
+
+
+def test_the_range_safe_plan_has_graphs_of_its_own(gpu):
+    ops, p = gpu
+    s = _stream(ops, p, [(140, MANY)])
+    for _ in range(3):
+        _head(ops, p, s)
+    with ops.fallback():
+        with _launched(ops):
+            want = _head(ops, p, s)
+        c0, l0 = _counts(ops)
+        _same(_head(ops, p, s), want)                              # first sight under this plan: launched
+        assert _counts(ops) == (c0, l0)
+        for _ in range(2):
+            _same(_head(ops, p, s), want)
+        assert _counts(ops) == (c0 + 1, l0 + 2)
+
+
+def test_an_upload_inside_a_capture_fails_it_and_runs_eagerly(gpu):
+    """A host array uploaded inside a captured function would be a copy from a staging buffer gone by the replay:
+    the capture fails (logged) and that key runs eagerly from then on, with the right answer."""
+    ops, _ = gpu
+    cache = ops.head_graphs
+    x = ops.asarray(np.arange(4, dtype=np.float32))
+
+    def fn(a):
+        return a + ops.asarray(np.full(4, 2.0, np.float32))
+
+    c0, l0 = _counts(ops)
+    for _ in range(3):
+        np.testing.assert_array_equal(ops.to_host(cache.run(("upload test",), fn, (x,), ())), [2, 3, 4, 5])
+    assert _counts(ops) == (c0, l0)
+
+
+def test_the_engine_replays_the_head_and_answers_the_same(gpu):
+    """Engine.forward (the backbone's graph, the head's, the reserved arena): each forward's logits equal the
+    switch's kernels launched on that forward's own states, bit for bit, and so do the answers."""
+    import clefcore
+    from clefcore.example_request import support_ticket
+    engine = clefcore.load(GOLD, device="cuda", kernels="head_graph", context_length=2048)
+    engine.reserve(1024, 2)
+    ops, p = engine.ops, engine.params
+    bodies = [support_ticket(), dict(support_ticket(), questions={
+        "urgent": {"type": "noul", "instructions": "Is this urgent?"},
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"a": "billing", "b": "tech"}}})]
+    prepared = [engine.prepare(b) for b in bodies]
+    for batch in ([prepared[0]], [prepared[1]], prepared):
+        records = [x.record for x in batch]
+        for i in range(3):
+            launched = ops.head_graphs.launches
+            logits, hs, _ = engine.forward(records)
+            if i == 2:                                             # by the third forward of a layout: a replay
+                assert ops.head_graphs.launches == launched + 1
+            cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
+            ids = np.concatenate([r.input_ids for r in records])
+            with _launched(ops):
+                want = heads(ops, p, hs, ids, cu, [r.questions for r in records])
+            _same(logits, want)
+            for x, got_z, want_z in zip(batch, logits, want):
+                assert (answers.response(x.request, x.record, got_z, engine.confidence)
+                        == answers.response(x.request, x.record, want_z, engine.confidence))
+
+
+# ------------------------------------------------------------------------------------------------ the two ops
+
+@NEEDS_CUBLAS
+@pytest.mark.parametrize("h,n,k,m", [(1, 1, 1, 1), (4, 1, 8, 1), (16, 63, 64, 65), (3, 300, 8, 17),
+                                     (16, 7, 64, 1024)])
+def test_the_batched_product_is_cupys_matmul_bit_for_bit(gpu, h, n, k, m):
+    """The switch's product (cuBLAS through ctypes, callable in a capture) against CuPy's matmul on the same
+    operands, contiguous and as the head's transposed views."""
+    import cupy
+    ops, _ = gpu
+    a = cupy.asarray(RNG.standard_normal((n, h, k)).astype(np.float32)).transpose(1, 0, 2)
+    b = cupy.asarray(RNG.standard_normal((m, h, k)).astype(np.float32)).transpose(1, 2, 0)
+    for x, y in ((a, b), (cupy.ascontiguousarray(a), cupy.ascontiguousarray(b))):
+        got = ops._bmm(x, y)
+        want = cupy.matmul(x, y)
+        np.testing.assert_array_equal(ops.to_host(got).view(np.uint32), ops.to_host(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("width", [1, 63, 65, 1024])
+@pytest.mark.parametrize("sizes", [[2], [1, 2, 2, 1], [3], [2, 0, 7, 255, 1], [0, 4]])
+def test_the_segment_kernel(gpu, width, sizes):
+    """clef_segment_softmax_sum against its numpy twin: the same order of additions, so the two differ only by
+    their exp (CUDA's expf within 2 ulp, numpy's within 1) and the roundings that follow from it: at most
+    (8 + 4 n) 2^-24 of sum |w v| per value for a group of n rows. Deterministic (two runs, the same bits); against
+    CuPy's scatter (the switch off) the same bits where no group has more than two rows; an empty group: zeros."""
+    ops, _ = gpu
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    n = len(owner)
+    sc = (RNG.standard_normal(n) * 4).astype(np.float32)
+    vals = RNG.standard_normal((n, width)).astype(np.float32)
+    got = ops.to_host(ops.segment_softmax_sum(ops.asarray(sc), ops.asarray(vals), owner, len(sizes)))
+    again = ops.to_host(ops.segment_softmax_sum(ops.asarray(sc), ops.asarray(vals), ops.asarray(owner), len(sizes)))
+    np.testing.assert_array_equal(got.view(np.uint32), again.view(np.uint32))
+    want = cpu.segment_softmax_sum(sc, vals, owner, len(sizes))
+    m = np.full(len(sizes), -np.inf, np.float32)
+    np.maximum.at(m, owner, sc)
+    e = np.exp(sc - m[owner])
+    den = np.zeros(len(sizes), np.float32)
+    np.add.at(den, owner, e)
+    mass = np.zeros((len(sizes), width))
+    np.add.at(mass, owner, np.abs((e / den[owner])[:, None] * vals))
+    bound = (8 + 4 * np.asarray(sizes, float))[:, None] * 2.0 ** -24 * mass
+    assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
+    assert not np.any(got[np.asarray(sizes) == 0])
+    if max(sizes) <= 2:
+        with _off(ops):
+            off = ops.to_host(ops.segment_softmax_sum(ops.asarray(sc), ops.asarray(vals), owner, len(sizes)))
+        np.testing.assert_array_equal(got.view(np.uint32), off.view(np.uint32))
+
+
+def test_bench_breakdown_shows_the_replayed_heads_time(tmp_path):
+    """`clefcore bench --breakdown N --kernels head_graph`: the switch recorded, and every timed run of a case
+    within the breakdown's length replays its head (single and packed), timed apart from the backbone."""
+    import json
+    from clefcore import bench
+    report = tmp_path / "bench.json"
+    assert bench.main(["--model", str(GOLD), "--precision", "fast", "--lengths", "200", "--packed", "2x160",
+                       "--reps", "2", "--no-kernels", "--no-transformers", "--breakdown", "400",
+                       "--kernels", "head_graph", "--json", str(report)]) == 0
+    got = json.loads(report.read_text())
+    assert got["kernel_switches"] == ["head_graph"]
+    for case in got["end_to_end"]["fast"]:
+        parts = case["breakdown"]
+        assert parts["head_graph_replays"] == 2 and case["cuda_graph"], case
+        assert 0 < parts["head_launch_ms"] <= parts["head_ms"] and parts["backbone_ms"] > 0, parts

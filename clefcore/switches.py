@@ -45,10 +45,11 @@ SWITCHES = (
            "traffic; not yet run on a GPU"),
     # Off until a GPU run has checked it: written without a device, its tests and bench comparison not yet run.
     Switch("head_graph", False,
-           "the joint head's launches captured once per question layout in a CUDA graph and replayed, "
-           "instead of its hundreds of launches from Python (its attention products through cuBLAS callable "
-           "in a capture, its per-question softmax sum in one deterministic kernel instead of CuPy's scatter "
-           "atomics); not yet run on a GPU"),
+           "the joint head's launches captured in a CUDA graph once per question schema and 128-token bucket "
+           "of the stream's length (positions are data, so requests whose states differ in length share one) "
+           "and replayed, instead of its hundreds of launches from Python (its attention products through cuBLAS "
+           "callable in a capture, its per-question softmax sum in one deterministic kernel instead of CuPy's "
+           "scatter atomics); not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

@@ -75,6 +75,31 @@ def test_route_counts_per_case():
     assert k300 == k512 == (64, 64, 512, "t", "split") and k513[2] == 1024 and k1[2] == 16
 
 
+@pytest.mark.parametrize("lens", [[346], [200], [160, 160], [300, 140], [129], [512] * 4])
+def test_the_breakdowns_series_is_one_schema_with_other_states(lens):
+    """--breakdown's requests (end_to_end.state_series): the first of the case's own lengths, then others whose
+    states are shorter by distinct numbers of tokens while the case leaves room, the total within the case's
+    128-token bucket, fresh tokens each: one key of the head's graphs (the schema and the bucket) for them all,
+    and never one stream twice."""
+    from clefcore.model.head import HeadLayout
+    rng = np.random.default_rng(0)
+    series = end_to_end.state_series(lens, 128, 6, 1000, rng)
+    totals = [sum(len(r.input_ids) for r in s) for s in series]
+    assert len(series) == 6 and [len(r.input_ids) for r in series[0]] == lens
+    T = sum(lens)
+    room = min((T - 1) % 128, sum(max(0, L - records.QUESTION_TOKENS) for L in lens))
+    assert all(T - room <= t <= T for t in totals) and (T - 1) // 128 == (min(totals) - 1) // 128
+    assert len(set(totals)) == min(6, room + 1)
+    keys = set()
+    for s in series:
+        cu = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in s])])
+        keys.add(HeadLayout(cu, [r.questions for r in s], 0, -(-T // 128) * 128).key)
+        assert all(q.option_spans[-1][1] < len(r.input_ids) for r in s for q in r.questions)
+    assert len(keys) == 1
+    ids = [np.concatenate([r.input_ids for r in s]) for s in series]
+    assert all(not np.array_equal(a[:100], b[:100]) for a, b in zip(ids, ids[1:]))   # fresh tokens each
+
+
 NO_CUBLAS = Path(__file__).parent / "no_cublas"
 MODEL = Path(__file__).parent / "golden" / "model"
 
@@ -185,8 +210,9 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
         # --breakdown 200: the 200-token case, not the 320-token packed one; the head's launches end before it does
         parts = cases[0]["breakdown"]
         assert "breakdown" not in cases[1] and set(parts) == {"backbone_ms", "head_ms", "head_launch_ms",
-                                                               "head_graph_replays"}
+                                                               "head_graph_replays", "series_tokens"}
         assert parts["head_graph_replays"] == 0                    # the head_graph switch is off
+        assert len(parts["series_tokens"]) == 1 and 128 < parts["series_tokens"][0] < 200   # --reps 1: one, cut
         assert 0 < parts["head_launch_ms"] <= parts["head_ms"] and parts["backbone_ms"] > 0, parts
         for c in cases:
             # the tiny model's fp32-operand GEMMs have only wmma among clefcore's kernels, so a run without cuBLAS

@@ -257,22 +257,24 @@ def gelu(x):
 def mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
     """torch.nn.MultiheadAttention forward. ``groups`` = (gq, gk), non-decreasing group ids of the query and the
     key rows (the packed sequences of the joint head): a query attends only to the keys of its own group
-    (None: to every key). The blocks are planned on ``groups``; the mask reads ``group_ids``, the same ids as the
-    caller holds them (the joint head's index table), where given."""
+    (None: to every key). The blocks' key ranges are planned on ``groups``; the mask reads ``group_ids``, the same
+    ids as the caller holds them (the joint head's index table), where given; ``group_ids`` alone: the mask over
+    every key (see Backend.mha)."""
     W = xq.shape[-1]
     d = W // heads
     q = (xq @ in_w[:W].T + in_b[:W]).reshape(-1, heads, d).transpose(1, 0, 2)
     k = (xkv @ in_w[W:2 * W].T + in_b[W:2 * W]).reshape(-1, heads, d).transpose(1, 2, 0)
     v = (xkv @ in_w[2 * W:].T + in_b[2 * W:]).reshape(-1, heads, d).transpose(1, 0, 2)
     check_groups(groups)
+    mask = groups if group_ids is None else group_ids
     n = q.shape[1]
     o = np.empty((heads, n, d), np.float32)
     for b0 in range(0, n, ATTN_QUERY_BLOCK):
         b1 = min(b0 + ATTN_QUERY_BLOCK, n)
         k0, k1 = group_keys(groups, b0, b1, v.shape[1])
         sc = (q[:, b0:b1] @ k[:, :, k0:k1]) * np.float32(1.0 / np.sqrt(d))
-        if groups is not None:
-            gq, gk = groups if group_ids is None else group_ids
+        if mask is not None:
+            gq, gk = mask
             sc = np.where(gq[b0:b1, None] == gk[None, k0:k1], sc, np.float32(-np.inf))
         sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
         o[:, b0:b1] = (sc / sc.sum(axis=-1, keepdims=True)) @ v[:, k0:k1]

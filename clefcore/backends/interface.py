@@ -28,6 +28,9 @@ class Graphs(Protocol):
     def padded_length(self, T: int, n_seqs: int) -> int | None:
         """Tokens to pad a single-sequence prompt to, or None when this forward runs eagerly."""
 
+    def padded_tokens(self, T: int) -> int | None:
+        """Tokens to pad a stream of T (packed or not) to, or None when it runs eagerly (the joint head)."""
+
     def fits(self, tokens: int) -> bool:
         """Whether a forward of ``tokens`` (unpadded: the vision tower) may replay a graph."""
 
@@ -44,7 +47,7 @@ class Backend(Protocol):
     token_block: int           # the backbone's default token block (0 = the whole stream at once)
     graphs: Graphs | None      # short single-sequence prompts' graphs, or None (never replayed)
     tower_graphs: Graphs | None   # the vision tower's graphs, or None
-    head_graphs: Graphs | None    # the joint head's graphs, one per question layout, or None (never replayed)
+    head_graphs: Graphs | None    # the joint head's graphs, one per question schema, or None (never replayed)
     falls_back: bool           # has a range-safe path to answer a batch again after a guard tripped
 
     # ---------------------------------------------------------------------------------- forward and guards
@@ -158,9 +161,11 @@ class Backend(Protocol):
 
     def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None) -> Array:
         """torch's MultiheadAttention. ``groups`` = (query ids, key ids), non-decreasing host ints: a query
-        attends to the keys of its own group only. ``group_ids``: the same two id arrays as the backend's arrays,
-        where the caller holds them there already (the joint head's index table: nothing is uploaded inside
-        a CUDA graph's capture); None: the backend makes them from ``groups``."""
+        attends to the keys of its own group only, and each block of queries is scored against its groups' key
+        range only. ``group_ids``: the same two id arrays as the backend's arrays, where the caller holds them
+        there already (the joint head's index table: nothing is uploaded inside a CUDA graph's capture); None: the
+        backend makes them from ``groups``. ``group_ids`` without ``groups``: the same mask, every block scored
+        against every key, so that the launches depend on the shapes alone (the joint head's graphs)."""
 
     def span_means(self, x, starts, ends) -> Array:
         """The mean of x's rows [s, e) per span; ``starts``/``ends``: host ints or the backend's int arrays."""

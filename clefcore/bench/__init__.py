@@ -58,7 +58,9 @@ def add_arguments(parser):
                              "against a text-only request of the same length, per precision (default: off)")
     parser.add_argument("--breakdown", type=int, default=0, metavar="TOKENS",
                         help="for cases of up to this many tokens, also time the backbone and the joint head apart, "
-                             "and the head's host (launch) time; 0: off")
+                             "and the head's host (launch) time, over a series of requests of the case's question "
+                             "schema whose states differ in length (within its 128-token bucket), as one client "
+                             "sends them; 0: off")
     parser.add_argument("--no-kernels", action="store_true", help="leave out the kernel table")
     parser.add_argument("--no-transformers", action="store_true",
                         help="leave out transformers' runs of the same cases")

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .records import record
+from .records import QUESTION_TOKENS, record
 from .timing import spread
 
 
@@ -81,20 +81,48 @@ def forward_run(ops, params, records, vp=None, image=None):
     return run
 
 
-def breakdown(cp, ops, params, records, reps) -> dict:
-    """Where one forward of ``records`` spends its time, for short prompts whose host time matters: the backbone
-    (a CUDA graph where one fits) and the joint head, each timed to the GPU's end (``*_ms``), and the head's host
-    time alone (``head_launch_ms``: until its last launch returns, no synchronisation). ``head_ms`` includes the
-    guards' read, as Engine.forward's head does. Median of ``reps``. ``head_graph_replays``: of the timed runs,
-    those whose head replayed a CUDA graph (the head_graph kernel switch; 0 without it)."""
+def state_series(lens, bucket: int, n: int, vocab: int, rng) -> list[list]:
+    """``n`` streams of a case as one client sends them: records (records.record, so the case's question schema)
+    of the case's lengths ``lens`` with fresh random tokens, each stream's states cut short by a different number
+    of tokens (distinct totals while the states leave room for them), the total staying within the case's
+    ``bucket``-token bucket: state lengths that the case's graphs serve. The first stream has the case's own
+    lengths."""
+    T = sum(lens)
+    states = [max(0, L - QUESTION_TOKENS) for L in lens]
+    room = min((T - 1) % bucket, sum(states))              # tokens that can go, the total staying in its bucket
+    cuts = [0] * n
+    if room:
+        cuts[1:] = rng.choice(np.arange(1, room + 1), size=n - 1, replace=n - 1 > room).tolist()
+    order = sorted(range(len(lens)), key=lambda j: states[j])  # the shortest states first: the rest take the surplus
+    out = []
+    for cut in cuts:
+        left, ls = cut, list(lens)
+        for k, j in enumerate(order):                     # spread over the records, each within its state
+            take = min(states[j], -(-left // (len(order) - k)))
+            ls[j] -= take
+            left -= take
+        out.append([record(rng.integers(0, vocab, L)) for L in ls])
+    return out
+
+
+def breakdown(cp, ops, params, lens, reps, rng) -> dict:
+    """Where a forward of a case (records of lengths ``lens``) spends its time, for short prompts whose host time
+    matters: the backbone (a CUDA graph where one fits) and the joint head, each timed to the GPU's end
+    (``*_ms``), and the head's host time alone (``head_launch_ms``: until its last launch returns, no
+    synchronisation). ``head_ms`` includes the guards' read, as Engine.forward's head does. Median of ``reps``.
+
+    Timed as users meet it: not one request again and again (graphs keyed on exact positions would replay there
+    and nowhere else), but a series of the case's schema whose states differ in length (``state_series``), after
+    a warm-up run of the case itself. ``series_tokens``: each timed run's tokens; ``head_graph_replays``: of the
+    timed runs, those whose head replayed a CUDA graph (the head_graph kernel switch; 0 without it)."""
     from ..model.backbone import backbone
     from ..model.head import heads
-    ids, cu, pos = _packed(records)
-    qs = [r.questions for r in records]
     sync = cp.cuda.Device().synchronize
     rows = {"backbone_ms": [], "head_ms": [], "head_launch_ms": []}
-    replays = 0
-    for i in range(reps + 1):                      # the first run is a warm-up
+    replays, tokens = 0, []
+    for i, records in enumerate(state_series(lens, ops.graphs.bucket, reps + 1, params.text.vocab_size, rng)):
+        ids, cu, pos = _packed(records)
+        qs = [r.questions for r in records]
         launched = ops.head_graphs.launches if ops.head_graphs is not None else 0
         sync()
         t0 = time.perf_counter()
@@ -108,9 +136,12 @@ def breakdown(cp, ops, params, records, reps) -> dict:
         t3 = time.perf_counter()
         for key, v in (("backbone_ms", t1 - t0), ("head_ms", t3 - t1), ("head_launch_ms", t2 - t1)):
             rows[key].append(v * 1e3)
-        if i and ops.head_graphs is not None:
-            replays += ops.head_graphs.launches - launched
-    return {**{k: statistics.median(v[1:]) for k, v in rows.items()}, "head_graph_replays": replays}
+        if i:                                      # the first run is a warm-up
+            tokens.append(len(ids))
+            if ops.head_graphs is not None:
+                replays += ops.head_graphs.launches - launched
+    return {**{k: statistics.median(v[1:]) for k, v in rows.items()}, "head_graph_replays": replays,
+            "series_tokens": tokens}
 
 
 def route_counts(seen: dict) -> dict:
@@ -176,7 +207,7 @@ def text_cases(cp, ops, params, lengths, packed, reps, split_upto=0):
     device: cudaMemGetInfo used-bytes growth over that forward (the pool plus anything else the driver or
         cuBLAS took)."""
     V = params.text.vocab_size
-    rng = np.random.default_rng(0)
+    rng, series_rng = np.random.default_rng(0), np.random.default_rng(1)
     cases = [(f"{L} tokens", [L]) for L in lengths]
     if packed:
         n, l_ = (int(v) for v in packed.split("x"))
@@ -188,7 +219,8 @@ def text_cases(cp, ops, params, lengths, packed, reps, split_upto=0):
         records = [record(x) for x in np.split(ids, cuts)]
         res.append(measure(cp, ops, label, sum(lens), forward_run(ops, params, records), reps))
         if sum(lens) <= split_upto:
-            res[-1]["breakdown"] = parts = breakdown(cp, ops, params, records, reps)
-            print("    " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                  for k, v in parts.items()))
+            res[-1]["breakdown"] = parts = breakdown(cp, ops, params, lens, reps, series_rng)
+            times = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if isinstance(v, float))
+            print(f"    {times}; head graph replays {parts['head_graph_replays']} of {len(parts['series_tokens'])} "
+                  f"(same schema, {min(parts['series_tokens'])}..{max(parts['series_tokens'])} tokens)")
     return res

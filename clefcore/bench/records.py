@@ -16,9 +16,13 @@ from ..preprocess import preprocess
 IMAGE_TEXT = (32, 224)
 
 
+# a record's last tokens, where its questions lie: the tokens before them are its state
+QUESTION_TOKENS = 120
+
+
 def _questions(L):
     q = lambda qs, opts, t: types.SimpleNamespace(question_span=qs, option_spans=opts, type_index=t)  # noqa: E731
-    b = max(0, L - 120)
+    b = max(0, L - QUESTION_TOKENS)
     return [q((b, b + 10), [(b + 10, b + 20), (b + 20, b + 30)], 0),
             q((b + 30, b + 40), [(b + 40 + 8 * i, b + 48 + 8 * i) for i in range(5)], 1),
             q((b + 80, b + 90), [(b + 90 + 6 * i, b + 96 + 6 * i) for i in range(4)], 2)]

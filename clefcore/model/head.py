@@ -1,11 +1,17 @@
 """The joint schema head (clef-head.md §5.3; step numbers quoted in comments): from the backbone's final-norm
 states to one logit vector per question, for every sequence of a packed stream at once.
 
-What the head does with a stream is fixed by the stream's layout alone (its sequences' bounds and questions, never
-its tokens or states): ``HeadLayout`` works it out on the host, every index table the head's ops read packed into
-one int64 array that goes to the device in one upload. On a backend with head graphs (CUDA, the head_graph kernel
-switch) a layout seen before replays a CUDA graph (``heads``): the layout names the graph, and the states, the
-option tokens' LM-head rows and the index table are its inputs, copied into its static buffers before each replay.
+What the head does with a stream is fixed by its layout alone (its sequences' bounds and questions, never its
+tokens or states): ``HeadLayout`` works it out on the host, every index table the head's ops read packed into one
+int64 array that goes to the device in one upload.
+
+On a backend with head graphs (CUDA, the head_graph kernel switch) the head replays a CUDA graph (``heads``). Its
+key is the stream's question schema and its token count rounded up to the graph cache's bucket, never a position:
+requests of one schema whose states differ in length share a graph. For that the head runs on a padded layout,
+whose launches and array shapes follow from the key alone: the stream is padded with rows that no index picks and
+no attention lets through, every position (spans, sequence bounds, last rows, the attentions' groups) is data in
+the index table, and no host decision reads one. The states, the option tokens' LM-head rows and the index table
+are the graph's inputs, copied into its static buffers before each replay.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.interface import Backend, Graphs
+from ..backends.interface import Backend
 from .params import Params
 
 
@@ -34,7 +40,8 @@ class HeadIndex:
     """The index tables the head's ops read: host int64 arrays (``HeadLayout.host``), or views of their one upload
     (``HeadLayout.views``). Positions "among the head rows" index ``HeadLayout.rows`` (the readout's ``picked``)."""
 
-    local: Any          # per head row: its index within its token block of the readout (HeadReadout.add)
+    local: Any          # per head row: its index in the slice of the stream it is picked from: its token block of
+                        # the readout (HeadReadout.add), or in a padded layout the whole stream (padded_readout)
     last: Any           # per question: its sequence's last row, as a position among the head rows
     span_rows: Any      # the rows of every question span, then of every option span, as positions among the head rows
     span_starts: Any    # per span: its [start, end) in span_rows
@@ -45,45 +52,63 @@ class HeadIndex:
     types: Any          # per question: its type index (noul 0, choice 1, score 2)
     q_seq: Any          # per question: its sequence; with opt_seq and mem_seq the attentions' groups
     opt_seq: Any        # per option: its sequence
-    mem_seq: Any        # per row of the stream: its sequence
+    mem_seq: Any        # per row of the stream: its sequence; a padded layout's pad rows: B, a group no query has
 
 
 @dataclass(frozen=True)
 class LayoutKey:
-    """``HeadLayout.key``: equal for equal layouts, hashable, printed short (the graph cache logs it). ``block``:
-    the readout's token block; ``cu``: the sequences' bounds; ``questions``: per sequence, per question, its type
-    index, question span and option spans (relative to its sequence's start)."""
+    """``HeadLayout.key`` of a padded layout: what fixes the head's launches and the shapes of its arrays, hashable
+    and printed short (the graph cache logs it). ``block``: the readout's token block (it cuts the memory
+    projection into blocks); ``tokens``: the stream's token count rounded up to the graph cache's bucket;
+    ``schema``: per sequence, per question, its type index, the number of rows of its question span and of each
+    of its option spans. No position is part of it: two requests of one schema whose states differ in length
+    (within a bucket) have one key, their positions differing in the index table only.
+
+    Of the schema only totals fix a shape (sequences, questions, options, span rows); a question's type, each
+    span's length and which sequence asks which question are data in the table too. The key keeps the schema
+    whole nonetheless, so that equal keys mean index tables equal in everything but positions (owner, types,
+    span offsets): a graph serves one schema, which is what a client sends again and again."""
 
     block: int
-    cu: tuple
-    questions: tuple
+    tokens: int
+    schema: tuple
 
     def __repr__(self) -> str:
-        qs = [q for seq in self.questions for q in seq]
-        return (f"joint head layout ({self.cu[-1]} tokens, {len(self.cu) - 1} sequences, {len(qs)} questions, "
+        qs = [q for seq in self.schema for q in seq]
+        return (f"joint head schema ({self.tokens} padded tokens, {len(self.schema)} sequences, {len(qs)} questions, "
                 f"{sum(len(q[2]) for q in qs)} options)")
-
-
-def _span(s) -> tuple[int, int]:
-    return int(s[0]), int(s[1])
 
 
 class HeadLayout:
     """The joint head's work for one packed stream, from its bounds ``cu_seqlens`` and each sequence's questions
     alone; ``block``: the backend's token block (the readout's, HeadReadout.add).
 
-    ``rows``: the head rows (``head_rows``); ``host``: the index tables (HeadIndex of host arrays), packed into
-    ``table`` (int64) and read back through ``views``; ``key``: the layout (LayoutKey). Two streams with the
-    same key run the head's launches in the same order on the same shapes (the token count, the head rows, the
-    attentions' groups and the spans fix them): the key names the head's CUDA graph, with the plan."""
+    ``rows``: the head rows; ``host``: the index tables (HeadIndex of host arrays), packed into ``table`` (int64)
+    and read back through ``views``.
 
-    def __init__(self, cu_seqlens, questions_of, block: int):
+    ``tokens`` None: the exact layout, on the stream's own rows. The head rows are ``head_rows`` and the
+    attentions' key ranges are planned on the host's group ids, so its launches depend on positions; ``key`` is
+    None. ``tokens`` (at least the stream's T, a multiple of the graph cache's bucket): the padded layout, over
+    a stream of that many rows whose last ``tokens - T`` are padding. Its launches and every array's shape follow
+    from ``key`` (LayoutKey) alone: the head rows are every span's rows, then each sequence's last row, never
+    merged where they coincide (their number is the schema's), picked from the whole stream by index; the pad rows
+    belong to the group B, which no question or option has; the attentions score every key and mask by the
+    table's group ids. Two streams with one key therefore run the same launches on the same shapes, and the key
+    names the head's CUDA graph, with the plan."""
+
+    def __init__(self, cu_seqlens, questions_of, block: int, tokens: int | None = None):
         cu = np.asarray(cu_seqlens, dtype=np.int64)
         B = len(cu) - 1
         qs = [(b, q) for b in range(B) for q in questions_of[b]]
         self.T, self.B, self.nq = int(cu[-1]), B, len(qs)
-        self.rows = head_rows(cu, questions_of)
+        self.tokens = self.T if tokens is None else int(tokens)
+        if self.tokens < self.T:
+            raise ValueError(f"joint head: {self.tokens} padded tokens for a stream of {self.T}")
         q_seq = np.array([b for b, _ in qs], dtype=np.int64)                          # sequence of each question
+        if tokens is not None and np.any(np.diff(cu)[q_seq] < 1):
+            # the exact layout's attentions refuse it (cpu.check_groups); here a question without memory would
+            # softmax over masked keys only
+            raise ValueError("joint head: a sequence with questions has no tokens")
         owner = np.concatenate([np.full(len(q.option_spans), i) for i, (_, q) in enumerate(qs)])  # question of option
         self.option_spans = (np.array([cu[b] + s for b, q in qs for s, _ in q.option_spans], dtype=np.int64),
                              np.array([cu[b] + e for b, q in qs for _, e in q.option_spans], dtype=np.int64))
@@ -94,19 +119,28 @@ class HeadLayout:
         span_rows = np.concatenate([np.arange(s, e) for s, e in zip(span_s, span_e)] + [np.zeros(0, np.int64)])
         span_offs = np.concatenate([[0], np.cumsum(span_e - span_s)])
         lex_offs = np.concatenate([[0], np.cumsum(o_ends - o_starts)])
-        blk = block or max(self.T, 1)                     # readout's blocks: [0, blk), [blk, 2 blk), ...
+        mem_seq = np.repeat(np.arange(B), np.diff(cu))
+        if tokens is None:
+            self.rows = head_rows(cu, questions_of)
+            blk = block or max(self.T, 1)                 # readout's blocks: [0, blk), [blk, 2 blk), ...
+            local, last = self.rows % blk, np.searchsorted(self.rows, (cu[1:] - 1)[q_seq])
+            picks = np.searchsorted(self.rows, span_rows)
+            self.key = None
+        else:
+            self.rows = np.concatenate([span_rows, cu[1:] - 1]).astype(np.int64)
+            local, last, picks = self.rows, len(span_rows) + q_seq, np.arange(len(span_rows))
+            mem_seq = np.concatenate([mem_seq, np.full(self.tokens - self.T, B)])
+            self.key = LayoutKey(int(block), self.tokens, tuple(
+                tuple((int(q.type_index), _rows(q.question_span), tuple(_rows(o) for o in q.option_spans))
+                      for q in questions_of[b]) for b in range(B)))
         self.host = HeadIndex(
-            local=self.rows % blk, last=np.searchsorted(self.rows, (cu[1:] - 1)[q_seq]),
-            span_rows=np.searchsorted(self.rows, span_rows), span_starts=span_offs[:-1], span_ends=span_offs[1:],
+            local=local, last=last, span_rows=picks, span_starts=span_offs[:-1], span_ends=span_offs[1:],
             lex_starts=lex_offs[:-1], lex_ends=lex_offs[1:], owner=owner,
             types=np.array([q.type_index for _, q in qs], dtype=np.int64), q_seq=q_seq, opt_seq=q_seq[owner],
-            mem_seq=np.repeat(np.arange(B), np.diff(cu)))
+            mem_seq=mem_seq)
         parts = [np.asarray(getattr(self.host, f.name), dtype=np.int64) for f in fields(HeadIndex)]
         self._bounds = np.concatenate([[0], np.cumsum([len(a) for a in parts])]).tolist()
         self.table = np.concatenate(parts)
-        self.key = LayoutKey(blk, tuple(cu.tolist()), tuple(
-            tuple((int(q.type_index), _span(q.question_span), tuple(_span(o) for o in q.option_spans))
-                  for q in questions_of[b]) for b in range(B)))
 
     def views(self, table) -> HeadIndex:
         """The index tables as views of ``table`` (``self.table`` as the backend's array)."""
@@ -125,6 +159,10 @@ class HeadLayout:
         return [[per_q[i] for i in np.nonzero(q_seq == b)[0]] for b in range(self.B)]
 
 
+def _rows(span) -> int:
+    return int(span[1]) - int(span[0])
+
+
 class HeadReadout:
     """What the joint head reads of the final-norm states hs [T, H]: the memory projection of every row
     (``mem`` [T, M], step 2 of ``_joint``) and the layer-normed rows ``rows`` (``picked`` [len(rows), H]).
@@ -141,11 +179,15 @@ class HeadReadout:
         P = self.p.head
         return self.ops.layernorm(x, P["hidden_norm.weight"], P["hidden_norm.bias"])
 
+    def project(self, hs, t0: int) -> None:
+        """The memory projection of the rows [t0, t0 + len(hs)) of the stream."""
+        self.mem[t0:t0 + hs.shape[0]] = self.ops.linear(self.norm(hs), self.p.head["memory_projection.weight"])
+
     def add(self, hs, t0: int, local=None) -> None:
         """The rows [t0, t0 + len(hs)) of the stream. ``local``: every head row's index within its block, as the
         backend's array (HeadIndex.local), where the caller holds it; else made here."""
         ops, t1 = self.ops, t0 + hs.shape[0]
-        self.mem[t0:t1] = ops.linear(self.norm(hs), self.p.head["memory_projection.weight"])
+        self.project(hs, t0)
         lo, hi = np.searchsorted(self.rows, [t0, t1])
         if hi > lo:
             ix = self.rows[lo:hi] - t0 if local is None else local[lo:hi]
@@ -162,31 +204,59 @@ def readout(ops: Backend, p: Params, hs, rows, local=None) -> HeadReadout:
     return out
 
 
+def padded_readout(ops: Backend, p: Params, hs, lay: HeadLayout, ix: HeadIndex) -> HeadReadout:
+    """HeadReadout of a padded layout's stream hs [lay.tokens, H], its launches fixed by the layout's key: the
+    pad rows zeroed first, whatever the buffer holds (they enter the memory, and an attention's masked key still
+    meets its value product, where zero times a NaN is no zero), the memory projected in ``readout``'s blocks,
+    then every head row picked at once from the whole stream by the table's ``local`` (how many head rows fall
+    in each block is a matter of positions)."""
+    hs = ops.xp.where(ix.mem_seq[:, None] < lay.B, hs, np.float32(0))
+    out = HeadReadout(ops, p, lay.tokens, lay.rows)
+    block = lay.key.block or lay.tokens
+    for t0 in range(0, lay.tokens, block):
+        out.project(hs[t0:t0 + block], t0)
+    out.picked = out.norm(ops.gather_rows(hs, ix.local))
+    return out
+
+
 def heads(ops: Backend, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
     """Joint schema head for every sequence of a packed stream in one pass. hs [T, H] final-norm states,
     ids [T] (host ints), cu_seqlens [B+1], questions_of[b]: sequence b's EncodedQuestions (spans relative to its
     start). Returns, per sequence, one logit vector (host fp32) per question.
 
-    Where ``graphs_for`` gives a cache, the head runs as its layout's CUDA graph: eagerly the first time the
-    layout is seen, captured the second, replayed from then on (graphs.py's GraphCache, which also runs a layout
-    eagerly, logged, where its capture fails)."""
-    lay = HeadLayout(cu_seqlens, questions_of, ops.token_block)
+    Where ``graph_tokens`` gives a token count, the head runs on the padded layout of that many tokens as its
+    key's CUDA graph: eagerly the first time the key is seen, captured the second, replayed from then on (graphs.py's
+    GraphCache, which also runs a key eagerly, logged, where its capture fails)."""
+    tokens = graph_tokens(ops, int(np.asarray(cu_seqlens)[-1]))
+    lay = HeadLayout(cu_seqlens, questions_of, ops.token_block, tokens)
     # the inputs: the states, the option tokens' LM-head rows (gathered from the table, wherever it lives) and
     # the index tables, each made outside any capture
-    inputs = (hs, ops.gather_rows(p.lm_head, lay.option_tokens(ids)), ops.asarray(lay.table))
-    graphs = graphs_for(ops, lay)
-    if graphs is None:
-        z = _head(ops, p, lay, *inputs)
+    lex, table = ops.gather_rows(p.lm_head, lay.option_tokens(ids)), ops.asarray(lay.table)
+    if tokens is None:
+        z = _head(ops, p, lay, hs, lex, table)
     else:
-        z = graphs.run((lay.key, ops.plan), lambda *a: _head(ops, p, lay, *a), inputs, list(p.head.values()))
+        z = ops.head_graphs.run((lay.key, ops.plan), lambda *a: _head(ops, p, lay, *a),
+                                (_pad_rows(ops, hs, tokens), lex, table), list(p.head.values()))
     return lay.logits(ops.to_host(z))      # the graph's output buffer is read before its next replay
 
 
-def graphs_for(ops: Backend, lay: HeadLayout) -> Graphs | None:
-    """Where the head's launches go, decided here only: the backend's head graphs (CUDA with the head_graph switch
-    on) when the stream is within their token limit, else None: launched from Python one by one."""
+def graph_tokens(ops: Backend, T: int) -> int | None:
+    """Where the head's launches go, decided here only: the token count of the padded layout whose CUDA graph
+    runs a stream of T tokens (T rounded up to the bucket of the backend's head graphs: CUDA with the head_graph
+    switch on) where that count is within the graphs' token limit; None: the launches run from Python one by one,
+    on the exact layout."""
     g = ops.head_graphs
-    return g if g is not None and g.fits(lay.T) else None
+    return None if g is None else g.padded_tokens(T)
+
+
+def _pad_rows(ops: Backend, hs, tokens: int):
+    """hs [T, H] with zero rows appended up to ``tokens`` rows (hs itself where it has that many)."""
+    T = hs.shape[0]
+    if T == tokens:
+        return hs
+    out = ops.xp.zeros((tokens, hs.shape[1]), dtype=np.float32)
+    out[:T] = hs
+    return out
 
 
 def heads_from(ops: Backend, p: Params, seen: HeadReadout, ids, cu_seqlens, questions_of) -> list:
@@ -199,9 +269,11 @@ def heads_from(ops: Backend, p: Params, seen: HeadReadout, ids, cu_seqlens, ques
 
 def _head(ops: Backend, p: Params, lay: HeadLayout, hs, lex, table):
     """The head of a whole stream: its readout (1, 2), then ``_joint``. Everything it reads is an argument or a
-    weight, and it reads nothing back to the host: what a graph of the layout captures."""
+    weight, and it reads nothing back to the host: what a graph captures. Of a padded layout it reads its key's
+    shapes only, so that a graph captured on one layout replays any other of the same key."""
     ix = lay.views(table)
-    return _joint(ops, p, lay, readout(ops, p, hs, lay.rows, ix.local), lex, ix)
+    seen = readout(ops, p, hs, lay.rows, ix.local) if lay.key is None else padded_readout(ops, p, hs, lay, ix)
+    return _joint(ops, p, lay, seen, lex, ix)
 
 
 def _joint(ops: Backend, p: Params, lay: HeadLayout, seen: HeadReadout, lex, ix: HeadIndex):
@@ -210,7 +282,8 @@ def _joint(ops: Backend, p: Params, lay: HeadLayout, seen: HeadReadout, lex, ix:
 
     The head's rows (options, questions) of all sequences are stacked; where it mixes rows it stays inside a
     sequence: its attentions take group ids (options and questions attend to their own sequence's memory and
-    questions only), the option softmax runs per question, the last-row vector is the sequence's own."""
+    questions only), the option softmax runs per question, the last-row vector is the sequence's own. The
+    attentions' key ranges are planned on the host's ids in an exact layout only (``_planned``)."""
     xp, P, hc, h, nq = ops.xp, p.head, p.head_config, lay.host, lay.nq
     # 1: X = layernorm(hs) is never formed for all T rows: the memory is projected block by block (2), and
     # the last rows (3) and the span means (4, 5) read the normalised rows of their spans only (HeadReadout)
@@ -228,7 +301,7 @@ def _joint(ops: Backend, p: Params, lay: HeadLayout, seen: HeadReadout, lex, ix:
         mi = ops.layernorm(mem, P[e + "memory_norm.weight"], P[e + "memory_norm.bias"])
         r = r + _mha(ops, P, e + "attention.",
                      ops.layernorm(r, P[e + "query_norm.weight"], P[e + "query_norm.bias"]), mi, hc.heads,
-                     (h.opt_seq, h.mem_seq), (ix.opt_seq, ix.mem_seq))
+                     _planned(lay, h.opt_seq, h.mem_seq), (ix.opt_seq, ix.mem_seq))
         y = ops.layernorm(r, P[e + "feedforward_norm.weight"], P[e + "feedforward_norm.bias"])
         r = r + ops.linear(ops.gelu(ops.linear(y, P[e + "feedforward.0.weight"], P[e + "feedforward.0.bias"])),
                            P[e + "feedforward.3.weight"], P[e + "feedforward.3.bias"])
@@ -240,10 +313,11 @@ def _joint(ops: Backend, p: Params, lay: HeadLayout, seen: HeadReadout, lex, ix:
     for j in range(hc.layers):                                                                # 12
         d = f"layers.{j}."
         y = ops.layernorm(f, P[d + "norm1.weight"], P[d + "norm1.bias"])
-        f = f + _mha(ops, P, d + "self_attn.", y, y, hc.heads, (h.q_seq, h.q_seq), (ix.q_seq, ix.q_seq))
+        f = f + _mha(ops, P, d + "self_attn.", y, y, hc.heads, _planned(lay, h.q_seq, h.q_seq),
+                     (ix.q_seq, ix.q_seq))
         f = f + _mha(ops, P, d + "multihead_attn.",
                      ops.layernorm(f, P[d + "norm2.weight"], P[d + "norm2.bias"]), mem, hc.heads,
-                     (h.q_seq, h.mem_seq), (ix.q_seq, ix.mem_seq))
+                     _planned(lay, h.q_seq, h.mem_seq), (ix.q_seq, ix.mem_seq))
         y = ops.layernorm(f, P[d + "norm3.weight"], P[d + "norm3.bias"])
         f = f + ops.linear(ops.gelu(ops.linear(y, P[d + "linear1.weight"], P[d + "linear1.bias"])),
                            P[d + "linear2.weight"], P[d + "linear2.bias"])
@@ -265,3 +339,10 @@ def _joint(ops: Backend, p: Params, lay: HeadLayout, seen: HeadReadout, lex, ix:
 def _mha(ops, P, prefix, xq, xkv, heads, groups, group_ids):
     return ops.mha(xq, xkv, P[prefix + "in_proj_weight"], P[prefix + "in_proj_bias"],
                    P[prefix + "out_proj.weight"], P[prefix + "out_proj.bias"], heads, groups, group_ids)
+
+
+def _planned(lay: HeadLayout, gq, gk):
+    """mha's ``groups``, the host ids its key ranges are planned on: an exact layout's; None in a padded layout,
+    whose attentions score every key of the stream, masked by the table's ids alone (a range planned on the ids
+    would be a launch shape that moves with the positions)."""
+    return (gq, gk) if lay.key is None else None

@@ -6,7 +6,8 @@
 #     kernel and engine suites without cuBLAS. Run it three times (three calls) for "three runs in a row".
 #   STEP=bench: clefcore bench, fast and exact, against transformers + flash-linear-attention in the same process,
 #     with the defaults (defaults.json) and then with every default-off switch on (switches-on.json), each with
-#     the 346-token case broken down (backbone, head, the head's host launches).
+#     the 346-token case broken down (backbone, head, the head's host launches, over requests of its question
+#     schema whose states differ in length).
 #   STEP=each: fast only, each default-off switch alone (each-<name>.json), to tell which one buys what.
 #   STEP=lean: STEP=bench's fast cases in a process that cannot load cuBLAS (the lean image), both ways.
 # gdn_one_pass is left as it is: it ran on GPUs and is off for fast's golden margin, not for want of a run.

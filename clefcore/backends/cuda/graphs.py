@@ -12,9 +12,9 @@ forward faster, never wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
 Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under
-the head_graph switch, the joint head's (per question layout, clefcore/model/head.py). A cache remembers the keys
-it has seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the head's keys come with
-the traffic.
+the head_graph switch, the joint head's (per question schema and padded length, clefcore/model/head.py). A cache
+remembers the keys it has seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the
+head's keys come with the traffic.
 """
 
 from __future__ import annotations
@@ -76,13 +76,18 @@ class GraphCache:
         self.launches = 0
         self.captures = 0
 
-    def padded_length(self, T: int, n_seqs: int):
-        """Tokens to pad a single-sequence prompt to (a multiple of ``bucket``, so nearby lengths share a graph),
-        or None when this forward runs eagerly (packed batches, long prompts, graphs off)."""
-        if self.max_tokens <= 0 or self.capacity <= 0 or n_seqs != 1 or T < 1:
+    def padded_tokens(self, T: int):
+        """Tokens to pad a stream of ``T`` to (a multiple of ``bucket``, so nearby lengths share a graph), or None
+        when a stream of that many runs eagerly (long streams, graphs off). The joint head pads packed streams too:
+        what its launches do depends on no sequence bound (clefcore/model/head.py)."""
+        if self.max_tokens <= 0 or self.capacity <= 0 or T < 1:
             return None
         Tp = -(-T // self.bucket) * self.bucket
         return Tp if Tp <= self.max_tokens else None
+
+    def padded_length(self, T: int, n_seqs: int):
+        """``padded_tokens`` for the backbone: a single-sequence prompt only (packed batches run eagerly)."""
+        return self.padded_tokens(T) if n_seqs == 1 else None
 
     def fits(self, tokens: int) -> bool:
         """Whether a forward of ``tokens`` may replay a graph (callers that do not pad: the vision tower)."""

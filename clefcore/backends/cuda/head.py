@@ -26,7 +26,8 @@ class HeadOps:
     def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
         """See cpu.mha. With groups the scores are masked per query block, each block against the key range of
         its groups only, in blocks that keep the score matrix under 64 MiB. The mask reads ``group_ids`` (the
-        same ids on the device) where given, else ``groups`` uploaded."""
+        same ids on the device) where given, else ``groups`` uploaded; ``group_ids`` alone: the same blocks, each
+        against every key, so that no launch depends on the ids (the joint head's graphs replay it)."""
         cp = self.cp
         check_groups(groups)
         W = xq.shape[-1]
@@ -43,7 +44,8 @@ class HeadOps:
         v = kv[:, W:].reshape(-1, heads, d).transpose(1, 0, 2)
         n, m = q.shape[1], v.shape[1]
         o = cp.empty((heads, n, d), dtype=cp.float32)
-        rows = n if groups is None else max(1, (16 << 20) // max(1, heads * m))
+        masked = groups is not None or group_ids is not None
+        rows = max(1, (16 << 20) // max(1, heads * m)) if masked else n
         if group_ids is not None:
             gq, gk = group_ids
         elif groups is not None:
@@ -52,7 +54,7 @@ class HeadOps:
             b1 = min(b0 + rows, n)
             k0, k1 = group_keys(groups, b0, b1, m)
             sc = self._bmm(q[:, b0:b1], k[:, :, k0:k1]) * np.float32(1.0 / math.sqrt(d))   # fp32, head only
-            if groups is not None:
+            if masked:
                 sc = cp.where(gq[b0:b1, None] == gk[None, k0:k1], sc, np.float32(-np.inf))
             sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
             o[:, b0:b1] = self._bmm(sc / sc.sum(axis=-1, keepdims=True), v[:, k0:k1])

@@ -37,7 +37,7 @@
 //
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the backend never routes to it there.
-#include "gemm_swiglu.cuh"
+#include "gemm_tile.cuh"
 
 #include "wgmma.cuh"
 
@@ -92,28 +92,25 @@ __device__ __forceinline__ void wg_mma<256>(float (&d)[128], unsigned long long 
     wg_mma_n256(d, da, db);
 }
 
+#endif
+
 // SWIGLU: W and Wu are the gate and up weights ([N, K] each), the tile's columns their paired rows, and the
 // output H [M, N] fp16 (bias, res and C unused); otherwise C [M, N] fp32 = A W^T (+ bias) (+ res), Wu and H unused.
+// Empty on every target but sm_90a.
 template <int BM, int BN, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_half* __restrict__ W,
                                         const wg_half* __restrict__ Wu, const float* __restrict__ bias,
                                         const float* __restrict__ res, float* __restrict__ C,
                                         wg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BK = 64, WM = BM / 2, MI = WM / 64, NA = BN / 2;   // per warpgroup: WM rows, MI m64 blocks
     constexpr unsigned SA = BM * 128, STAGE = (BM + BN) * 128;       // bytes
     static_assert(WM % 64 == 0 && (BN == 128 || BN == 256) && STAGES >= 4, "tile shape");
     extern __shared__ unsigned char wg_buf[];
     const unsigned base = (wg_smem(wg_buf) + 1023u) & ~1023u;        // swizzle atoms are 1024-byte aligned
     const int t = threadIdx.x, wg = t >> 7, warp = (t >> 5) & 3, lane = t & 31;
-    // Blocks are launched in order of blockIdx.x fastest; handing them out down groups of 8 block rows (then
-    // across) makes 8 consecutive blocks share one W tile column while it is in L2.
     int bm, bn;
-    {
-        const int grid_m = gridDim.y, pid = blockIdx.y * gridDim.x + blockIdx.x, width = 8 * gridDim.x;
-        const int first = (pid / width) * 8, rows = min(grid_m - first, 8);
-        bm = first + (pid % width) % rows;
-        bn = (pid % width) / rows;
-    }
+    gemm_block_order(bm, bn);
     const int m0 = bm * BM, n0 = bn * BN;
     const int KT = (K + BK - 1) / BK;
 
@@ -161,25 +158,6 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
 
     // accumulator (i, 4 j + e): row wg*WM + i*64 + warp*16 + lane/4 (+ 8 for e >= 2), column 8 j + (lane % 4) * 2
     // (+ 1 for odd e)
-    if (SWIGLU) {
-        // paired columns n0 + 16 jj + [0, 8) (j = 2 jj) are gate rows n0 / 2 + 8 jj + [0, 8), the next 8 (j = 2 jj + 1)
-        // the up rows of the same outputs
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
-                if (gr >= M) continue;
-#pragma unroll
-                for (int jj = 0; jj < BN / 16; ++jj) {
-                    const int oc = n0 / 2 + jj * 8 + (lane & 3) * 2;
-                    swiglu_put2(H, N, gr, oc, acc[i][8 * jj + h * 2], acc[i][8 * jj + h * 2 + 1],
-                                acc[i][8 * jj + 4 + h * 2], acc[i][8 * jj + 4 + h * 2 + 1]);
-                }
-            }
-        }
-        return;
-    }
     const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -187,43 +165,15 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
         for (int h = 0; h < 2; ++h) {
             const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
             if (gr >= M) continue;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int gc = n0 + j * 8 + (lane & 3) * 2;
-                float v0 = acc[i][j * 4 + h * 2], v1 = acc[i][j * 4 + h * 2 + 1];
-                const size_t o = (size_t)gr * N + gc;
-                if (pair && gc + 1 < N) {
-                    if (bias) { v0 += bias[gc]; v1 += bias[gc + 1]; }
-                    if (res) { const float2 r = *(const float2*)(res + o); v0 += r.x; v1 += r.y; }
-                    *(float2*)(C + o) = make_float2(v0, v1);
-                } else {
-                    if (gc < N) C[o] = v0 + (bias ? bias[gc] : 0.f) + (res ? res[o] : 0.f);
-                    if (gc + 1 < N) C[o + 1] = v1 + (bias ? bias[gc + 1] : 0.f) + (res ? res[o + 1] : 0.f);
-                }
-            }
+            gemm_store_row<BN / 8, SWIGLU>(bias, res, C, H, N, pair, gr, n0, lane,
+                                           [&](int j, int e) { return acc[i][j * 4 + h * 2 + e]; });
         }
     }
-}
-#endif
-
-// The launch: grid (ceil(N / 256), ceil(M / 128)), 256 threads, 197,632 bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_f16a(const wg_half* __restrict__ A,
-                                                                     const wg_half* __restrict__ W,
-                                                                     const float* __restrict__ bias,
-                                                                     const float* __restrict__ res,
-                                                                     float* __restrict__ C, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_gemm<128, 256, 4, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
 #endif
 }
 
-// The fused MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / 256), ceil(M / 128)), 256 threads, the same
-// 197,632 bytes of dynamic shared memory. N = the gate's (and up's) rows = H's columns.
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_swiglu(const wg_half* __restrict__ A,
-                                                                       const wg_half* __restrict__ Wg,
-                                                                       const wg_half* __restrict__ Wu,
-                                                                       wg_half* __restrict__ H, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_gemm<128, 256, 4, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
-#endif
-}
+// The launch: grid (ceil(N / 256), ceil(M / 128)), 256 threads, 197,632 bytes of dynamic shared memory. The fused
+// MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / 256), ceil(M / 128)), 256 threads, the same dynamic
+// shared memory; N = the gate's (and up's) rows = H's columns.
+GEMM_F32_ENTRY(gemm_wgmma_f16a, __launch_bounds__(256, 1), wg_gemm, 128, 256, 4)
+GEMM_SWIGLU_ENTRY(gemm_wgmma_swiglu, __launch_bounds__(256, 1), wg_gemm, 128, 256, 4)

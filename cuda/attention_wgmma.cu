@@ -47,6 +47,7 @@
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the host never routes there.
 #include "mma_sm70.cuh"
+#include "attn_rows.cuh"
 #include "wgmma.cuh"
 
 // the one head dim (clef-flash's full attention): 4 panels of 64 columns; O's n256 wgmma covers it whole
@@ -123,15 +124,7 @@ __device__ __forceinline__ void wa_softmax(float (&s)[32], float (&m)[2], float 
 #pragma unroll
     for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);   // element 4 c8 + e: row e >> 1
     float muse[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        muse[i] = mx[i] == -CLEF_INF ? 0.f : mx[i];
-        alpha[i] = exp2f(m[i] - muse[i]);   // 0 while m is -inf
-        m[i] = mx[i];
-        l[i] *= alpha[i];
-    }
+    attn_new_max(mx, m, l, muse, alpha);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const float p = exp2f(s[i] - muse[(i >> 1) & 1]);   // masked: exp2(-inf) = 0
@@ -278,22 +271,8 @@ __device__ __forceinline__ void wa_body(const half_t* __restrict__ q, const half
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     wg_fence_acc(o);
 
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        l[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    }
     // accumulator 4 i + e: row r (+ 8 for e >= 2), column 8 i + 2 tq (+ 1 for odd e)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int row = r + hr * 8;
-        if (row >= q1) continue;
-        float* dst = out + ((long long)(row - qbase) * Hq + h) * WA_D + 2 * tq;
-#pragma unroll
-        for (int i = 0; i < WA_D / 8; ++i)
-            *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * hr] * l[hr], o[4 * i + 2 * hr + 1] * l[hr]);
-    }
+    attn_write_rows<WA_D>(out, l, o, r, q1, qbase, Hq, h, tq);
 }
 #endif
 

@@ -32,6 +32,7 @@
 // to q.k and come out of P V as zeros that are not written. Padding q/k/v on the host instead would cost a padded
 // copy of each and an unpadding copy of the output; natively at 72, a k8 step and odd n8 tiles in both bodies.
 #include "mma_sm70.cuh"
+#include "attn_rows.cuh"
 
 // Head dim 256: warps per block (NW, 16 query rows each) and keys per tile (BC). sm_90 (227 KB of shared memory
 // per block): 128 query rows share each 64-key tile, 198 KB, one block per SM; measured on the H200 at 8192 /
@@ -188,15 +189,7 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
                     mx[e >> 1] = fmaxf(mx[e >> 1], sv);
                 }
             float muse[2], alpha[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-                muse[i] = mx[i] == -CLEF_INF ? 0.f : mx[i];
-                alpha[i] = exp2f(m[i] - muse[i]);   // 0 while m is -inf
-                m[i] = mx[i];
-                l[i] *= alpha[i];
-            }
+            attn_new_max(mx, m, l, muse, alpha);
             unsigned pa[BC / 16][4];   // P as A fragments: the score tile pair (2 kk, 2 kk + 1) is rows g / g+8
 #pragma unroll
             for (int nt = 0; nt < BC / 8; ++nt) {
@@ -230,21 +223,8 @@ __device__ __forceinline__ void attn_body(const half_t* __restrict__ q, const ha
         __syncthreads();   // this buffer is free for the tile after next
     }
     if (!warp_live) return;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        l[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int row = r0 + hr * 8;
-        if (row >= q1) continue;
-        float* dst = out + ((long long)(row - qbase) * Hq + h) * D + 2 * tq;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i)   // the D real columns; the pad's accumulators hold zeros
-            *(float2*)(dst + i * 8) = make_float2(o[i][2 * hr] * l[hr], o[i][2 * hr + 1] * l[hr]);
-    }
+    // the D real columns (the pad's accumulators hold zeros); o's tiles lie one after the other, 4 floats each
+    attn_write_rows<D>(out, l, &o[0][0], r0, q1, qbase, Hq, h, tq);
 }
 #else
 template <int D, int BC, int NW>

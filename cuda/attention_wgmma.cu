@@ -47,6 +47,7 @@
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the host never routes there.
 #include "mma_sm70.cuh"
+#include "attn_rows.cuh"
 #include "wgmma.cuh"
 
 // the one head dim (clef-flash's full attention): 4 panels of 64 columns; O's n256 wgmma covers it whole
@@ -65,50 +66,17 @@ struct WaSmem {
 
 // s (64 x 64, fp32, this thread's share) += A (64 x 16) @ B (64 x 16)^T, both K-major in shared memory
 __device__ __forceinline__ void wa_mma_qk(float (&d)[32], unsigned long long da, unsigned long long db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, 1, 1, 1, 0, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WG_ACC32_NAMES "}, %32, %33, 1, 1, 1, 0, 0;\n"
+                 : WG_ACC32(d)
                  : "l"(da), "l"(db));
 }
 
 // o (64 x 256, fp32) += P (64 x 16, fp16 A fragments in registers) @ V (16 keys x 256), V MN-major in shared memory
 // (imm-trans-b = 1)
 __device__ __forceinline__ void wa_mma_pv(float (&d)[128], const unsigned (&a)[4], unsigned long long db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" WG_ACC128_NAMES
                  "}, {%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-                   "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-                   "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-                   "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-                   "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-                   "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-                   "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-                   "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
-                   "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
-                   "+f"(d[126]), "+f"(d[127])
+                 : WG_ACC128(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
@@ -156,15 +124,7 @@ __device__ __forceinline__ void wa_softmax(float (&s)[32], float (&m)[2], float 
 #pragma unroll
     for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);   // element 4 c8 + e: row e >> 1
     float muse[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        muse[i] = mx[i] == -CLEF_INF ? 0.f : mx[i];
-        alpha[i] = exp2f(m[i] - muse[i]);   // 0 while m is -inf
-        m[i] = mx[i];
-        l[i] *= alpha[i];
-    }
+    attn_new_max(mx, m, l, muse, alpha);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const float p = exp2f(s[i] - muse[(i >> 1) & 1]);   // masked: exp2(-inf) = 0
@@ -311,22 +271,8 @@ __device__ __forceinline__ void wa_body(const half_t* __restrict__ q, const half
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     wg_fence_acc(o);
 
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        l[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    }
     // accumulator 4 i + e: row r (+ 8 for e >= 2), column 8 i + 2 tq (+ 1 for odd e)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const int row = r + hr * 8;
-        if (row >= q1) continue;
-        float* dst = out + ((long long)(row - qbase) * Hq + h) * WA_D + 2 * tq;
-#pragma unroll
-        for (int i = 0; i < WA_D / 8; ++i)
-            *(float2*)(dst + i * 8) = make_float2(o[4 * i + 2 * hr] * l[hr], o[4 * i + 2 * hr + 1] * l[hr]);
-    }
+    attn_write_rows<WA_D>(out, l, o, r, q1, qbase, Hq, h, tq);
 }
 #endif
 

@@ -25,11 +25,10 @@
 //
 // Older architectures compile this file to empty kernels (the compute_70 PTX of every file is built in CI);
 // the backend never routes to it there.
-#include "gemm_swiglu.cuh"
+#include "gemm_tile.cuh"
 
 typedef unsigned short mg_half;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ unsigned mg_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
@@ -85,11 +84,13 @@ __device__ __forceinline__ void mg_load_stage(mg_half* sA, mg_half* sB, const mg
 
 // SWIGLU: W and Wu are the gate and up weights ([N, K] each), the tile's columns their paired rows, and the
 // output H [M, N] fp16 (bias, res and C unused); otherwise C [M, N] fp32 = A W^T (+ bias) (+ res), Wu and H unused.
+// Empty before sm_80 (the helpers above are then never emitted).
 template <int BM, int BN, int BK, int STAGES, int WARPS_M, int WARPS_N, bool SWIGLU>
 __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_half* __restrict__ W,
                                         const mg_half* __restrict__ Wu, const float* __restrict__ bias,
                                         const float* __restrict__ res, float* __restrict__ C,
                                         mg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int THREADS = WARPS_M * WARPS_N * 32, LDS = BK + 8, STAGE = (BM + BN) * LDS;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;   // each warp's output tile
     constexpr int MI = WTM / 16, NJ = WTN / 8;              // its m16 and n8 tiles (NJ even: x4 loads two)
@@ -98,16 +99,8 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
     extern __shared__ __align__(16) mg_half mg_smem_buf[];
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-    // Blocks are launched in order of blockIdx.x fastest; handing them out down groups of 8 block rows (then
-    // across) makes 8 consecutive blocks share one W tile column while it is in L2: at N = 12,288, K = 4096
-    // the weight (100 MB) no longer streams from memory once per block row.
     int bm, bn;
-    {
-        const int grid_m = gridDim.y, pid = blockIdx.y * gridDim.x + blockIdx.x, width = 8 * gridDim.x;
-        const int first = (pid / width) * 8, rows = min(grid_m - first, 8);
-        bm = first + (pid % width) % rows;
-        bn = (pid % width) / rows;
-    }
+    gemm_block_order(bm, bn);
     const int m0 = bm * BM, n0 = bn * BN;
     const int KT = (K + BK - 1) / BK;
 
@@ -164,25 +157,6 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
     mg_wait<0>();
 
     // accumulator (i, j): rows wm*WTM + i*16 + lane/4 (+ 8), columns wn*WTN + j*8 + (lane % 4) * 2 (+ 1)
-    if (SWIGLU) {
-        // paired columns n0 + wn*WTN + 16 jj + [0, 8) (tile 2 jj) are gate rows (n0 + wn*WTN) / 2 + 8 jj + [0, 8),
-        // the next 8 (tile 2 jj + 1) the up rows of the same outputs
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int gr = m0 + wm * WTM + i * 16 + (lane >> 2) + h * 8;
-                if (gr >= M) continue;
-#pragma unroll
-                for (int jj = 0; jj < NJ / 2; ++jj) {
-                    const int oc = (n0 + wn * WTN) / 2 + jj * 8 + (lane & 3) * 2;
-                    swiglu_put2(H, N, gr, oc, acc[i][2 * jj][h * 2], acc[i][2 * jj][h * 2 + 1],
-                                acc[i][2 * jj + 1][h * 2], acc[i][2 * jj + 1][h * 2 + 1]);
-                }
-            }
-        }
-        return;
-    }
     const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -190,62 +164,21 @@ __device__ __forceinline__ void mg_gemm(const mg_half* __restrict__ A, const mg_
         for (int h = 0; h < 2; ++h) {
             const int gr = m0 + wm * WTM + i * 16 + (lane >> 2) + h * 8;
             if (gr >= M) continue;
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const int gc = n0 + wn * WTN + j * 8 + (lane & 3) * 2;
-                float v0 = acc[i][j][h * 2], v1 = acc[i][j][h * 2 + 1];
-                const size_t o = (size_t)gr * N + gc;
-                if (pair && gc + 1 < N) {
-                    if (bias) { v0 += bias[gc]; v1 += bias[gc + 1]; }
-                    if (res) { const float2 r = *(const float2*)(res + o); v0 += r.x; v1 += r.y; }
-                    *(float2*)(C + o) = make_float2(v0, v1);
-                } else {
-                    if (gc < N) C[o] = v0 + (bias ? bias[gc] : 0.f) + (res ? res[o] : 0.f);
-                    if (gc + 1 < N) C[o + 1] = v1 + (bias ? bias[gc + 1] : 0.f) + (res ? res[o + 1] : 0.f);
-                }
-            }
+            gemm_store_row<NJ, SWIGLU>(bias, res, C, H, N, pair, gr, n0 + wn * WTN, lane,
+                                       [&](int j, int e) { return acc[i][j][h * 2 + e]; });
         }
     }
-}
-#endif
-
-// The launch: grid (ceil(N / BN), ceil(M / BM)), 256 threads, the tile's dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(256) gemm_mma_f16a_big(const mg_half* __restrict__ A,
-                                                                    const mg_half* __restrict__ W,
-                                                                    const float* __restrict__ bias,
-                                                                    const float* __restrict__ res,
-                                                                    float* __restrict__ C, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<256, 128, 64, 3, 4, 2, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemm_mma_f16a(const mg_half* __restrict__ A,
-                                                                const mg_half* __restrict__ W,
-                                                                const float* __restrict__ bias,
-                                                                const float* __restrict__ res,
-                                                                float* __restrict__ C, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<128, 128, 32, 3, 2, 4, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
-#endif
-}
-
-// The fused MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / BN), ceil(M / BM)), 256 threads, the same
-// dynamic shared memory as the tile's plain kernel. N = the gate's (and up's) rows = H's columns.
-extern "C" __global__ void __launch_bounds__(256) gemm_mma_swiglu_big(const mg_half* __restrict__ A,
-                                                                      const mg_half* __restrict__ Wg,
-                                                                      const mg_half* __restrict__ Wu,
-                                                                      mg_half* __restrict__ H, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<256, 128, 64, 3, 4, 2, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(256) gemm_mma_swiglu(const mg_half* __restrict__ A,
-                                                                  const mg_half* __restrict__ Wg,
-                                                                  const mg_half* __restrict__ Wu,
-                                                                  mg_half* __restrict__ H, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    mg_gemm<128, 128, 32, 3, 2, 4, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
-#endif
-}
+// The launch: grid (ceil(N / BN), ceil(M / BM)), 256 threads, the tile's dynamic shared memory. The fused MLP
+// (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / BN), ceil(M / BM)), 256 threads, the same dynamic shared
+// memory as the tile's plain kernel; N = the gate's (and up's) rows = H's columns.
+#define MG_BIG 256, 128, 64, 3, 4, 2     // BM, BN, BK, STAGES, WARPS_M, WARPS_N
+#define MG_SMALL 128, 128, 32, 3, 2, 4
+GEMM_F32_ENTRY(gemm_mma_f16a_big, __launch_bounds__(256), mg_gemm, MG_BIG)
+GEMM_F32_ENTRY(gemm_mma_f16a, __launch_bounds__(256), mg_gemm, MG_SMALL)
+GEMM_SWIGLU_ENTRY(gemm_mma_swiglu_big, __launch_bounds__(256), mg_gemm, MG_BIG)
+GEMM_SWIGLU_ENTRY(gemm_mma_swiglu, __launch_bounds__(256), mg_gemm, MG_SMALL)
+#undef MG_BIG
+#undef MG_SMALL

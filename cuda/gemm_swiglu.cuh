@@ -9,10 +9,10 @@
 // m16n8 tiles (mma.sync's, and wgmma's, which repeats that layout along n): columns 8 j + 2 (lane % 4) (+ 1) of
 // rows lane / 4 (+ 8). With the tiles' column origins multiples of 16, tile 2 j holds gate sums and tile 2 j + 1
 // the up sums of the very same outputs, in the same registers of the same thread, so the epilogue
-// (swiglu_put2) pairs them with no exchange. Each sum is the plain kernel's on the same A row and weight row,
-// k step by k step in the same order (zero-filled past K alike), so it is bit for bit that kernel's output; the
-// SwiGLU is gemm.cu's swiglu_half (silu_f, one product, one cvt.rn): the fused result is the bits of two plain
-// GEMMs and swiglu_half.
+// (gemm_tile.cuh's gemm_store_row, through swiglu_put2) pairs them with no exchange. Each sum is the plain
+// kernel's on the same A row and weight row, k step by k step in the same order (zero-filled past K alike), so it
+// is bit for bit that kernel's output; the SwiGLU is gemm.cu's swiglu_half (silu_f, one product, one cvt.rn): the
+// fused result is the bits of two plain GEMMs and swiglu_half.
 #pragma once
 #include "mma_sm70.cuh"
 

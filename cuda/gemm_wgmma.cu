@@ -37,7 +37,7 @@
 //
 // Built only for sm_90a (the feature macro __CUDA_ARCH_FEAT_SM90_ALL): other targets, compute_70 PTX and plain
 // sm_90 included, compile to empty kernels, and the backend never routes to it there.
-#include "gemm_swiglu.cuh"
+#include "gemm_tile.cuh"
 
 #include "wgmma.cuh"
 
@@ -46,35 +46,9 @@
 // d (64 x 256, fp32, this thread's share) += A (64 x 16) @ B (256 x 16)^T, both from shared memory
 __device__ __forceinline__ void wg_mma_n256(float (&d)[128], unsigned long long da,
                                            unsigned long long db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" WG_ACC128_NAMES
                  "}, %128, %129, 1, 1, 1, 0, 0;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-                   "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-                   "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-                   "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-                   "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-                   "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-                   "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
-                   "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
-                   "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
-                   "+f"(d[126]), "+f"(d[127])
+                 : WG_ACC128(d)
                  : "l"(da), "l"(db));
 }
 
@@ -118,28 +92,25 @@ __device__ __forceinline__ void wg_mma<256>(float (&d)[128], unsigned long long 
     wg_mma_n256(d, da, db);
 }
 
+#endif
+
 // SWIGLU: W and Wu are the gate and up weights ([N, K] each), the tile's columns their paired rows, and the
 // output H [M, N] fp16 (bias, res and C unused); otherwise C [M, N] fp32 = A W^T (+ bias) (+ res), Wu and H unused.
+// Empty on every target but sm_90a.
 template <int BM, int BN, int STAGES, bool SWIGLU>
 __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_half* __restrict__ W,
                                         const wg_half* __restrict__ Wu, const float* __restrict__ bias,
                                         const float* __restrict__ res, float* __restrict__ C,
                                         wg_half* __restrict__ H, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int BK = 64, WM = BM / 2, MI = WM / 64, NA = BN / 2;   // per warpgroup: WM rows, MI m64 blocks
     constexpr unsigned SA = BM * 128, STAGE = (BM + BN) * 128;       // bytes
     static_assert(WM % 64 == 0 && (BN == 128 || BN == 256) && STAGES >= 4, "tile shape");
     extern __shared__ unsigned char wg_buf[];
     const unsigned base = (wg_smem(wg_buf) + 1023u) & ~1023u;        // swizzle atoms are 1024-byte aligned
     const int t = threadIdx.x, wg = t >> 7, warp = (t >> 5) & 3, lane = t & 31;
-    // Blocks are launched in order of blockIdx.x fastest; handing them out down groups of 8 block rows (then
-    // across) makes 8 consecutive blocks share one W tile column while it is in L2.
     int bm, bn;
-    {
-        const int grid_m = gridDim.y, pid = blockIdx.y * gridDim.x + blockIdx.x, width = 8 * gridDim.x;
-        const int first = (pid / width) * 8, rows = min(grid_m - first, 8);
-        bm = first + (pid % width) % rows;
-        bn = (pid % width) / rows;
-    }
+    gemm_block_order(bm, bn);
     const int m0 = bm * BM, n0 = bn * BN;
     const int KT = (K + BK - 1) / BK;
 
@@ -187,25 +158,6 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
 
     // accumulator (i, 4 j + e): row wg*WM + i*64 + warp*16 + lane/4 (+ 8 for e >= 2), column 8 j + (lane % 4) * 2
     // (+ 1 for odd e)
-    if (SWIGLU) {
-        // paired columns n0 + 16 jj + [0, 8) (j = 2 jj) are gate rows n0 / 2 + 8 jj + [0, 8), the next 8 (j = 2 jj + 1)
-        // the up rows of the same outputs
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
-                if (gr >= M) continue;
-#pragma unroll
-                for (int jj = 0; jj < BN / 16; ++jj) {
-                    const int oc = n0 / 2 + jj * 8 + (lane & 3) * 2;
-                    swiglu_put2(H, N, gr, oc, acc[i][8 * jj + h * 2], acc[i][8 * jj + h * 2 + 1],
-                                acc[i][8 * jj + 4 + h * 2], acc[i][8 * jj + 4 + h * 2 + 1]);
-                }
-            }
-        }
-        return;
-    }
     const bool pair = (N & 1) == 0;                       // float2 stores stay 8-byte aligned
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
@@ -213,43 +165,15 @@ __device__ __forceinline__ void wg_gemm(const wg_half* __restrict__ A, const wg_
         for (int h = 0; h < 2; ++h) {
             const int gr = m0 + wg * WM + i * 64 + warp * 16 + (lane >> 2) + h * 8;
             if (gr >= M) continue;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int gc = n0 + j * 8 + (lane & 3) * 2;
-                float v0 = acc[i][j * 4 + h * 2], v1 = acc[i][j * 4 + h * 2 + 1];
-                const size_t o = (size_t)gr * N + gc;
-                if (pair && gc + 1 < N) {
-                    if (bias) { v0 += bias[gc]; v1 += bias[gc + 1]; }
-                    if (res) { const float2 r = *(const float2*)(res + o); v0 += r.x; v1 += r.y; }
-                    *(float2*)(C + o) = make_float2(v0, v1);
-                } else {
-                    if (gc < N) C[o] = v0 + (bias ? bias[gc] : 0.f) + (res ? res[o] : 0.f);
-                    if (gc + 1 < N) C[o + 1] = v1 + (bias ? bias[gc + 1] : 0.f) + (res ? res[o + 1] : 0.f);
-                }
-            }
+            gemm_store_row<BN / 8, SWIGLU>(bias, res, C, H, N, pair, gr, n0, lane,
+                                           [&](int j, int e) { return acc[i][j * 4 + h * 2 + e]; });
         }
     }
-}
-#endif
-
-// The launch: grid (ceil(N / 256), ceil(M / 128)), 256 threads, 197,632 bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_f16a(const wg_half* __restrict__ A,
-                                                                     const wg_half* __restrict__ W,
-                                                                     const float* __restrict__ bias,
-                                                                     const float* __restrict__ res,
-                                                                     float* __restrict__ C, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_gemm<128, 256, 4, false>(A, W, nullptr, bias, res, C, nullptr, M, N, K);
 #endif
 }
 
-// The fused MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / 256), ceil(M / 128)), 256 threads, the same
-// 197,632 bytes of dynamic shared memory. N = the gate's (and up's) rows = H's columns.
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_wgmma_swiglu(const wg_half* __restrict__ A,
-                                                                       const wg_half* __restrict__ Wg,
-                                                                       const wg_half* __restrict__ Wu,
-                                                                       wg_half* __restrict__ H, int M, int N, int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_gemm<128, 256, 4, true>(A, Wg, Wu, nullptr, nullptr, nullptr, H, M, N, K);
-#endif
-}
+// The launch: grid (ceil(N / 256), ceil(M / 128)), 256 threads, 197,632 bytes of dynamic shared memory. The fused
+// MLP (MMA_SWIGLU in matmul.py): grid (ceil(16 ceil(N / 8) / 256), ceil(M / 128)), 256 threads, the same dynamic
+// shared memory; N = the gate's (and up's) rows = H's columns.
+GEMM_F32_ENTRY(gemm_wgmma_f16a, __launch_bounds__(256, 1), wg_gemm, 128, 256, 4)
+GEMM_SWIGLU_ENTRY(gemm_wgmma_swiglu, __launch_bounds__(256, 1), wg_gemm, 128, 256, 4)

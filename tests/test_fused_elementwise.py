@@ -181,10 +181,11 @@ def test_exact_never_fuses_the_mlp():
 
 def test_every_mma_tile_has_its_fused_twin():
     assert set(MMA_SWIGLU) == {name for name, *_ in MMA_TILES} | {WGMMA_TILE[0]}
-    source = {f: (Path(__file__).parent.parent / "cuda" / f).read_text() for f in ("gemm_mma.cu", "gemm_wgmma.cu")}
+    code = {f: re.sub(r"//[^\n]*", "", (Path(__file__).parent.parent / "cuda" / f).read_text())
+            for f in ("gemm_mma.cu", "gemm_wgmma.cu")}   # comments out: the entry points' GEMM_*_ENTRY lines
     for plain, fused in MMA_SWIGLU.items():
         module = "gemm_wgmma.cu" if plain == WGMMA_TILE[0] else "gemm_mma.cu"
-        assert re.search(rf"\b{fused}\(", source[module]), (module, fused)
+        assert re.search(rf"\b{fused}\b", code[module]), (module, fused)
 
 
 # ----------------------------------------------------------------------------------------- the model's requests
@@ -253,9 +254,10 @@ def swiglu_row(p, N):
 
 
 def _mma_sync_pairs(BM, BN, WARPS_M, WARPS_N):
-    """gemm_mma.cu's SWIGLU epilogue for one block: per output pair it writes, (tile row, gate accumulator's tile
-    column, up accumulator's tile column, output column - n0 / 2). The accumulators are named as the epilogue
-    indexes them (acc[i][2 jj][h * 2 + t], acc[i][2 jj + 1][...]); the m16n8 layout places acc[i][j][e] at row
+    """gemm_mma.cu's SWIGLU epilogue (gemm_tile.cuh's gemm_store_row) for one block: per output pair it writes,
+    (tile row, gate accumulator's tile column, up accumulator's tile column, output column - n0 / 2). The
+    accumulators are named as the epilogue indexes them (acc(2 jj, t) = acc[i][2 jj][h * 2 + t] and acc(2 jj + 1,
+    t) = acc[i][2 jj + 1][...], gemm_mma.cu's accessor); the m16n8 layout places acc[i][j][e] at row
     wm*WTM + i*16 + lane/4 + 8 (e >= 2), column wn*WTN + 8 j + 2 (lane % 4) + e % 2."""
     WTM, WTN = BM // WARPS_M, BN // WARPS_N
     MI, NJ = WTM // 16, WTN // 8
@@ -278,9 +280,9 @@ def _mma_sync_pairs(BM, BN, WARPS_M, WARPS_N):
 
 
 def _wgmma_pairs(BM, BN):
-    """gemm_wgmma.cu's SWIGLU epilogue, as _mma_sync_pairs: it reads acc[i][8 jj + h * 2 + t] (gate) and
-    acc[i][8 jj + 4 + h * 2 + t] (up); wgmma's layout places acc[i][4 j + e] at row wg*WM + i*64 + warp*16 +
-    lane/4 + 8 (e >= 2), column 8 j + 2 (lane % 4) + e % 2."""
+    """gemm_wgmma.cu's SWIGLU epilogue, as _mma_sync_pairs: through its accessor acc(j, t) = acc[i][j * 4 + h * 2 +
+    t] it reads acc[i][8 jj + h * 2 + t] (gate) and acc[i][8 jj + 4 + h * 2 + t] (up); wgmma's layout places
+    acc[i][4 j + e] at row wg*WM + i*64 + warp*16 + lane/4 + 8 (e >= 2), column 8 j + 2 (lane % 4) + e % 2."""
     WM = BM // 2
     out = []
     for wg in range(2):

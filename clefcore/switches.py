@@ -32,6 +32,11 @@ SWITCHES = (
            "fast precision: the delta rule in one fp16 tensor-core pass per product (cuda/gated_delta_fast.cu) "
            "instead of three (hi/lo halves, as the exact plans run it): 3-4 % faster from 8,192 tokens on the "
            "H100, fast's golden error 9.0e-3 instead of 6.4e-3"),
+    # Off until a GPU has run it: written and checked against its numpy error model (tests/gdn_wy_model.py) only
+    Switch("gdn_wy", False,
+           "the delta rule in the WY form (cuda/gated_delta_wy.cu: per chunk U and W from one triangular solve, then "
+           "V' = U - W S and the state update over the chunks, then the outputs per chunk) instead of the folded "
+           "form (cuda/gated_delta.cu); every GPU precision, and it wins over gdn_one_pass. Not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

@@ -36,7 +36,9 @@ SWITCHES = (
     Switch("gdn_wy", False,
            "the delta rule in the WY form (cuda/gated_delta_wy.cu: per chunk U and W from one triangular solve, then "
            "V' = U - W S and the state update over the chunks, then the outputs per chunk) instead of the folded "
-           "form (cuda/gated_delta.cu); every GPU precision, and it wins over gdn_one_pass. Not yet run on a GPU"),
+           "form (cuda/gated_delta.cu), in every GPU precision (it wins over gdn_one_pass): exact splits every "
+           "product; fast splits the state's and rounds the output's once (docs/studies/gdn_wy_precision.py). "
+           "Not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

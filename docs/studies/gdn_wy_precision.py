@@ -19,6 +19,24 @@ the exact candidate.
 
 Run with clefcore installed, from anywhere: python docs/studies/gdn_wy_precision.py [OUT.json] [--quick].
 Writes gdn_wy_precision.json beside this file by default; --quick runs fewer draws (a smoke run, not the record).
+
+What gdn_wy_precision.json says (medians; 2,048 tokens of 128 x 128 heads, decays 0.002 / 0.02 / 0.3 per token):
+* The state's roundings are what accumulate. Rounding the recurrence's products (W S, K^T Vd) once puts the final
+  state 3.8e-4..4.7e-4 off, as far as the folded one-pass kernels (4.1e-4..4.4e-4); K^T Vd alone in fp16
+  3.7e-4..3.9e-4, W S alone 8e-7..1.4e-4 (the more, the longer the state lives); K K^T in fp16 (through the solve)
+  4e-5..1e-4. Split, all three keep the state fp32-grade (3.5e-7..8e-7; the numpy reference's own 3.1e-7..8.3e-7).
+* The output's products (Q S_in, Q K^T, P V') reach one output once: in fp16 they put the output 3.3e-4..4.2e-4 off
+  (one rounding), the state untouched.
+* Golden, fast emulated (12 runs each): worst |dp| median 7.1e-3 with the fp32 rule (the H100 measured 6.37e-3 with
+  today's three-pass kernels: inside the emulation's 5.3e-3..9.9e-3), 1.40e-2 with the folded one-pass rule (the
+  H100: 8.1e-3..9.0e-3; the emulation overstates it but ranks it as the H100 did); WY exact 6.3e-3, WY with the
+  state split and the outputs in fp16 6.1e-3, rms |dp| 1.61e-3 against the fp32 rule's 1.78e-3 (+-1.3e-4 run to
+  run). WY all in fp16 also 5.1e-3 / 1.61e-3 here, but its state is 1,000 times further off at the model's size.
+* Hence fast (gated_delta_wy_fast.cu, tests/gdn_wy_model.py FAST): K K^T, W S, K^T Vd split; Q S_in, Q K^T, P V'
+  in one pass: the state as accurate as today's three-pass kernels, the output rounded once, a third of the
+  output products' tensor-core work and the entering state stored in fp16 alone. Exact (gated_delta_wy.cu): every
+  product split, output 1e-6..3e-6 (the fp16 lo halves of the small q values are subnormal), state as fp32;
+  golden with fp32 elsewhere worst |dp| 1.5e-5 (numpy fp32 4.5e-6), far inside exact's 2e-4.
 """
 from __future__ import annotations
 

@@ -50,6 +50,13 @@ SWITCHES = (
            "and replayed, instead of its hundreds of launches from Python (its attention products through cuBLAS "
            "callable in a capture, its per-question softmax sum in one deterministic kernel instead of CuPy's "
            "scatter atomics); not yet run on a GPU"),
+    # Off until a GPU has run it: written and checked against its numpy error model (tests/gdn_wy_model.py) only
+    Switch("gdn_wy", False,
+           "the delta rule in the WY form (cuda/gated_delta_wy.cu: per chunk U and W from one triangular solve, then "
+           "V' = U - W S and the state update over the chunks, then the outputs per chunk) instead of the folded "
+           "form (cuda/gated_delta.cu), in every GPU precision (it wins over gdn_one_pass): exact splits every "
+           "product; fast splits the state's and rounds the output's once (docs/studies/gdn_wy_precision.py). "
+           "Not yet run on a GPU"),
 )
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")

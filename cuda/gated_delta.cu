@@ -22,7 +22,7 @@
 // Each kernel is one template body on (dk, dv): the plain entry takes them at run time (any multiple of 16 up
 // to 128), the _d128 entry fixes both at 128, the model's size, so index arithmetic and loop bounds fold.
 // sm_70: wmma m16n16k16 only, <= 96 KB shared memory per block (gdn_prep: 95 KB at dk = dv = 128).
-#include "mma_sm70.cuh"
+#include "gdn_tiles.cuh"
 
 #define GC 64          // chunk
 #define GTH 256        // threads per block (8 warps)
@@ -47,31 +47,6 @@ __device__ __forceinline__ void mma3(FragC& d, const FragA& ah, const FragA& al,
     if (L == CR) { mma_col_row(d, ah, bh); if (GDN_PASSES == 3) { mma_col_row(d, ah, bl); mma_col_row(d, al, bh); } }
 }
 
-__device__ __forceinline__ unsigned hl_pair(float a, float b, unsigned& lo) {   // hi halves returned
-    const half_t ha = f2h(a), hb = f2h(b);
-    lo = pack2h(a - h2f(ha), b - h2f(hb));
-    return (unsigned)ha | ((unsigned)hb << 16);
-}
-// 8 consecutive fp32 -> 8 hi and 8 lo halves (16-byte aligned destinations)
-__device__ __forceinline__ void store8_hl(half_t* hi, half_t* lo, const float* x) {
-    unsigned h[4], l[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = hl_pair(x[2 * i], x[2 * i + 1], l[i]);
-    *(uint4*)hi = make_uint4(h[0], h[1], h[2], h[3]);
-    *(uint4*)lo = make_uint4(l[0], l[1], l[2], l[3]);
-}
-__device__ __forceinline__ void store4_hl(half_t* hi, half_t* lo, float4 x) {
-    unsigned l0, l1;
-    const unsigned h0 = hl_pair(x.x, x.y, l0), h1 = hl_pair(x.z, x.w, l1);
-    *(uint2*)hi = make_uint2(h0, h1);
-    *(uint2*)lo = make_uint2(l0, l1);
-}
-// row r (< 64) of a chunk's rows at p (row stride ld floats) as a float4; rows past n (>= 1) read row n - 1 and
-// give zeros, so the load needs no branch and the loads of an unrolled loop are issued together
-__device__ __forceinline__ float4 chunk_row4(const float* p, int r, int n, int ld) {
-    const float4 v = *(const float4*)(p + min(r, n - 1) * ld);
-    return r < n ? v : make_float4(0.f, 0.f, 0.f, 0.f);
-}
 // accumulator registers <-> 32 bytes per lane (layout private to the fragment type: written and read only so);
 // registers 0-3 of all lanes first, then 4-7, so that each 16-byte access of the warp is one contiguous 512 bytes
 __device__ __forceinline__ void frag_raw_store(float* p, const FragC& c) {
@@ -84,17 +59,6 @@ __device__ __forceinline__ void frag_raw_load(FragC& c, const float* p) {
     const float4 a = q[0], b = q[32];
     c.x[0] = a.x; c.x[1] = a.y; c.x[2] = a.z; c.x[3] = a.w; c.x[4] = b.x; c.x[5] = b.y; c.x[6] = b.z; c.x[7] = b.w;
 }
-// an accumulator tile through the warp's 16x16 fp32 staging: the lane gets row lane/2, columns 8*(lane&1) + 0..7
-__device__ __forceinline__ void tile_to_lane(float* stage, const FragC& c, float (&x)[8]) {
-    stc_row(sa(stage), c, 16);
-    __syncwarp();
-    const int lane = threadIdx.x & 31;
-    const float4 a = *(const float4*)(stage + (lane >> 1) * 16 + (lane & 1) * 8);
-    const float4 b = *(const float4*)(stage + (lane >> 1) * 16 + (lane & 1) * 8 + 4);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-    __syncwarp();
-}
-
 // ------------------------------------------------------------------------------------------------- gdn_prep
 // Shared memory (bytes), LK = dk + 8, LX = max(dk, dv) + 8 (row padding: conflict-free ldmatrix):
 //   RK  4*GC*LK                 K hi/lo (K K^T, Q K^T); after the solve Kd = K * exp(gamma_n - gamma) hi/lo

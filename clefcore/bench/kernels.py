@@ -17,7 +17,8 @@ HEAD_GEMM = (11, 4096, 1024)          # a joint-head GEMM: one row per option
 SEQ_LENS = (2048, 8192)
 # max |got - ref| / max |ref| allowed when a timed op is checked against numpy (the kernel tests' bounds)
 TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
-# the delta rule: one fp16 pass per product (gated_delta_fast.cu, the gdn_one_pass switch), else three
+# the delta rule: products in one fp16 pass (every product: gated_delta_fast.cu under gdn_one_pass; the outputs':
+# gated_delta_wy_fast.cu, fast under gdn_wy), else all in three
 TOL_GDN_FAST, TOL_GDN = 2e-3, 2e-4
 
 
@@ -151,13 +152,15 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
                                 cp.random.standard_normal((T, hv), dtype=cp.float32),
                                 cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
         gdn_args = (qq, kk, vv, g, beta, cu)
-        one_pass = ops.gdn_kernels().passes == 1
+        rule = ops.gdn_kernels()
+        one_pass = rule.passes == 1
         _check(f"gated delta rule T={T}", host(ops.gated_delta_rule(*gdn_args)),
                cpu.gated_delta_rule(*map(host, gdn_args[:5]), cu), TOL_GDN_FAST if one_pass else TOL_GDN, checks)
         tg = gpu_ms(cp, lambda: ops.gated_delta_rule(*gdn_args))
         fl = T * hv * 0.18e6
         rows.append((f"gated delta rule T={T} 16k/32v heads d=128", tg,
-                     f"{fl / tg / 1e9:.1f} TFLOP/s ({'one fp16 pass' if one_pass else 'fp16 hi+lo passes'})"))
+                     f"{fl / tg / 1e9:.1f} TFLOP/s ({rule.module}: "
+                     f"{'products in one fp16 pass' if one_pass else 'fp16 hi+lo passes'})"))
         x = cp.random.standard_normal((T, 4096), dtype=cp.float32)
         w = cp.random.standard_normal(4096, dtype=cp.float32)
         s, y = ops.add_rmsnorm(x, x, w, 1e-6)

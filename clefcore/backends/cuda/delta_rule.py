@@ -1,5 +1,6 @@
 """The Gated DeltaNet path of the CUDA backend: causal depthwise conv + SiLU (cuda/conv1d.cu), the gates, and the
-chunked delta rule with carried state (cuda/gated_delta.cu). A mixin of ``CudaOps``."""
+chunked delta rule with carried state (cuda/gated_delta.cu; cuda/gated_delta_wy.cu under the gdn_wy kernel switch).
+A mixin of ``CudaOps``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..cpu import GDN_CHUNK
 from .elementwise import NULL, gdn_gates_k
 
 _CONV_KMAX, _CONV_TT = 8, 16   # conv1d.cu: CONV_KMAX taps at most, CONV_TT tokens per thread
+_WY_OUT_COLS = 32               # gated_delta_wy.cu: OW, the output columns gdn_wy_out takes per piece
 
 
 class DeltaRuleOps:
@@ -40,10 +42,10 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """The delta-rule kernels of the plan's row of the precision table under the kernel switches (three
-        passes per product; one under gdn_one_pass in fast): gdn_prep, gdn_scan, gdn_out per group of chunks.
-        state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final
-        state."""
+        """The delta-rule kernels of the plan's row of the precision table under the kernel switches, per group of
+        chunks: the folded form (gdn_prep, gdn_scan, gdn_out: three passes per product; one under gdn_one_pass in
+        fast) or, under gdn_wy, the WY form (gdn_wy_prep, gdn_wy_scan, gdn_wy_out). state: None or fp32
+        [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]
@@ -75,48 +77,106 @@ class DeltaRuleOps:
             return out
         if st is None:
             st = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
-        chunks_np = np.array(chunks, dtype=np.int32)
-        seq_of = np.array(seq_of)
+        rule = self.gdn_kernels()
+        run = self._gdn_wy if rule.wy else self._gdn_folded
+        run(rule.module, q, k, v, vs, g, beta, np.array(chunks, dtype=np.int32), np.array(seq_of), st,
+            state is None, out)
+        if state is not None and st is not state:
+            state[...] = st
+        return out
+
+    def _gdn_folded(self, module, q, k, v, vs, g, beta, chunks_np, seq_of, st, fresh, out):
+        """The folded form (cuda/gated_delta.cu): gdn_prep, gdn_scan, gdn_out per group of chunks. chunks_np
+        [n, 4] int32 (start, length, 0, 0), seq_of [n] the sequence of each chunk, st the fp32 states (read where
+        a sequence starts unless ``fresh``, written at its end), out [T, hv, dv]."""
+        cp = self.cp
+        T, hk, dk = k.shape
+        hv, dv = out.shape[1], out.shape[2]
+        C = GDN_CHUNK
         LK, LX = dk + 8, max(dk, dv) + 8
         prep_smem = 4 * C * LK + max(4 * C * LX, 4 * C * (C + 4)) + 4 * C * (C + 8) + 8192 + 4 * C * 4
         bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
         scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
         out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
         sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        module = self.gdn_kernels().module
         prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
         scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
         outk = self.kernel(module, "gdn_out" + sfx, out_smem)
-        # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128);
-        # chunks per group: gdn_block_chunks, and at most 256 MiB of workspace (36 chunks at 32 heads of 128)
+        # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128)
         per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)
-        ncap = max(1, min(self.gdn_block_chunks, len(chunks), (256 << 20) // per))
-        # groups of equal size (64 chunks: 32 + 32, not 36 + 28): gdn_prep's grid then ends in fewer part-full waves
-        ncap = -(-len(chunks) // -(-len(chunks) // ncap))
+        ncap = self._gdn_group(len(chunks_np), per)
         Nw = cp.empty((ncap, hv, dk, dv), dtype=cp.float32)
         Mw = cp.empty((ncap, hv, 2, dk, dk), dtype=cp.float16)
         Qw = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)
         Hw = cp.empty((ncap, hv, 2, dk, dv), dtype=cp.float16)
         i32 = np.int32
-        for c0 in range(0, len(chunks), ncap):
-            c1 = min(c0 + ncap, len(chunks))
+        for c0 in range(0, len(chunks_np), ncap):
+            c1 = min(c0 + ncap, len(chunks_np))
             ch = self._upload(chunks_np[c0:c1])
             prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), out,
                                          Nw, Mw, Qw), shared_mem=prep_smem)
-            seqs = []
-            for b_ in np.unique(seq_of[c0:c1]):
-                idx = np.nonzero(seq_of[c0:c1] == b_)[0]
-                first_global = c0 + idx[0]
-                zero = state is None and (first_global == 0 or seq_of[first_global - 1] != b_)
-                seqs.append((int(idx[0]), int(idx[-1]) + 1, int(zero), int(b_)))
-            sq = self._upload(np.array(seqs, dtype=np.int32))
-            scan((hv, dv // bv, len(seqs)), (256,), (sq, i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw, st, Hw),
-                 shared_mem=scan_smem)
+            seqs = self._gdn_seqs(seq_of, c0, c1, fresh)
+            scan((hv, dv // bv, len(seqs)), (256,), (self._upload(seqs), i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw,
+                                                     st, Hw), shared_mem=scan_smem)
             outk((c1 - c0, hv, -(-dv // 64)), (256,), (ch, i32(hv), i32(dk), i32(dv), Qw, Hw, out),
                  shared_mem=out_smem)
-        if state is not None and st is not state:
-            state[...] = st
-        return out
+
+    def _gdn_wy(self, module, q, k, v, vs, g, beta, chunks_np, seq_of, st, fresh, out):
+        """The WY form (cuda/gated_delta_wy.cu): gdn_wy_prep, gdn_wy_scan, gdn_wy_out per group of chunks;
+        arguments as _gdn_folded's."""
+        cp = self.cp
+        T, hk, dk = k.shape
+        hv, dv = out.shape[1], out.shape[2]
+        C = GDN_CHUNK
+        LK = dk + 8
+        bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
+        # the kernels' shared-memory layouts (cuda/gated_delta_wy.cu, each kernel's comment)
+        prep_smem = max(4 * C * LK, 4 * C * (C + 4)) + 8192 + 1024
+        scan_smem = 4 * C * LK + 4 * (dk + C) * (bv + 8) + 8192 + 4 * (C + 4)
+        out_smem = 4 * C * LK + max(4 * C * LK, 4 * (dk + C) * (_WY_OUT_COLS + 8)) + 4 * C * (C + 8) + 8192 + 8 * C
+        sfx = "_d128" if dk == dv == 128 else ""
+        prep = self.kernel(module, "gdn_wy_prep" + sfx, prep_smem)
+        scan = self.kernel(module, "gdn_wy_scan" + sfx, scan_smem)
+        outk = self.kernel(module, "gdn_wy_out" + sfx, out_smem)
+        # workspace per chunk: per value head gamma, U (then V') fp32, -W and the entering state as fp16 hi + lo;
+        # per key head K hi + lo (144 KB per value head at 128 x 128, 16 key heads of 32)
+        per = hv * (4 * C + 4 * C * dv + 4 * C * dk + 4 * dk * dv) + hk * 4 * C * dk
+        ncap = self._gdn_group(len(chunks_np), per)
+        Gw = cp.empty((ncap, hv, C), dtype=cp.float32)
+        Uw = cp.empty((ncap, hv, C, dv), dtype=cp.float32)
+        Ww = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)
+        Kw = cp.empty((ncap, hk, 2, C, dk), dtype=cp.float16)
+        Hw = cp.empty((ncap, hv, 2, dk, dv), dtype=cp.float16)
+        i32 = np.int32
+        for c0 in range(0, len(chunks_np), ncap):
+            c1 = min(c0 + ncap, len(chunks_np))
+            ch = self._upload(chunks_np[c0:c1])
+            prep((c1 - c0, hv), (256,), (k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), Gw, Uw,
+                                         Ww, Kw), shared_mem=prep_smem)
+            seqs = self._gdn_seqs(seq_of, c0, c1, fresh)
+            scan((hv, dv // bv, len(seqs)), (256,), (self._upload(seqs), i32(hk), i32(hv), i32(dk), i32(dv), i32(bv),
+                                                     Gw, Uw, Ww, Kw, st, Hw), shared_mem=scan_smem)
+            outk((c1 - c0, hv), (256,), (q, ch, i32(hk), i32(hv), i32(dk), i32(dv), Gw, Uw, Kw, Hw, out),
+                 shared_mem=out_smem)
+
+    def _gdn_group(self, n: int, per: int) -> int:
+        """Chunks per launch group: gdn_block_chunks, and at most 256 MiB of workspace at ``per`` bytes a chunk
+        (36 chunks at 32 heads of 128 in the folded form); groups of equal size (64 chunks: 32 + 32, not 36 + 28),
+        so that the per-chunk grids end in fewer part-full waves."""
+        ncap = max(1, min(self.gdn_block_chunks, n, (256 << 20) // per))
+        return -(-n // -(-n // ncap))
+
+    @staticmethod
+    def _gdn_seqs(seq_of, c0: int, c1: int, fresh: bool) -> np.ndarray:
+        """The scan's rows for the chunks [c0, c1): (first chunk, end chunk) within the group, whether the state
+        starts at zero (``fresh`` and the sequence's first chunk is in the group), the state slot."""
+        seqs = []
+        for b_ in np.unique(seq_of[c0:c1]):
+            idx = np.nonzero(seq_of[c0:c1] == b_)[0]
+            first_global = c0 + idx[0]
+            zero = fresh and (first_global == 0 or seq_of[first_global - 1] != b_)
+            seqs.append((int(idx[0]), int(idx[-1]) + 1, int(zero), int(b_)))
+        return np.array(seqs, dtype=np.int32)
 
     def gdn_kernels(self) -> DeltaRule:
         """The delta rule's kernels this backend runs now: its plan's row under its kernel switches."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from clefcore.backends import cpu
+
 C = 64   # GDN_CHUNK
 OPERANDS = ("fp32", "fp16", "split")
 
@@ -158,3 +160,39 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens, state=None, operands: Operand
         if state is not None:
             state[b] = S
     return out_
+
+
+# --- what the WY tests (test_gdn_wy.py on the CPU, test_gdn_wy_gpu.py on the device) draw and measure ---------
+
+def draw(rng: np.random.Generator, cu, hk, hv, dk, dv, decay=None):
+    """The model's kind of inputs from ``rng``: q, k L2-normalised (q scaled), v, the gates (the kernel tests'
+    draw, or g of a mean ``decay`` per token: slow decay keeps the state long, where its roundings would
+    accumulate), and one state per sequence. Returns ((q, k, v, g, beta), state)."""
+    T = int(cu[-1])
+
+    def r(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    q = cpu.l2norm(r(T, hk, dk), 1e-6, dk ** -0.5)
+    k = cpu.l2norm(r(T, hk, dk), 1e-6)
+    v = r(T, hv, dv)
+    if decay is None:
+        g, beta = cpu.gdn_gates(r(T, hv), r(T, hv), r(hv, scale=0.5), r(hv))
+    else:
+        g = (-decay * rng.exponential(1.0, (T, hv))).astype(np.float32)
+        beta = cpu.sigmoid(r(T, hv))
+    return (q, k, v, g, beta), r(len(cu) - 1, hv, dk, dv, scale=0.5)
+
+
+def rel(got, ref, floor=0.0):
+    """max |got - ref| / max(max |ref|, floor); got must be finite and of ref's shape."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.all(np.isfinite(got)), "non-finite output"
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
+
+
+def floor_of(q, k, v, beta):
+    """One token's output with q parallel to k (tests/test_kernels.py::_gdn_floor): a single token's q . k may cancel
+    far below |q| |k|, while its rounding error does not."""
+    return float(np.max(beta) * np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1))
+                 * np.max(np.abs(v)))

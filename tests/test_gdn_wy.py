@@ -31,35 +31,10 @@ SM70_SMEM = 98304   # the most dynamic shared memory a block may opt in to on sm
 
 
 def inputs(cu, hk, hv, dk, dv, seed, decay=None):
-    """The model's kind of inputs: q, k L2-normalised (q scaled), beta a sigmoid, g <= 0 (the tests' gates, or a
-    mean decay per token), and a state per sequence."""
-    rng = np.random.default_rng(seed)
-    T = int(cu[-1])
-
-    def r(*shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-    q = cpu.l2norm(r(T, hk, dk), 1e-6, dk ** -0.5)
-    k = cpu.l2norm(r(T, hk, dk), 1e-6)
-    v = r(T, hv, dv)
-    if decay is None:
-        g, beta = cpu.gdn_gates(r(T, hv), r(T, hv), r(hv, scale=0.5), r(hv))
-    else:
-        g = (-decay * rng.exponential(1.0, (T, hv))).astype(np.float32)
-        beta = cpu.sigmoid(r(T, hv))
-    return (q, k, v, g, beta), r(len(cu) - 1, hv, dk, dv, scale=0.5)
+    return wy.draw(np.random.default_rng(seed), cu, hk, hv, dk, dv, decay)
 
 
-def rel(got, ref, floor=0.0):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
-
-
-def floor_of(q, k, v, beta):
-    """One token's output with q parallel to k (tests/test_kernels.py::_gdn_floor): a single token's q . k may cancel
-    far below |q| |k|, while its rounding error does not."""
-    return float(np.max(beta) * np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1))
-                 * np.max(np.abs(v)))
+rel, floor_of = wy.rel, wy.floor_of
 
 
 CU = [[0, 1], [0, 63], [0, 64], [0, 65], [0, 130], [0, 1, 64, 129, 259], [0, 65, 130, 131], [0, 17, 17, 147]]

@@ -54,37 +54,11 @@ def ops(request):
     return o
 
 
-def r(*shape, scale=1.0):
-    return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
 def _inputs(cu, hk, hv, dk, dv, decay=None):
-    """q, k L2-normalised (q scaled), v, the gates (the kernel tests' draw, or g of a mean decay per token: slow
-    decay keeps the state long, where its roundings would accumulate), and one state per sequence."""
-    T = int(cu[-1])
-    q = cpu.l2norm(r(T, hk, dk), 1e-6, dk ** -0.5)
-    k = cpu.l2norm(r(T, hk, dk), 1e-6)
-    v = r(T, hv, dv)
-    if decay is None:
-        g, beta = cpu.gdn_gates(r(T, hv), r(T, hv), r(hv, scale=0.5), r(hv))
-    else:
-        g = (-decay * RNG.exponential(1.0, (T, hv))).astype(np.float32)
-        beta = cpu.sigmoid(r(T, hv))
-    return (q, k, v, g, beta), r(len(cu) - 1, hv, dk, dv, scale=0.5)
+    return wy.draw(RNG, cu, hk, hv, dk, dv, decay)
 
 
-def rel(got, ref, floor=0.0):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.all(np.isfinite(got)), "non-finite output"
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
-
-
-def _floor(q, k, v, beta):
-    """One token's output with q parallel to k (tests/test_kernels.py::_gdn_floor): a single token's q . k may
-    cancel far below |q| |k|, its rounding error does not."""
-    return float(np.max(beta) * np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1))
-                 * np.max(np.abs(v)))
+rel, _floor = wy.rel, wy.floor_of
 
 
 def _run(ops, args, cu, S0, blk=128, bv=None):

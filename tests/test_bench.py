@@ -330,3 +330,61 @@ def test_random_tower_has_the_release_shapes():
     assert vp.w["patch_embed.proj.weight"].shape == (1152, 1536) and vp.w["pos_embed.weight"].dtype == np.float32
     n = sum(int(np.prod(w.shape)) for w in vp.w.values())
     assert n == 456_010_480                   # qwen35-backbone.md §2: model.visual.*, 456,010,480 parameters
+
+
+def _fake_fla(monkeypatch, torch):
+    """A stand-in for flash-linear-attention's causal conv (its interface: x [B, T, D], weight [D, K] ->
+    (y [B, T, D], final state)), computed with torch on the CPU, and a find_spec that sees it."""
+    import importlib.util
+    import sys
+    import types
+
+    def causal_conv1d(x, weight, bias=None, activation=None, **_):
+        K = weight.shape[1]
+        xp = torch.nn.functional.pad(x.transpose(1, 2), (K - 1, 0))
+        y = torch.nn.functional.conv1d(xp, weight[:, None, :], bias, groups=weight.shape[0]).transpose(1, 2)
+        return (torch.nn.functional.silu(y) if activation in ("silu", "swish") else y), None
+
+    mod = types.ModuleType("fla.modules.causal_conv1d")
+    mod.causal_conv1d = causal_conv1d
+    for name in ("fla", "fla.modules"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d", mod)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: (object() if n == "fla" else None if n == "causal_conv1d" else real(n, *a)))
+
+
+def test_peer_conv_routes_transformers_conv_through_fla_and_restores_it(monkeypatch):
+    """With flash-linear-attention importable and no causal_conv1d package, the peer's conv goes through FLA's
+    kernel while the context is open (same output as transformers' own reference conv, on random inputs of an odd
+    length), the variant says so, and transformers' function is back afterwards."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    _fake_fla(monkeypatch, torch)
+    reference = modeling.causal_conv1d_fn
+    x, w = torch.randn(2, 24, 37), torch.randn(24, 4)
+    want = reference(x, w, None, activation="silu")
+    with peers.peer_conv(transformers) as variant:
+        assert modeling.causal_conv1d_fn is not reference
+        got = modeling.causal_conv1d_fn(x, w, None, activation="silu")
+    assert modeling.causal_conv1d_fn is reference
+    assert "conv: flash-linear-attention" in variant
+    assert got.shape == want.shape == (2, 24, 37)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_peer_conv_says_when_no_fused_conv_is_installed(monkeypatch):
+    """Without either package the peer keeps transformers' reference conv and says so."""
+    import importlib.util
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n in ("fla", "causal_conv1d") else real(n, *a))
+    before = modeling.causal_conv1d_fn
+    with peers.peer_conv(transformers) as variant:
+        assert modeling.causal_conv1d_fn is before
+    assert "conv: torch reference" in variant

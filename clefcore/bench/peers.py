@@ -1,10 +1,17 @@
 """The peer ``clefcore bench`` measures against in the same process: transformers' Qwen3.5 at the same shapes
 (random bf16 weights, sdpa, flash-linear-attention where it imports), for the text lengths and for the image case
 (its own image processor on the same PNG). Optional in every run: where torch or transformers do not import, or
-a model does not build, the JSON says why instead of a number."""
+a model does not build, the JSON says why instead of a number.
+
+The peer runs as a user tuning it would: its Gated DeltaNet's causal conv goes through a fused kernel, the
+``causal_conv1d`` package's where it imports (transformers picks it up itself), else flash-linear-attention's
+(routed here: transformers looks for the ``causal_conv1d`` package only, and otherwise runs a reference PyTorch
+conv). The JSON's ``variant`` says which conv ran."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import statistics
 import time
 
@@ -37,33 +44,33 @@ def transformers_side(text_cfg, lengths, packed, reps, out):
         cfg = cfg_cls(**_hf_text_kwargs(text_cfg), attn_implementation="sdpa")
         with torch.device("cuda"):
             m = mdl_cls._from_config(cfg, torch_dtype=torch.bfloat16).eval()
-        fla_v = _fla_variant()
-        res = []
-        cases = [(f"{L} tokens", 1, L) for L in lengths]
-        if packed:
-            n, l_ = (int(v) for v in packed.split("x"))
-            cases.append((f"{n}x{l_} padded batch", n, l_))
-        for label, B, L in cases:
-            ids = torch.randint(0, text_cfg.vocab_size, (B, L), device="cuda")
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                m(input_ids=ids)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                if first > 60:
-                    res.append(dict(case=label, ms=first * 1e3, note="single run"))
-                    print(f"  transformers {label:16s} {first * 1e3:9.1f} ms (single run)")
-                    break
-                ts = []
-                for _ in range(reps):
+        with peer_conv(transformers) as fla_v:
+            res = []
+            cases = [(f"{L} tokens", 1, L) for L in lengths]
+            if packed:
+                n, l_ = (int(v) for v in packed.split("x"))
+                cases.append((f"{n}x{l_} padded batch", n, l_))
+            for label, B, L in cases:
+                ids = torch.randint(0, text_cfg.vocab_size, (B, L), device="cuda")
+                with torch.no_grad():
                     t0 = time.perf_counter()
                     m(input_ids=ids)
                     torch.cuda.synchronize()
-                    ts.append((time.perf_counter() - t0) * 1e3)
-            ms = statistics.median(ts)
-            res.append(dict(case=label, ms=ms, runs_ms=ts, tok_s=B * L / ms * 1e3))
-            print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  (runs {spread(ts)}; "
-                  f"{fla_v})")
+                    first = time.perf_counter() - t0
+                    if first > 60:
+                        res.append(dict(case=label, ms=first * 1e3, note="single run"))
+                        print(f"  transformers {label:16s} {first * 1e3:9.1f} ms (single run)")
+                        break
+                    ts = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        m(input_ids=ids)
+                        torch.cuda.synchronize()
+                        ts.append((time.perf_counter() - t0) * 1e3)
+                ms = statistics.median(ts)
+                res.append(dict(case=label, ms=ms, runs_ms=ts, tok_s=B * L / ms * 1e3))
+                print(f"  transformers {label:16s} {ms:9.1f} ms  {B * L / ms * 1e3:9.0f} tok/s  (runs {spread(ts)}; "
+                      f"{fla_v})")
         out["transformers"] = dict(version=transformers.__version__, variant=fla_v, results=res)
         del m
         torch.cuda.empty_cache()
@@ -81,12 +88,33 @@ def _hf_text_kwargs(c) -> dict:
                 layer_types=list(c.layer_types))
 
 
-def _fla_variant() -> str:
+def _fla_conv(hidden_states, weight, bias=None, activation=None, **_):
+    """transformers' ``causal_conv1d_fn`` (x [B, C, T], weight [C, K]) -> [B, C, T] on flash-linear-attention's
+    causal conv, which takes and returns [B, T, C]."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    y, _state = causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation)
+    return y.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def peer_conv(transformers):
+    """While open, transformers' Qwen3.5 runs its causal conv through a fused kernel where one imports; yields
+    what the peer runs ("flash-linear-attention; conv: ...")."""
+    modeling = importlib.import_module(transformers.__name__ + ".models.qwen3_5.modeling_qwen3_5")
+    fla = importlib.util.find_spec("fla") is not None
+    rule = "flash-linear-attention" if fla else "torch reference delta rule (flash-linear-attention not installed)"
+    if importlib.util.find_spec("causal_conv1d") is not None:
+        yield f"{rule}; conv: causal_conv1d package"
+        return
+    if not fla:
+        yield f"{rule}; conv: torch reference (neither causal_conv1d nor flash-linear-attention installed)"
+        return
+    saved = modeling.causal_conv1d_fn
+    modeling.causal_conv1d_fn = _fla_conv
     try:
-        import fla  # noqa: F401
-        return "with flash-linear-attention"
-    except ImportError:
-        return "without flash-linear-attention (torch fallback)"
+        yield f"{rule}; conv: flash-linear-attention's causal_conv1d"
+    finally:
+        modeling.causal_conv1d_fn = saved
 
 
 def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, device="cuda"):
@@ -142,9 +170,9 @@ def transformers_image_side(text_cfg, vision_cfg, section, size, reps, out, devi
             m(input_ids=text_t)
             sync()
 
-        with torch.no_grad():
+        with torch.no_grad(), peer_conv(transformers) as variant:
             image_ms, text_ms = wall_ms(run_image, reps), wall_ms(run_text, reps)
-        res = dict(version=transformers.__version__, variant=_fla_variant(), processor=type(proc).__name__,
+        res = dict(version=transformers.__version__, variant=variant, processor=type(proc).__name__,
                    tokens=len(image_ids), image_tokens=px.num_tokens, image_ms=image_ms, text_ms=text_ms,
                    ratio=image_ms / text_ms)
         print(f"  transformers image {w}x{h}: {image_ms:.1f} ms against text-only {text_ms:.1f} ms = "

@@ -64,23 +64,19 @@ class GemmOperands(Enum):
 
 @dataclass(frozen=True)
 class DeltaRule:
-    """The Gated DeltaNet kernels: ``module`` (None: numpy's fp32 products), ``passes``, the fewest fp16
+    """The Gated DeltaNet kernels: ``module`` (None: numpy's fp32 products) and ``passes``, the fewest fp16
     tensor-core passes any of its products runs (1: that product's operands are rounded once to fp16; 3: hi/lo
-    halves throughout, fp32-grade), and ``wy``: the module's kernels are the WY form's (gdn_wy_prep, gdn_wy_scan,
-    gdn_wy_out: V' = U - W S, S <- exp(G_last) S + K^T V'd over the chunks), not the folded form's (gdn_prep,
-    gdn_scan, gdn_out: S <- S + N + M' S)."""
+    halves throughout, fp32-grade). On the GPU the rule runs in the WY form (gdn_wy_prep, gdn_wy_scan, gdn_wy_out:
+    V' = U - W S, S <- exp(G_last) S + K^T V'd over the chunks); docs/studies/gdn_wy_precision.py chose each
+    mode's operands."""
 
     module: str | None
     passes: int
-    wy: bool = False
 
 
 DELTA_FP32 = DeltaRule(None, 0)
-DELTA_ONE_PASS = DeltaRule("gated_delta_fast.cu", 1)
-DELTA_THREE_PASS = DeltaRule("gated_delta.cu", 3)
-# the WY form, behind the gdn_wy kernel switch; docs/studies/gdn_wy_precision.py chose each mode's operands
-DELTA_WY_EXACT = DeltaRule("gated_delta_wy.cu", 3, wy=True)
-DELTA_WY_FAST = DeltaRule("gated_delta_wy_fast.cu", 1, wy=True)
+DELTA_EXACT = DeltaRule("gated_delta_wy.cu", 3)          # every product split
+DELTA_FAST = DeltaRule("gated_delta_wy_fast.cu", 1)      # the state's products split, the output's rounded once
 
 
 @dataclass(frozen=True)
@@ -90,9 +86,6 @@ class Row:
     mode: the mode the path belongs to (``CudaOps.mode``).
     gemm: how every weight GEMM takes its activation (backends/cuda/matmul.py; the tower's GEMMs too).
     delta_rule: the delta rule's kernels (backends/cuda/delta_rule.py).
-    delta_rule_one_pass: what the gdn_one_pass kernel switch (clefcore/switches.py) runs instead, where the path
-        allows it (None: the switch changes nothing on this path).
-    delta_rule_wy: what the gdn_wy kernel switch runs instead (None: nothing changes); it wins over gdn_one_pass.
     attention_fp16: the vision tower's bidirectional attention runs attention.cu's fp16 kernel, q/k/v written in
         fp16 by the RoPE pass; otherwise fp32 products (the fp16 roundings, reaching the backbone through every
         image token, would exceed exact's bar). The causal attention reads the fp16 K/V cache on every path.
@@ -104,34 +97,20 @@ class Row:
     delta_rule: DeltaRule
     attention_fp16: bool
     tower_graphs: bool
-    delta_rule_one_pass: DeltaRule | None = None
-    delta_rule_wy: DeltaRule | None = None
 
-    def delta_rule_under(self, switches) -> DeltaRule:
-        """The delta rule's kernels with the kernel switches ``switches`` (names) on."""
-        if self.delta_rule_wy is not None and "gdn_wy" in switches:
-            return self.delta_rule_wy
-        if self.delta_rule_one_pass is not None and "gdn_one_pass" in switches:
-            return self.delta_rule_one_pass
-        return self.delta_rule
-
-    def fused_elementwise_under(self, switches) -> bool:
-        """Whether, with the kernel switches ``switches`` (names) on, an activation's producer writes the next
-        weight GEMM's fp16 operand itself (the fused_elementwise switch: the norms before a GEMM, the attention's
-        output gate, the MLP's SwiGLU in its gate/up GEMM's epilogue). Only where the GEMMs round their operand
-        once to fp16: that rounding moves into the producer, so the bits stay those of the unfused path."""
-        return self.gemm.fp16 and "fused_elementwise" in switches
+    @property
+    def fused_elementwise(self) -> bool:
+        """Whether an activation's producer writes the next weight GEMM's fp16 operand itself (the norms before a
+        GEMM, the attention's output gate, the MLP's SwiGLU in its gate/up GEMM's epilogue). Only where the GEMMs
+        round their operand once to fp16: that rounding moves into the producer, so the bits are those of a
+        separate cast."""
+        return self.gemm.fp16
 
 
 TABLE = {
-    # fast's delta rule runs three passes: one (DELTA_ONE_PASS) took fast's worst golden error from 6.4e-3 to
-    # 9.0e-3 on the H100 for 3-4 % at 8,192 tokens (docs/bench/2026-12-06-h100-fast-delta-rule-margin/)
-    "fp16": Row("fast", GemmOperands.FP16, DELTA_THREE_PASS, attention_fp16=True, tower_graphs=True,
-                delta_rule_one_pass=DELTA_ONE_PASS, delta_rule_wy=DELTA_WY_FAST),
-    "split": Row("exact", GemmOperands.SPLIT, DELTA_THREE_PASS, attention_fp16=False, tower_graphs=False,
-                 delta_rule_wy=DELTA_WY_EXACT),
-    "split8": Row("exact", GemmOperands.SPLIT8, DELTA_THREE_PASS, attention_fp16=False, tower_graphs=False,
-                  delta_rule_wy=DELTA_WY_EXACT),
+    "fp16": Row("fast", GemmOperands.FP16, DELTA_FAST, attention_fp16=True, tower_graphs=True),
+    "split": Row("exact", GemmOperands.SPLIT, DELTA_EXACT, attention_fp16=False, tower_graphs=False),
+    "split8": Row("exact", GemmOperands.SPLIT8, DELTA_EXACT, attention_fp16=False, tower_graphs=False),
     FP32: Row(FP32, GemmOperands.FP32, DELTA_FP32, attention_fp16=False, tower_graphs=False),
 }
 

@@ -1,4 +1,4 @@
-"""The error model of the WY-form delta rule (cuda/gated_delta_wy.cu, the gdn_wy kernel switch): the chunked rule in
+"""The error model of the WY-form delta rule (cuda/gated_delta_wy.cu): the chunked rule in
 the kernels' own order of operations, in numpy, each tensor-core product's operands rounded where and as the
 kernels round them, nowhere else (gamma, the triangular solve, the state and every sum stay fp32).
 

@@ -1,5 +1,5 @@
-"""The Hopper attention kernel (cuda/attention_wgmma.cu, the attn_wgmma kernel switch) on the CPU: the routing
-decision (attention.causal_kernels and its one caller), the switch's default, and a numpy model of the kernel
+"""The Hopper attention kernel (cuda/attention_wgmma.cu) on the CPU: the routing decision
+(attention.causal_kernels and its one caller) and a numpy model of the kernel
 (tests/attn_wgmma_model.py: its shared-memory layouts and descriptors, its tiling, masking and roundings)
 against the numpy attention. The kernel itself runs in test_attention_wgmma_gpu.py."""
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import switches
 from clefcore.backends import cpu
 from clefcore.backends.cuda.attention import ATTN, ATTN_WGMMA, WGMMA_DIMS, AttentionOps, causal_kernels
 
@@ -19,7 +18,6 @@ import attn_wgmma_model as model  # noqa: E402
 from gpu_only import reseed  # noqa: E402
 
 RNG = np.random.default_rng()
-ON = frozenset({"attn_wgmma"})
 
 
 @pytest.fixture(autouse=True)
@@ -29,33 +27,25 @@ def _seeded(request):
 
 # ------------------------------------------------------------------------------------------------ routing
 
-def test_the_switch_is_off_by_default_and_set_by_its_variable():
-    assert "attn_wgmma" not in switches.resolve(None, environ={})
-    assert "attn_wgmma" in switches.resolve(None, environ={"CLEFCORE_ATTN_WGMMA": "1"})
-    assert "not yet run on a GPU" in switches.BY_NAME["attn_wgmma"].help
-
-
 def test_causal_kernels_needs_every_condition():
-    assert causal_kernels(ON, (9, 0), True, 256, True) is ATTN_WGMMA
+    assert causal_kernels((9, 0), True, 256, True) is ATTN_WGMMA
     assert WGMMA_DIMS == (256,)
-    for args in [(frozenset(), (9, 0), True, 256, True),            # switch off
-                 (frozenset({"gdn_one_pass"}), (9, 0), True, 256, True),
-                 (ON, (8, 0), True, 256, True), (ON, (8, 9), True, 256, True),   # not Hopper
-                 (ON, (10, 0), True, 256, True), (ON, (12, 0), True, 256, True),
-                 (ON, (9, 0), False, 256, True),                    # the compute_70 PTX: no sm_90a body
-                 (ON, (9, 0), True, 128, True), (ON, (9, 0), True, 64, True),   # head dims without a kernel
-                 (ON, (9, 0), True, 256, False)]:                   # K/V not in fp16
+    for args in [((8, 0), True, 256, True), ((8, 9), True, 256, True),   # not Hopper
+                 ((10, 0), True, 256, True), ((12, 0), True, 256, True), ((7, 0), True, 256, True),
+                 ((9, 0), False, 256, True),                     # the compute_70 PTX: no sm_90a body
+                 ((9, 0), True, 128, True), ((9, 0), True, 64, True),   # head dims without a kernel
+                 ((9, 0), True, 256, False)]:                    # K/V not in fp16
         assert causal_kernels(*args) is ATTN, args
 
 
-def _routed(switch_names, cc=(9, 0), ptx70=False, D=256, kv=np.float16):
+def _routed(cc=(9, 0), ptx70=False, D=256, kv=np.float16):
     """The kernels CudaOps.attention hands to _attn_run, on a stand-in for the backend (no GPU)."""
     seen = {}
 
     def run(q, k, v, cu, scale, t0, causal, kernels):
         seen.update(kernels=kernels, causal=causal, t0=t0, rows=k.shape[0])
 
-    ops = types.SimpleNamespace(switches=frozenset(switch_names), cc=cc, ptx70=ptx70, _attn_run=run)
+    ops = types.SimpleNamespace(cc=cc, ptx70=ptx70, _attn_run=run)
     q = np.zeros((5, 4, D), np.float32)
     k = np.zeros((12, 1, D), kv)
     AttentionOps.attention(ops, q, k, k.copy(), np.array([0, 12]), 0.1, q_offset=3)
@@ -64,12 +54,11 @@ def _routed(switch_names, cc=(9, 0), ptx70=False, D=256, kv=np.float16):
 
 
 def test_attention_routes_through_causal_kernels():
-    assert _routed(()) is ATTN                     # off: attention.cu, as before the switch existed
-    assert _routed(("attn_wgmma",)) is ATTN_WGMMA
-    assert _routed(("attn_wgmma",), kv=np.float32) is ATTN
-    assert _routed(("attn_wgmma",), ptx70=True) is ATTN
-    assert _routed(("attn_wgmma",), cc=(8, 0)) is ATTN
-    assert _routed(("attn_wgmma",), D=128) is ATTN
+    assert _routed() is ATTN_WGMMA
+    assert _routed(kv=np.float32) is ATTN
+    assert _routed(ptx70=True) is ATTN
+    assert _routed(cc=(8, 0)) is ATTN
+    assert _routed(D=128) is ATTN
 
 
 def test_kernel_names():

@@ -1,8 +1,9 @@
-"""The Hopper causal attention (cuda/attention_wgmma.cu, kernel switch attn_wgmma) on the GPU, under the fast and
-the exact plans: against the numpy attention (clefcore/backends/cpu.py::attention) on awkward lengths, packed
-sequences, token-blocked prefill (q_offset, an fp16 cache whose later rows are NaN) and clef-flash's GQA ratio
-(16 query heads on 4 K/V heads, head dim 256); against attention.cu's kernel (switch off) on the same inputs,
-whose error it must not exceed; and the cases the switch does not route (bit-identical to the switch off).
+"""The Hopper causal attention (cuda/attention_wgmma.cu, what causal_kernels picks on compute capability 9.0) on the
+GPU, under the fast and the exact plans: against the numpy attention (clefcore/backends/cpu.py::attention) on
+awkward lengths, packed sequences, token-blocked prefill (q_offset, an fp16 cache whose later rows are NaN) and
+clef-flash's GQA ratio (16 query heads on 4 K/V heads, head dim 256); against attention.cu's kernel (what every
+other GPU runs) on the same inputs, whose error it must not exceed; and the cases causal_kernels leaves on
+attention.cu (bit-identical to it).
 Needs compute capability 9.0 running native code (the kernel's body is built for sm_90a only).
 
 Tolerance: 4e-3 of max |ref|, tests/test_kernels.py's bound for the fp16 attention (q, K, V and P rounded to fp16,
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
-from clefcore.backends.cuda.attention import ATTN_WGMMA, causal_kernels
+from clefcore.backends.cuda import attention as attention_module
+from clefcore.backends.cuda.attention import ATTN, ATTN_WGMMA, causal_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import MARKS, reseed  # noqa: E402
@@ -39,15 +41,31 @@ def _seeded(request):
     reseed(RNG, request)
 
 
+class AttentionCu:
+    """A backend whose causal attention runs attention.cu's kernel (causal_kernels' other answer, every other GPU's
+    kernel): its attention calls run with the selector answering ATTN; everything else is the backend's."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def attention(self, *args, **kwargs):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(attention_module, "causal_kernels", lambda *a: ATTN)
+            return self.ops.attention(*args, **kwargs)
+
+
 @pytest.fixture(scope="module", params=["fast", "exact"])
 def pair(request):
-    """(switch on, switch off) backends under one precision mode."""
+    """(attention_wgmma.cu, attention.cu) backends under one precision mode."""
     from clefcore.backends.cuda import CudaOps
-    on = CudaOps(0, precision=request.param, kernels="attn_wgmma")
-    if causal_kernels(on.switches, on.cc, not on.ptx70, D, True) is not ATTN_WGMMA:
+    on = CudaOps(0, precision=request.param)
+    if causal_kernels(on.cc, not on.ptx70, D, True) is not ATTN_WGMMA:
         pytest.skip(f"attention_wgmma.cu runs on compute capability 9.0 only ({on.device_name} is "
                     f"{on.cc[0]}.{on.cc[1]})")
-    return on, CudaOps(0, precision=request.param, kernels="attn_wgmma=off")
+    return on, AttentionCu(CudaOps(0, precision=request.param))
 
 
 def r(*shape):
@@ -71,7 +89,7 @@ def run(ops, q, k16, v16, cu, scale, q_offset=0):
                                      q_offset=q_offset))
 
 
-def test_the_switch_routes_to_the_wgmma_kernel(pair):
+def test_hopper_routes_to_the_wgmma_kernel(pair):
     on, off = pair
     q, k16, v16, _, _ = inputs(70)
     for ops in pair:
@@ -154,8 +172,8 @@ def test_more_tiles_than_grid_y(pair):
 
 @pytest.mark.parametrize("case", ["fp32 K/V", "head dim 128"])
 def test_unrouted_cases_are_bit_identical(pair, case):
-    """Where causal_kernels keeps attention.cu (K/V not fp16, a head dim without a wgmma kernel) the switch
-    changes no bit."""
+    """Where causal_kernels keeps attention.cu (K/V not fp16, a head dim without a wgmma kernel) the result is
+    attention.cu's, bit for bit."""
     on, off = pair
     cu = np.array([0, 65, 200])
     d = 128 if case == "head dim 128" else D

@@ -19,7 +19,7 @@ FILES = [p.name for p in C.kernel_files()]
 
 
 def test_every_family_present():
-    for f in ("gemm.cu", "norms.cu", "rotary.cu", "attention.cu", "conv1d.cu", "gated_delta.cu", "embed.cu",
+    for f in ("gemm.cu", "norms.cu", "rotary.cu", "attention.cu", "conv1d.cu", "gated_delta_wy.cu", "embed.cu",
               "vision.cu"):
         assert f in FILES
 

@@ -44,20 +44,22 @@ def test_gpu_holds_only_the_gpu_options_given():
     assert EngineOptions(ptx70=True).gpu() == {"ptx70": True}
 
 
+@pytest.mark.usefixtures("switch_registry")
 def test_it_crosses_a_pipe_as_it_is():
-    options = EngineOptions(context_length=77, regex="qwen2", precision="exact", kernels="gdn_one_pass")
+    options = EngineOptions(context_length=77, regex="qwen2", precision="exact", kernels="some_kernel")
     assert pickle.loads(pickle.dumps(options)) == options
 
 
 @pytest.mark.parametrize("command, default", [("decide", DEFAULT_CONTEXT_LENGTH), ("demo", DEFAULT_CONTEXT_LENGTH),
                                               ("serve", SERVE_CONTEXT_LENGTH)])
+@pytest.mark.usefixtures("switch_registry")
 def test_commands_that_answer_build_it_from_their_flags(command, default):
     assert EngineOptions.from_args(parse(command)) == EngineOptions(context_length=default)
     flags = ["--context-length", "900", "--validation", "reference", "--confidence", "reference", "--regex",
              "qwen35", "--no-images", "--precision", "exact", "--gemm", "cublas", "--token-block", "64",
-             "--graph-tokens", "0", "--kernels", "gdn_one_pass", "--ptx70"]
+             "--graph-tokens", "0", "--kernels", "some_kernel", "--ptx70"]
     assert EngineOptions.from_args(parse(command, *flags)) == EngineOptions(
-        900, "reference", "reference", "qwen35", False, "exact", "cublas", 64, 0, "gdn_one_pass", True)
+        900, "reference", "reference", "qwen35", False, "exact", "cublas", 64, 0, "some_kernel", True)
     # --max-length is --context-length's other name, not a second option
     assert EngineOptions.from_args(parse(command, "--max-length", "33")).context_length == 33
 
@@ -68,10 +70,11 @@ def test_serve_nests_it_in_the_service_config():
     assert ServiceConfig(model="m").engine.context_length == SERVE_CONTEXT_LENGTH
 
 
+@pytest.mark.usefixtures("switch_registry")
 def test_verify_and_bench_take_its_gpu_flags():
     verify = EngineOptions.from_args(parse("verify", "--precision", "exact", "--gemm", "wmma", "--no-images",
-                                           "--kernels", "gdn_one_pass", "--token-block", "128"))
-    assert verify == EngineOptions(images=False, precision="exact", gemm="wmma", kernels="gdn_one_pass",
+                                           "--kernels", "some_kernel", "--token-block", "128"))
+    assert verify == EngineOptions(images=False, precision="exact", gemm="wmma", kernels="some_kernel",
                                    token_block=128)
     bench = parse("bench", "--precision", "fast,exact", "--gemm", "cublas", "--graph-tokens", "0")
     assert bench.precisions == "fast,exact"       # bench's own list, not EngineOptions' field

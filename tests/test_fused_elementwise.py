@@ -1,6 +1,6 @@
-"""The fused_elementwise kernel switch without a GPU: where it applies (the fast row of the precision table, one
-method), what each op routes to with it on and off (recorded, not launched: off runs exactly the old kernels,
-exact never fuses), that the model asks for GEMM operands where a GEMM is the only reader, a numpy model of the
+"""The fused elementwise producers without a GPU: where they apply (the fast row of the precision table, one
+property), what each op routes to (recorded, not launched: exact never fuses, short blocks keep fp32), that the
+model asks for GEMM operands where a GEMM is the only reader, a numpy model of the
 fused gate/up GEMM's column pairing and epilogue on both tile layouts, and the PTX of the fp16-writing norms
 (the same fp32 arithmetic as the fp32 ones, one cvt.rn before the store). The GPU side:
 tests/test_fused_elementwise_gpu.py."""
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import switches
 from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import attention
@@ -25,26 +24,15 @@ from clefcore.backends.cuda.state import GemmChoices
 from clefcore.precision import RANGE_SAFE, TABLE, Plan
 
 GOLD = Path(__file__).parent / "golden"
-ON = frozenset({"fused_elementwise"})
-OFF = frozenset()
 
 
-# --------------------------------------------------------------------------------------- the switch and the row
-
-def test_the_switch_is_defined_once_and_off_by_default():
-    s = switches.BY_NAME["fused_elementwise"]
-    assert s.default is False and s.env == "CLEFCORE_FUSED_ELEMENTWISE" and "not yet run on a GPU" in s.help
-    assert "fused_elementwise" not in switches.resolve(None, environ={})
-    assert "fused_elementwise" in switches.resolve(None, environ={s.env: "1"})
-
+# ---------------------------------------------------------------------------------------------------- the row
 
 @pytest.mark.parametrize("path", list(TABLE))
-def test_only_the_fast_row_fuses_and_only_under_the_switch(path):
+def test_only_the_fast_row_fuses(path):
     row = TABLE[path]
-    assert row.fused_elementwise_under(OFF) is False
-    assert row.fused_elementwise_under(frozenset({"gdn_one_pass"})) is False
-    assert row.fused_elementwise_under(ON) is (row.gemm.fp16 and row.mode == "fast")
-    assert RANGE_SAFE.row.fused_elementwise_under(ON) is False          # the fallback's plan: split
+    assert row.fused_elementwise is (row.gemm.fp16 and row.mode == "fast")
+    assert RANGE_SAFE.row.fused_elementwise is False          # the fallback's plan: split
 
 
 class _Fake:
@@ -62,8 +50,8 @@ class _Fake:
     sigmoid_gate = AttentionOps.sigmoid_gate
     mlp = MatmulOps.mlp
 
-    def __init__(self, path="fp16", on=True, pick="mma", mma=True):
-        self.plan, self.switches, self.pick = Plan(path), ON if on else OFF, pick
+    def __init__(self, path="fp16", pick="mma", mma=True):
+        self.plan, self.pick = Plan(path), pick
         self.gemm = GemmChoices(mma=mma)
         self.token_block = 0
         self.cp = np
@@ -88,11 +76,6 @@ class _Fake:
         self.offered.append(set(routes))
         return self.pick
 
-    def _mma(self, a16, w, out, bias=None, res=None):
-        assert a16.dtype == np.float16
-        self.calls.append("mma")
-        return out
-
     def _mma_swiglu(self, a16, wg, wu, h16):
         assert a16.dtype == np.float16 and h16.dtype == np.float16
         self.calls.append("mma_swiglu")
@@ -111,22 +94,20 @@ class _Fake:
         return np.uint64(0)
 
 
-@pytest.mark.parametrize("path,on,rows,want", [
-    ("fp16", True, 65, np.float16), ("fp16", True, 8192, np.float16),
-    ("fp16", True, 64, np.float32), ("fp16", True, 1, np.float32),        # may take gemm_rows.cu (fp32 products)
-    ("fp16", False, 8192, np.float32),
-    ("split", True, 8192, np.float32), ("split8", True, 8192, np.float32),
+@pytest.mark.parametrize("path,rows,want", [
+    ("fp16", 65, np.float16), ("fp16", 8192, np.float16),
+    ("fp16", 64, np.float32), ("fp16", 1, np.float32),        # may take gemm_rows.cu (fp32 products)
+    ("split", 8192, np.float32), ("split8", 8192, np.float32),
 ])
-def test_the_operand_dtype_rule(path, on, rows, want):
-    assert _Fake(path, on)._operand_dtype(rows) is want
+def test_the_operand_dtype_rule(path, rows, want):
+    assert _Fake(path)._operand_dtype(rows) is want
 
 
-@pytest.mark.parametrize("path,on,R,fused", [("fp16", True, 65, True), ("fp16", True, 64, False),
-                                             ("fp16", False, 65, False), ("split", True, 65, False)])
-def test_the_norms_pick_their_kernels(path, on, R, fused):
+@pytest.mark.parametrize("path,R,fused", [("fp16", 65, True), ("fp16", 64, False), ("split", 65, False)])
+def test_the_norms_pick_their_kernels(path, R, fused):
     """gemm_input and the rule fused: the *_h kernels into fp16; otherwise the fp32 kernels as before; without
     gemm_input (q/k norms, the final norm) always the fp32 ones; add_rmsnorm's sum stays fp32."""
-    ops = _Fake(path, on)
+    ops = _Fake(path)
     x, w = np.ones((R, 96), np.float32), np.ones(96, np.float32)
     h = "_h" if fused else ""
     want = np.float16 if fused else np.float32
@@ -139,12 +120,11 @@ def test_the_norms_pick_their_kernels(path, on, R, fused):
     assert ops.calls == ["rmsnorm_rows" + h, "rmsnorm_rows", "add_rmsnorm_rows" + h, "gated_rmsnorm_rows" + h]
 
 
-@pytest.mark.parametrize("path,on,n,half", [("fp16", True, 65, True), ("fp16", True, 64, False),
-                                            ("fp16", False, 65, False), ("split", True, 65, False)])
-def test_the_output_gate_picks_its_kernel(monkeypatch, path, on, n, half):
+@pytest.mark.parametrize("path,n,half", [("fp16", 65, True), ("fp16", 64, False), ("split", 65, False)])
+def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
     made = []
     monkeypatch.setattr(attention, "sigmoid_gate_k", lambda half=False: made.append(half) or (lambda o, g: None))
-    ops = _Fake(path, on)
+    ops = _Fake(path)
     o = np.ones((n, 4, 32), np.float32)
     ops.sigmoid_gate(o, o, gemm_input=True)
     ops.sigmoid_gate(o, o)
@@ -153,18 +133,16 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, on, n, half):
 
 # ---------------------------------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("pick,on,dtype,want", [
-    # the mma route: switch off runs exactly what it ran before (cast, two GEMMs, swiglu_half, down)
-    ("mma", False, np.float32, ["cast", "mma", "mma", "swiglu_half", "gemm float16"]),
-    ("mma", True, np.float16, ["mma_swiglu", "gemm float16"]),
-    ("mma", True, np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
-    ("wmma", False, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
-    ("wmma", True, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
-    ("cublas", False, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
-    ("cublas", True, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # the cast pass is gone
+@pytest.mark.parametrize("pick,dtype,want", [
+    ("mma", np.float16, ["mma_swiglu", "gemm float16"]),
+    ("mma", np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
+    ("wmma", np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
+    ("wmma", np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
+    ("cublas", np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
+    ("cublas", np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
 ])
-def test_the_mlp_routes(pick, on, dtype, want):
-    ops = _Fake("fp16", on, pick)
+def test_the_mlp_routes(pick, dtype, want):
+    ops = _Fake("fp16", pick)
     x = np.ones((100, 64), dtype)
     w = np.ones((160, 64), np.float16)
     ops.mlp(x, w, w, np.ones((64, 160), np.float16))
@@ -173,7 +151,7 @@ def test_the_mlp_routes(pick, on, dtype, want):
 
 def test_exact_never_fuses_the_mlp():
     """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
-    ops = _Fake("split", True, "wmma")
+    ops = _Fake("split", "wmma")
     w = np.ones((160, 64), np.float16)
     ops.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
     assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{"wmma", "cublas"}]

@@ -1,11 +1,11 @@
-"""The fused_elementwise kernel switch on a GPU: every producer that writes the next weight GEMM's fp16 operand
-itself (the RMSNorms' *_h kernels, the attention's fp16 output gate, the MLP's gate/up GEMM with SwiGLU in its
-epilogue on gemm_mma.cu / gemm_wgmma.cu, gemm.cu's gemm_swiglu_f16a) gives the bits of the unfused fast path:
-the fp32 value, then gemm.cu's to_half (or the GEMM's own rounding while staging), on awkward sizes (rows 1, 63,
-65, non-multiples of 16; the model's widths and odd ones) and on every GEMM route; then the whole golden model,
-fast, switch on against switch off: the same logits bit for bit, one prompt at a time and packed.
+"""The fast plan's fused producers on a GPU: every producer that writes the next weight GEMM's fp16 operand itself
+(the RMSNorms' *_h kernels, the attention's fp16 output gate, the MLP's gate/up GEMM with SwiGLU in its epilogue
+on gemm_mma.cu / gemm_wgmma.cu, gemm.cu's gemm_swiglu_f16a) gives the bits of the unfused composition: the fp32
+value, then gemm.cu's to_half (or the GEMM's own rounding while staging), on awkward sizes (rows 1, 63, 65,
+non-multiples of 16; the model's widths and odd ones) and on every GEMM route; then the whole golden model, fast,
+run twice on each GEMM route: the same logits bit for bit, one prompt at a time and packed, the fused path taken.
 
-Bit-equality is the test because it holds by construction (clefcore/precision.py ``Row.fused_elementwise_under``):
+Bit-equality is the test because it holds by construction (clefcore/precision.py ``Row.fused_elementwise``):
 rounding an fp32 value to fp16 is one deterministic cvt.rn, so the producer rounding it equals the consumer
 rounding it; the fused gate/up GEMM adds each output's products in the plain kernel's order. Each fused op is
 also held to numpy within the fast contract's per-op bound (tests/test_kernels.py's), which the bits then
@@ -28,7 +28,6 @@ pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
-ON, OFF = "fused_elementwise", "fused_elementwise=off"
 GOLD = Path(__file__).parent / "golden"
 # an fp16 result against numpy's fp32, relative to the largest reference value: its one rounding (at most half an
 # fp16 ulp, 2^-11 of the value) over the fp32 kernels' own bound (2e-5: tests/test_kernels.py's norms), with room
@@ -43,9 +42,9 @@ def _seeded(request):
     reseed(RNG, request)
 
 
-def _ops(pin="wmma", on=True, ptx70=False):
+def _ops(pin="wmma", ptx70=False):
     from clefcore.backends.cuda import CudaOps
-    return CudaOps(0, gemm=pin, precision="fast", kernels=ON if on else OFF, ptx70=ptx70)
+    return CudaOps(0, gemm=pin, precision="fast", ptx70=ptx70)
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +137,15 @@ def test_the_rows_rule_in_a_forward(fused, R, half):
     assert_bits(o, got, o._half(want) if half else want, f"rmsnorm rule R{R}")
 
 
-def test_switch_off_and_exact_write_fp32():
-    """The switch off, or the exact plans, change nothing: fp32 from the fp32 kernels, whatever gemm_input."""
+def test_exact_writes_fp32(fused):
+    """The exact plans change nothing: fp32 from the fp32 kernels, whatever gemm_input; nor does the range-safe
+    plan (split) a fast engine falls back to."""
     from clefcore.backends.cuda import CudaOps
-    for o in (_ops(on=False), CudaOps(0, gemm="wmma", precision="exact", kernels=ON)):
-        X, W = o.asarray(r(300, 96)), o.asarray(r(96, scale=0.1))
-        assert_bits(o, o.rmsnorm(X, W, 1e-6, gemm_input=True), o.rmsnorm(X, W, 1e-6), f"off {o.plan.path}")
-        with o.fallback():                  # the range-safe plan (split) of a fast engine: never fused
-            assert o.rmsnorm(X, W, 1e-6, gemm_input=True).dtype == np.float32
+    o = CudaOps(0, gemm="wmma", precision="exact")
+    X, W = o.asarray(r(300, 96)), o.asarray(r(96, scale=0.1))
+    assert_bits(o, o.rmsnorm(X, W, 1e-6, gemm_input=True), o.rmsnorm(X, W, 1e-6), f"exact {o.plan.path}")
+    with fused.fallback():
+        assert fused.rmsnorm(fused.asarray(r(300, 96)), W, 1e-6, gemm_input=True).dtype == np.float32
 
 
 # ------------------------------------------------------------------------------------------- the output gate
@@ -241,21 +241,19 @@ def _prefer(o, route):
 @pytest.mark.parametrize("route", _routes())
 @pytest.mark.parametrize("M", [1, 65, 300])
 @pytest.mark.parametrize("H,I", [(64, 160), (96, 200)])
-def test_mlp_is_bit_equal_with_the_switch(route, M, H, I):
-    """mlp on each route, switch on (x as its producer would hand it: fp16 from 65 rows) against switch off (fp32
-    x): the same output bits, over token blocks of 128 (a 300-row call runs 128, 128, 44)."""
-    outs = {}
-    for on in (False, True):
-        o = _ops({"mma": "auto"}.get(route, route), on)
-        if route == "mma":
-            _prefer(o, "mma")
-        o.token_block = 128
-        x = o.asarray(np.random.default_rng(M * 7 + I).standard_normal((M, H)).astype(np.float32))
-        wts = [o.weight(h16(np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.1))
-               for s, shape in ((1, (I, H)), (2, (I, H)), (3, (H, I)))]
-        operand = o._half(x) if o._operand_dtype(M) == o.cp.float16 else x
-        outs[on] = (o, o.mlp(operand, *wts))
-    assert_bits(outs[True][0], outs[True][1], outs[False][1], f"mlp {route} M{M} {H}x{I}")
+def test_mlp_is_bit_equal_whoever_rounds_its_input(route, M, H, I):
+    """mlp on each route, x as its producer hands it (fp16 from 65 rows) against x in fp32 (the route rounds it
+    itself: a cast pass, or the wmma GEMM while staging): the same output bits, over token blocks of 128 (a
+    300-row call runs 128, 128, 44)."""
+    o = _ops({"mma": "auto"}.get(route, route))
+    if route == "mma":
+        _prefer(o, "mma")
+    o.token_block = 128
+    x = o.asarray(np.random.default_rng(M * 7 + I).standard_normal((M, H)).astype(np.float32))
+    wts = [o.weight(h16(np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.1))
+           for s, shape in ((1, (I, H)), (2, (I, H)), (3, (H, I)))]
+    operand = o._half(x) if o._operand_dtype(M) == o.cp.float16 else x
+    assert_bits(o, o.mlp(operand, *wts), o.mlp(x, *wts), f"mlp {route} M{M} {H}x{I}")
 
 
 # ------------------------------------------------------------------------------------- the whole golden model
@@ -278,14 +276,14 @@ def _configs():
             + (["ptx70-wmma"] if C.ptx70_available() else []))
 
 
-def _golden_run(config, on):
+def _golden_run(config):
     """Every golden record's logits one by one (short prompts replay a CUDA graph from the second time their
     length bucket is seen), then five records packed in one forward, and the GEMM routes' keys seen."""
     from clefcore.checkpoint import Checkpoint
     from clefcore.model.backbone import backbone
     from clefcore.model.head import heads
     from clefcore.model.params import load_params
-    o = _ops({"mma": "auto"}.get(config, config.split("-")[-1]), on, ptx70=config.startswith("ptx70"))
+    o = _ops({"mma": "auto"}.get(config, config.split("-")[-1]), ptx70=config.startswith("ptx70"))
     if config == "mma":
         _prefer(o, "mma")
     p = load_params(Checkpoint(GOLD / "model"), o)
@@ -307,36 +305,33 @@ def _golden_run(config, on):
 
 
 @pytest.mark.parametrize("config", _configs())
-def test_golden_logits_are_bit_equal_with_the_switch(config):
-    """The golden checkpoint (tests/golden), fast, switch on against off, GEMMs pinned to one route (mma: every
-    GEMM that can take it; ptx70: the Volta build's wmma): every question's logits equal bit for bit, so the
-    probabilities are too; and the fused path did run (the layers' input projections took fp16 operands)."""
-    off, off_packed, seen_off, p = _golden_run(config, False)
-    on, on_packed, seen_on, _ = _golden_run(config, True)
-    for i, (a, b) in enumerate(zip(on + on_packed, off + off_packed)):
+def test_golden_logits_are_the_same_bits_run_to_run(config):
+    """The golden checkpoint (tests/golden), fast, GEMMs pinned to one route (mma: every GEMM that can take it;
+    ptx70: the Volta build's wmma), on two backends: every question's logits equal bit for bit, so the
+    probabilities are too (nothing in the forward, the head's softmax sums included, adds in an order the GPU
+    chooses); and the fused path did run (the layers' input projections took fp16 operands)."""
+    first, first_packed, seen, p = _golden_run(config)
+    again, again_packed, _, _ = _golden_run(config)
+    for i, (a, b) in enumerate(zip(again + again_packed, first + first_packed)):
         assert a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
             f"{config}: question {i} logits differ: {a} vs {b}"
-    assert len(on) == len(off) and len(on_packed) == len(off_packed)
+    assert len(again) == len(first) and len(again_packed) == len(first_packed)
     layer = p.layers[0]
     width = next(w for n, w in layer.items() if n.endswith(("in_proj.weight", "qkv_proj.weight")))
     N, K = width.shape
-
-    def fp16_inputs(seen):
-        return {k for k in seen if k[:2] == (N, K) and k[3] == "float16"}
-
-    assert fp16_inputs(seen_on) and not fp16_inputs(seen_off), (config, sorted(seen_on), sorted(seen_off))
+    assert {k for k in seen if k[:2] == (N, K) and k[3] == "float16"}, (config, sorted(seen))
 
 
-def test_the_engine_answers_the_same_with_the_switch():
-    """clefcore.load(kernels=...) on the golden checkpoint, fast, wmma: the same response to every golden request
-    one by one (refusals alike) and to the valid ones packed in one forward. Responses round to 4 decimals: the
-    bits are the test above's; this one runs the engine's own path (prepare, forward, guards, answers)."""
+def test_the_engine_answers_the_same_twice():
+    """clefcore.load on the golden checkpoint, fast, wmma, twice: the same response to every golden request one by
+    one (refusals alike) and to the valid ones packed in one forward; this runs the engine's own path (prepare,
+    forward, guards, answers)."""
     import clefcore
     from clefcore.errors import RequestError
     bodies = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines() if line.strip()]
-    answers = {}
-    for kernels in (OFF, ON):
-        engine = clefcore.load(GOLD / "model", device="cuda", precision="fast", gemm="wmma", kernels=kernels)
+    answers = []
+    for _ in range(2):
+        engine = clefcore.load(GOLD / "model", device="cuda", precision="fast", gemm="wmma")
         one = []
         for body in bodies:
             try:
@@ -344,6 +339,6 @@ def test_the_engine_answers_the_same_with_the_switch():
             except RequestError as e:
                 one.append(("refused", e.field, e.message))
         valid = [b for b, got in zip(bodies, one) if isinstance(got, dict)]
-        answers[kernels] = (one, engine.decide_many(valid))
-        assert len(valid) > 10 and ("fused_elementwise" in engine.ops.switches) == (kernels == ON)
-    assert answers[ON] == answers[OFF]
+        assert len(valid) > 10
+        answers.append((one, engine.decide_many(valid)))
+    assert answers[0] == answers[1]

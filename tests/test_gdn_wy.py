@@ -1,11 +1,11 @@
-"""The WY-form delta rule on the CPU (the gdn_wy kernel switch; its kernels run in tests/test_gdn_wy_gpu.py):
+"""The WY-form delta rule on the CPU (its kernels run in tests/test_gdn_wy_gpu.py):
 
 * its numpy model (tests/gdn_wy_model.py) with fp32 products is clefcore/backends/cpu.py::gated_delta_rule
   regrouped, and its roundings are the ones it names;
 * the CUDA backend's host code (backends/cuda/delta_rule.py: chunk list, launch groups, the scan's sequence rows,
   state slots, workspaces, grids, shared memory) drives numpy twins of gdn_wy_prep / gdn_wy_scan / gdn_wy_out that
   read and write the kernels' workspace layout, and lands on the numpy reference;
-* the switch routes: off, the folded kernels run as before; on, each mode's WY module.
+* each mode runs its WY module.
 """
 
 from __future__ import annotations
@@ -119,15 +119,14 @@ def _halves(w, lo: bool):
 class TwinOps(DeltaRuleOps):
     """DeltaRuleOps over numpy: ``kernel`` hands out numpy twins of the WY kernels, which take the launches' own
     grids and arguments and read and write the workspaces in the kernels' layouts (cuda/gated_delta_wy.cu), with
-    the module's operand roundings (gdn_wy_model.KERNEL_OPERANDS); the folded kernels are only recorded."""
+    the module's operand roundings (gdn_wy_model.KERNEL_OPERANDS)."""
 
     cp = NUMPY_CP
     sm_count = 132
     gdn_block_chunks = 128
 
-    def __init__(self, path: str, switches=()):
+    def __init__(self, path: str):
         self.plan = Plan(path)
-        self.switches = frozenset(switches)
         self.launched = []        # (module, kernel name, shared memory bytes)
 
     def to_host(self, x):
@@ -144,8 +143,6 @@ class TwinOps(DeltaRuleOps):
 
     def kernel(self, module, name, smem=0):
         self.launched.append((module, name, smem))
-        if not name.startswith("gdn_wy_"):
-            return lambda grid, block, args, shared_mem=0: None
         ops = wy.KERNEL_OPERANDS[module]
         twin = {"prep": self._prep, "scan": self._scan, "out": self._out}[name[len("gdn_wy_"):].removesuffix("_d128")]
 
@@ -208,7 +205,7 @@ def test_host_code_on_numpy_twins_lands_on_the_reference(mode, cu, with_state, b
     cu = np.array(cu)
     S_ref, S_model = S0.copy(), S0.copy()
     ref = cpu.gated_delta_rule(*args, cu, S_ref if with_state else None)
-    ops = TwinOps(MODES[mode], {"gdn_wy"})
+    ops = TwinOps(MODES[mode])
     ops.gdn_block_chunks = blk
     S = _arr(S0.copy()) if with_state else None
     got = ops.gated_delta_rule(*(_arr(a) for a in args), cu, S)
@@ -231,7 +228,7 @@ def test_host_code_takes_a_strided_value_view():
     wide = np.concatenate([np.zeros((T, 3 * hv * dv), np.float32), args[2].reshape(T, hv * dv)], axis=1)
     v = _arr(wide)[:, 3 * hv * dv:].reshape(T, hv, dv)
     assert v.strides[0] == 4 * 4 * hv * dv
-    ops = TwinOps("split", {"gdn_wy"})
+    ops = TwinOps("split")
     got = ops.gated_delta_rule(_arr(args[0]), _arr(args[1]), v, _arr(args[3]), _arr(args[4]), np.array([0, T]))
     ref = cpu.gated_delta_rule(*args, np.array([0, T]))
     assert rel(got, ref) <= FP32_TOL * 5
@@ -243,7 +240,7 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
     """Every WY launch asks for at most the 96 KB a block may have on sm_70; the model's 128 x 128 heads take the
     _d128 entries."""
     args, _ = inputs([0, 130], hk, hv, dk, dv, seed=1)
-    ops = TwinOps(MODES[mode], {"gdn_wy"})
+    ops = TwinOps(MODES[mode])
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 130]))
     assert {n for _, n, _ in ops.launched} == {f"gdn_wy_{k}{'_d128' if dk == dv == 128 else ''}"
                                               for k in ("prep", "scan", "out")}
@@ -251,34 +248,19 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
 
 
 # ------------------------------------------------------------------------------------------------- routing
-@pytest.mark.parametrize("one_pass", [False, True], ids=["", "gdn_one_pass"])
 @pytest.mark.parametrize("path", precision.KERNEL_PATHS)
-def test_switch_off_runs_the_folded_kernels(path, one_pass):
-    """Without gdn_wy the host launches gdn_prep / gdn_scan / gdn_out of the row's folded module, as before."""
+def test_each_path_runs_its_modes_wy_module(path):
+    """Every GPU path runs the WY kernels of its mode: fast's module, or exact's."""
     args, _ = inputs([0, 65], 2, 4, 16, 16, seed=0)
-    ops = TwinOps(path, {"gdn_one_pass"} if one_pass else ())
+    ops = TwinOps(path)
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 65]))
-    module = precision.TABLE[path].delta_rule_under(ops.switches).module
-    assert module == ("gated_delta_fast.cu" if one_pass and path == "fp16" else "gated_delta.cu")
-    assert [(m, n) for m, n, _ in ops.launched] == [(module, "gdn_prep"), (module, "gdn_scan"), (module, "gdn_out")]
-
-
-@pytest.mark.parametrize("one_pass", [False, True], ids=["", "gdn_one_pass"])
-@pytest.mark.parametrize("path", precision.KERNEL_PATHS)
-def test_switch_on_runs_each_modes_wy_module(path, one_pass):
-    """gdn_wy puts every GPU path on the WY kernels of its mode, and wins over gdn_one_pass."""
-    args, _ = inputs([0, 65], 2, 4, 16, 16, seed=0)
-    ops = TwinOps(path, {"gdn_wy"} | ({"gdn_one_pass"} if one_pass else set()))
-    ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 65]))
-    want = precision.DELTA_WY_FAST if precision.TABLE[path].mode == "fast" else precision.DELTA_WY_EXACT
-    assert ops.gdn_kernels() == want and want.wy
+    want = precision.DELTA_FAST if precision.TABLE[path].mode == "fast" else precision.DELTA_EXACT
+    assert ops.gdn_kernels() == want
     assert [(m, n) for m, n, _ in ops.launched] == [(want.module, f"gdn_wy_{k}") for k in ("prep", "scan", "out")]
 
 
 def test_every_wy_module_has_an_error_model():
-    """The GPU tests hold each WY module to the model of its operands: every module the table names has one, and
-    the switch leaves the numpy path alone."""
-    modules = {row.delta_rule_wy.module for row in precision.TABLE.values() if row.delta_rule_wy is not None}
+    """The GPU tests hold each WY module to the model of its operands: every module the table names has one."""
+    modules = {row.delta_rule.module for row in precision.TABLE.values() if row.delta_rule.module is not None}
     assert modules == set(wy.KERNEL_OPERANDS)
     assert all((kernel_dir() / m).is_file() for m in modules)
-    assert precision.TABLE[precision.FP32].delta_rule_under({"gdn_wy"}) == precision.DELTA_FP32

@@ -1,19 +1,17 @@
-"""The joint head as a CUDA graph keyed on its question schema (the head_graph kernel switch:
-clefcore/model/head.py, CudaOps.head_graphs, clefcore/backends/cuda/head.py) on the tiny golden model.
+"""The joint head as a CUDA graph keyed on its question schema (clefcore/model/head.py, CudaOps.head_graphs,
+clefcore/backends/cuda/head.py) on the tiny golden model.
 
 The graph's key is the stream's question schema and its token count rounded up to 128; every position is data in
 its index table. So requests of one schema whose states differ in length, as a client sends them, replay one graph.
 
-Bit for bit, not within a tolerance: a replay runs the very kernels that the switch's head on the padded layout
-runs eagerly, on the same inputs (the graph's static buffers hold copies of them), so every logit must carry the
-same bits. The reference is that eager head of each stream on its own (``_eager``: a cache that has seen nothing,
-where every key is a first sighting): a capture and every replay, of any stream of the key, must equal it. Against
-the switch off (the exact layout and CuPy's own kernels) the logits are the same bits where the stream needs no
-padding (a whole number of 128-token buckets) and every question has at most two options: the switch's segment
-softmax adds a question's options in row order where CuPy's scatter adds them in the GPU's order, which for two
-options is the same sum (checked at the op level, within the bound of that reordering); padding adds masked keys'
-zeros to the attentions' sums, within fp32 reordering (tests/test_head_layout.py checks the same in numpy). The
-switch's batched product is CuPy's matmul's own cuBLAS call, bit for bit.
+Bit for bit, not within a tolerance: a replay runs the very kernels that the head on the padded layout runs
+eagerly, on the same inputs (the graph's static buffers hold copies of them), so every logit must carry the same
+bits. The reference is that eager head of each stream on its own (``_eager``: a cache that has seen nothing, where
+every key is a first sighting): a capture and every replay, of any stream of the key, must equal it. Against the
+exact layout (``_exact``: what runs beyond the graphs' token limit) the logits are the same bits where the stream
+needs no padding (a whole number of 128-token buckets); padding adds masked keys' zeros to the attentions' sums,
+within fp32 reordering (tests/test_head_layout.py checks the same in numpy). The batched product is CuPy's
+matmul's own cuBLAS call, bit for bit, and the per-question softmax sum the same bits run after run.
 
 Needs a GPU; the keys, the tables, the routing, a numpy model of a replay and of the segment kernel are checked
 without one (tests/test_head_layout.py).
@@ -54,7 +52,7 @@ def _seeded(request):
 @pytest.fixture(scope="module")
 def gpu():
     from clefcore.backends.cuda import CudaOps
-    ops = CudaOps(0, kernels="head_graph")
+    ops = CudaOps(0)
     return ops, load_params(Checkpoint(GOLD), ops)
 
 
@@ -123,7 +121,7 @@ def _head(ops, p, s):
 
 
 def _eager(ops, p, s):
-    """The switch's head of ``s`` on its padded layout, run eagerly: through a cache that has seen nothing, so its
+    """The head of ``s`` on its padded layout, run eagerly: through a cache that has seen nothing, so its
     key is a first sighting. What a capture and a replay must reproduce."""
     from clefcore.backends.cuda.graphs import GraphCache
     saved = ops.head_graphs
@@ -143,9 +141,12 @@ def _same(got, want):
 
 
 @contextmanager
-def _off(ops):
-    """The switch off: no head graphs, CuPy's own kernels (the GEMM autotune's choices shared with the switch on)."""
-    saved, ops.head_graphs = ops.head_graphs, None
+def _exact(ops):
+    """The exact layout's launches from Python: a head graph cache of no tokens (--graph-tokens 0), the same
+    kernels and the GEMM autotune's choices."""
+    from clefcore.backends.cuda.graphs import GraphCache
+    saved = ops.head_graphs
+    ops.head_graphs = GraphCache(ops, 0, saved.capacity, saved.bucket)
     try:
         yield
     finally:
@@ -168,13 +169,11 @@ def _counts(ops):
     return ops.head_graphs.captures, ops.head_graphs.launches
 
 
-def test_the_switch_makes_the_cache(gpu):
-    from clefcore.backends.cuda import CudaOps
+def test_the_backend_makes_the_cache(gpu):
     from clefcore.backends.cuda.ops import HEAD_GRAPHS
     ops, _ = gpu
     assert ops.head_graphs.max_tokens == ops.graphs.max_tokens and ops.head_graphs.capacity == HEAD_GRAPHS
     assert ops.head_graphs.bucket == ops.graphs.bucket == BUCKET
-    assert CudaOps(0, kernels="head_graph=off").head_graphs is None
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -219,12 +218,12 @@ def test_a_clients_requests_with_other_state_lengths_replay_one_graph(gpu):
 
 @pytest.mark.parametrize("seqs", [[(128, TWO)], [(70, TWO), (58, [(2, 1), (2, 0)])], [(256, [(2, 0)])]],
                          ids=["two options", "packed two options", "one question"])
-def test_switch_on_equals_switch_off_bit_for_bit_without_padding(gpu, seqs):
-    """Where every question has two options and the stream fills its buckets, the switch changes no bit of any
-    logit, hence of any probability: nothing padded, every attention over the whole stream in both."""
+def test_the_graph_equals_the_exact_layout_bit_for_bit_without_padding(gpu, seqs):
+    """Where the stream fills its buckets, the graph changes no bit of any logit, hence of any probability:
+    nothing padded, every attention over the whole stream in both."""
     ops, p = gpu
     s = _stream(ops, p, seqs)
-    with _off(ops):
+    with _exact(ops):
         want = _head(ops, p, s)
     for _ in range(3):                                             # launched, captured, replayed
         got = _head(ops, p, s)
@@ -234,7 +233,7 @@ def test_switch_on_equals_switch_off_bit_for_bit_without_padding(gpu, seqs):
 
 
 @pytest.mark.parametrize("seqs", [LAYOUTS["packed"], [(130, TWO)]], ids=["packed", "one sequence"])
-def test_the_switch_against_the_numpy_head(gpu, seqs):
+def test_the_graph_against_the_numpy_head(gpu, seqs):
     """A replay against the fp32 numpy head (exact layout) on the same states: within the precision mode's
     contract (fast: 1e-2 in probability; the head's GEMMs round their activations to fp16 there)."""
     ops, p = gpu
@@ -377,7 +376,7 @@ def test_a_stream_whose_bucket_is_too_large_runs_its_launches(gpu, limit):
     s = _stream(ops, p, [(260, TWO)])
     saved, cache.max_tokens = cache.max_tokens, limit
     try:
-        with _off(ops):
+        with _exact(ops):
             want = _head(ops, p, s)
         c0, l0 = _counts(ops)
         for _ in range(3):
@@ -451,11 +450,11 @@ def _one_bucket(items, count, n):
 def test_the_engine_replays_the_head_across_state_lengths_and_answers_the_same(gpu):
     """Engine.forward (the backbone's graph, the head's, the reserved arena) on one client's requests: the same
     questions, states of other lengths, alone and packed in pairs. From the third forward of the schema and
-    bucket on, the head replays; each forward's logits equal the switch's eager head on that forward's own
+    bucket on, the head replays; each forward's logits equal the eager head on that forward's own
     states, bit for bit, and so do the answers."""
     import clefcore
     from clefcore.example_request import support_ticket
-    engine = clefcore.load(GOLD, device="cuda", kernels="head_graph", context_length=2048)
+    engine = clefcore.load(GOLD, device="cuda", context_length=2048)
     engine.reserve(1024, 2)
     ops, p = engine.ops, engine.params
     prepared = [engine.prepare(support_ticket(state="Checkout fails" + " again" * k + ".")) for k in range(40)]
@@ -484,7 +483,7 @@ def test_the_engine_replays_the_head_across_state_lengths_and_answers_the_same(g
 @pytest.mark.parametrize("h,n,k,m", [(1, 1, 1, 1), (4, 1, 8, 1), (16, 63, 64, 65), (3, 300, 8, 17),
                                      (16, 7, 64, 1024)])
 def test_the_batched_product_is_cupys_matmul_bit_for_bit(gpu, h, n, k, m):
-    """The switch's product (cuBLAS through ctypes, callable in a capture) against CuPy's matmul on the same
+    """The head's product (cuBLAS through ctypes, callable in a capture) against CuPy's matmul on the same
     operands, contiguous and as the head's transposed views."""
     import cupy
     ops, _ = gpu
@@ -501,8 +500,8 @@ def test_the_batched_product_is_cupys_matmul_bit_for_bit(gpu, h, n, k, m):
 def test_the_segment_kernel(gpu, width, sizes):
     """clef_segment_softmax_sum against its numpy twin: the same order of additions, so the two differ only by
     their exp (CUDA's expf within 2 ulp, numpy's within 1) and the roundings that follow from it: at most
-    (8 + 4 n) 2^-24 of sum |w v| per value for a group of n rows. Deterministic (two runs, the same bits); against
-    CuPy's scatter (the switch off) the same bits where no group has more than two rows; an empty group: zeros."""
+    (8 + 4 n) 2^-24 of sum |w v| per value for a group of n rows. Deterministic (two runs, the same bits); an
+    empty group: zeros."""
     ops, _ = gpu
     owner = np.repeat(np.arange(len(sizes)), sizes)
     n = len(owner)
@@ -522,24 +521,18 @@ def test_the_segment_kernel(gpu, width, sizes):
     bound = (8 + 4 * np.asarray(sizes, float))[:, None] * 2.0 ** -24 * mass
     assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
     assert not np.any(got[np.asarray(sizes) == 0])
-    if max(sizes) <= 2:
-        with _off(ops):
-            off = ops.to_host(ops.segment_softmax_sum(ops.asarray(sc), ops.asarray(vals), owner, len(sizes)))
-        np.testing.assert_array_equal(got.view(np.uint32), off.view(np.uint32))
 
 
 def test_bench_breakdown_times_the_head_over_a_clients_series(tmp_path):
-    """`clefcore bench --breakdown N --kernels head_graph`: the switch recorded, and the breakdown's timed runs, a
-    series of the case's schema with other state lengths in its bucket, every one a replay of the head's graph
+    """`clefcore bench --breakdown N`: the breakdown's timed runs, a series of the case's schema with other state lengths in its bucket, every one a replay of the head's graph
     (single and packed), timed apart from the backbone."""
     import json
     from clefcore import bench
     report = tmp_path / "bench.json"
     assert bench.main(["--model", str(GOLD), "--precision", "fast", "--lengths", "200", "--packed", "2x160",
                        "--reps", "2", "--no-kernels", "--no-transformers", "--breakdown", "400",
-                       "--kernels", "head_graph", "--json", str(report)]) == 0
+                       "--json", str(report)]) == 0
     got = json.loads(report.read_text())
-    assert got["kernel_switches"] == ["head_graph"]
     for case in got["end_to_end"]["fast"]:
         parts = case["breakdown"]
         T = case["tokens"]

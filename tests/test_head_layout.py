@@ -1,16 +1,16 @@
-"""The joint head's layouts and its graph routing without a GPU (clefcore/model/head.py, the head_graph switch).
+"""The joint head's layouts and its graph routing without a GPU (clefcore/model/head.py).
 
 The graph key is the question schema and the stream's token count rounded up to the bucket: two requests of one
 schema whose states differ in length have one key, and any change of the schema, the bucket or the token block
 changes it. Each padded layout's index table holds its own positions. A numpy model of a replay: the head run with
 one layout's shapes on another layout's inputs (what a graph captured on the first does when the second replays
 it) gives the second's own result bit for bit, the op calls and their shapes are the same for every layout of a
-key, and the pad rows never reach a value (NaN pad rows change no bit). Against the exact layout (the switch off):
-the same bits where no padding and no planned key range differ, within fp32 reordering elsewhere.
+key, and the pad rows never reach a value (NaN pad rows change no bit). Against the exact layout (what runs beyond
+the graphs' token limit, and in a chunked prefill): the same bits where no padding and no planned key range differ, within fp32 reordering elsewhere.
 
 Also: the one routing decision (graph_tokens) and heads() through a graph cache; the readouts' indices; the
-bounded memory of a GraphCache's keys; the switch off runs CuPy's own ops and on the CUDA attention's launches
-depend on shapes alone (checked on stand-ins); a numpy model of the deterministic segment kernel
+bounded memory of a GraphCache's keys; the segment softmax is one kernel and the CUDA attention's launches depend
+on shapes alone (checked on stand-ins); a numpy model of the deterministic segment kernel
 (clefcore/backends/cuda/elementwise.py::segment_softmax_sum_k) against its numpy twin, bit for bit."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import switches
 from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import graphs as graphs_module
@@ -191,7 +190,7 @@ class _Recording(GraphCache):
 
 
 def test_the_routing_decision():
-    assert graph_tokens(CpuOps(), 100) is None                        # no head graphs (the switch off, the CPU)
+    assert graph_tokens(CpuOps(), 100) is None                        # no head graphs (the CPU)
     ops = CpuOps()
     ops.head_graphs = GraphCache(None, max_tokens=128, capacity=8)
     assert graph_tokens(ops, 100) == 128 and graph_tokens(ops, 128) == 128   # padded to the bucket
@@ -202,17 +201,6 @@ def test_the_routing_decision():
     assert graph_tokens(ops, 100) is None                             # --graph-tokens 0
     ops.head_graphs = GraphCache(None, max_tokens=1024, capacity=0)
     assert graph_tokens(ops, 100) is None
-
-
-def test_the_switch_is_off_by_default_and_named_once():
-    s = switches.BY_NAME["head_graph"]
-    assert s.default is False and s.env == "CLEFCORE_HEAD_GRAPH" and "not yet run on a GPU" in s.help
-    assert "head_graph" not in switches.resolve(None, environ={})
-    assert "head_graph" in switches.resolve(None, environ={"CLEFCORE_HEAD_GRAPH": "1"})
-    root = Path(head_module.__file__).resolve().parents[1]
-    readers = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
-               if '"head_graph"' in p.read_text() and p.name != "switches.py"]
-    assert readers == ["backends/cuda/ops.py"]                         # the one place that reads it
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +283,7 @@ def test_a_graph_of_one_layout_computes_another_of_its_key(cpu_model, name):
 
 def test_without_padding_the_padded_head_is_the_exact_one_bit_for_bit(cpu_model):
     """One sequence of a whole bucket: nothing padded, every key range the whole stream: the same operations on
-    the same values as the exact layout's (the GPU's switch on against off rests on this)."""
+    the same values as the exact layout's (the GPU's padded against exact layouts rests on this)."""
     p, rng, ops = cpu_model, np.random.default_rng(5), CpuOps()
     cu, qs = [0, 256], [_shifted(BASE[1][0], 100)]
     hs, ids = _stream(p, rng, cu)
@@ -433,24 +421,8 @@ def test_a_cache_remembers_a_bounded_number_of_keys(monkeypatch):
         cache.run("d", lambda: None, (), ())                          # captures (on no GPU: fails at once)
 
 
-def test_switch_off_runs_cupys_own_ops():
-    """With no head graphs (the switch off) the head's batched product is CuPy's matmul and the segment softmax
-    CuPy's scatter ops: checked on numpy stand-ins, which CudaOps' head ops run unchanged."""
-    calls = []
-    fake = types.SimpleNamespace(cp=types.SimpleNamespace(matmul=lambda a, b: calls.append("matmul") or a @ b),
-                                 cublas_missing=None, head_graphs=None)
-    a, b = np.ones((2, 3, 4), np.float32), np.ones((2, 4, 5), np.float32)
-    assert np.array_equal(HeadOps._bmm(fake, a, b), a @ b) and calls == ["matmul"]
-    rng = np.random.default_rng(1)
-    sc, vals, own = rng.standard_normal(9).astype(np.float32), rng.standard_normal((9, 5)).astype(np.float32), \
-        np.array([0, 0, 1, 1, 1, 2, 2, 2, 2])
-    fake = types.SimpleNamespace(cp=np, head_graphs=None, _f32=lambda x: np.asarray(x, np.float32),
-                                 asarray=np.asarray)
-    got = HeadOps.segment_softmax_sum(fake, sc, vals, own, 3)
-    assert np.array_equal(got, cpu.segment_softmax_sum(sc, vals, own, 3))
-
-
-def test_switch_on_routes_the_segment_softmax_to_one_kernel(monkeypatch):
+def test_the_segment_softmax_runs_one_kernel(monkeypatch):
+    """The per-question softmax sum is one launch of the deterministic kernel (never a scatter with atomics)."""
     launched = []
 
     class Kernel:
@@ -459,7 +431,7 @@ def test_switch_on_routes_the_segment_softmax_to_one_kernel(monkeypatch):
             return out
 
     monkeypatch.setattr("clefcore.backends.cuda.head.segment_softmax_sum_k", Kernel)
-    fake = types.SimpleNamespace(cp=np, head_graphs=object(), _f32=lambda x: np.asarray(x, np.float32),
+    fake = types.SimpleNamespace(cp=np, _f32=lambda x: np.asarray(x, np.float32),
                                  _c=np.ascontiguousarray, asarray=np.asarray)
     HeadOps.segment_softmax_sum(fake, np.zeros(5, np.float32), np.zeros((5, 3), np.float32),
                                 np.array([0, 0, 1, 1, 1]), 2)

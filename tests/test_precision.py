@@ -105,9 +105,9 @@ def test_an_unknown_kernel_path_is_refused_naming_the_paths(path):
 # what each op family runs per path: (GEMM operands: rounded once to fp16, split hi + lo, lo in fp8;
 # delta-rule module, passes; vision attention on the fp16 kernel; tower graphs)
 FAMILIES = {
-    "fp16": ((True, False, False), ("gated_delta.cu", 3), True, True),
-    "split": ((False, True, False), ("gated_delta.cu", 3), False, False),
-    "split8": ((False, True, True), ("gated_delta.cu", 3), False, False),
+    "fp16": ((True, False, False), ("gated_delta_wy_fast.cu", 1), True, True),
+    "split": ((False, True, False), ("gated_delta_wy.cu", 3), False, False),
+    "split8": ((False, True, True), ("gated_delta_wy.cu", 3), False, False),
     FP32: ((False, False, False), (None, 0), False, False),
 }
 
@@ -133,20 +133,19 @@ def test_the_rows_are_consistent():
         assert row.attention_fp16 or not row.tower_graphs, path
         if row.delta_rule.module is not None:
             assert (ROOT / "cuda" / row.delta_rule.module).is_file(), path
-    assert (ROOT / "cuda" / precision.DELTA_THREE_PASS.module).is_file()
     safe = precision.RANGE_SAFE
     assert safe.range_safe and safe.row == TABLE["split"] and not safe.row.gemm.fp8_lo
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["default", "gdn_one_pass"])
 @pytest.mark.parametrize("path", precision.KERNEL_PATHS)
-def test_the_delta_rules_kernels_follow_the_row_and_the_switch(path, one_pass):
-    """Every plan runs the three-pass delta rule; gdn_one_pass puts fast's (only fast's) on the one-pass kernels."""
-    ops = types.SimpleNamespace(plan=Plan(path), switches=frozenset({"gdn_one_pass"} if one_pass else ()))
+def test_the_delta_rules_kernels_follow_the_row(path):
+    """fast runs the WY form with the output's products in one pass, the exact plans with every product split;
+    fused producers only where the GEMMs round their operand once to fp16 (fast)."""
+    ops = types.SimpleNamespace(plan=Plan(path))
     rule = DeltaRuleOps.gdn_kernels(ops)
     fast = TABLE[path].mode == "fast"
-    assert rule == (precision.DELTA_ONE_PASS if fast and one_pass else precision.DELTA_THREE_PASS), (path, rule)
-    assert (rule.module, rule.passes) in (("gated_delta_fast.cu", 1), ("gated_delta.cu", 3))
+    assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)
+    assert TABLE[path].fused_elementwise is fast
 
 
 # A comparison of a mode's or a kernel path's name: `precision == "split8"`, `plan.path in ("split", "split8")`,

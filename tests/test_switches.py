@@ -9,13 +9,13 @@ import pytest
 from clefcore import switches
 from clefcore.options import EngineOptions, ServiceConfig
 
-NAME = switches.SWITCHES[0].name
-ENV = switches.SWITCHES[0].env
+NAME, ENV = "some_kernel", "CLEFCORE_SOME_KERNEL"
+pytestmark = pytest.mark.usefixtures("switch_registry")
 
 
 def test_defaults_env_and_option_in_order():
-    default_on = {s.name for s in switches.SWITCHES if s.default}
-    assert switches.resolve(None, environ={}) == default_on
+    assert switches.resolve(None, environ={}) == {"other_kernel"}
+    assert switches.resolve("other_kernel=off", environ={}) == set()
     assert NAME in switches.resolve(None, environ={ENV: "1"})
     assert NAME not in switches.resolve(None, environ={ENV: "off"})
     assert NAME in switches.resolve(NAME, environ={ENV: "0"})               # the option beats the environment
@@ -56,3 +56,11 @@ def test_service_config_refuses_an_unknown_switch():
     assert ServiceConfig(model="m", engine=EngineOptions(kernels=NAME)).engine.kernels == NAME
     with pytest.raises(ValueError, match="unknown switch"):
         ServiceConfig(model="m", engine=EngineOptions(kernels="nope"))
+
+
+def test_an_empty_registry_refuses_every_name(monkeypatch):
+    monkeypatch.setattr(switches, "SWITCHES", ())
+    monkeypatch.setattr(switches, "BY_NAME", {})
+    assert switches.resolve(None, environ={ENV: "1"}) == frozenset() and switches.describe() == "none at present"
+    with pytest.raises(ValueError, match="unknown switch"):
+        switches.parse(NAME)

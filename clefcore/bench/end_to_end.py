@@ -114,7 +114,7 @@ def breakdown(cp, ops, params, lens, reps, rng) -> dict:
     Timed as users meet it: not one request again and again (graphs keyed on exact positions would replay there
     and nowhere else), but a series of the case's schema whose states differ in length (``state_series``), after
     a warm-up run of the case itself. ``series_tokens``: each timed run's tokens; ``head_graph_replays``: of the
-    timed runs, those whose head replayed a CUDA graph (the head_graph kernel switch; 0 without it)."""
+    timed runs, those whose head replayed a CUDA graph."""
     from ..model.backbone import backbone
     from ..model.head import heads
     sync = cp.cuda.Device().synchronize
@@ -123,7 +123,7 @@ def breakdown(cp, ops, params, lens, reps, rng) -> dict:
     for i, records in enumerate(state_series(lens, ops.graphs.bucket, reps + 1, params.text.vocab_size, rng)):
         ids, cu, pos = _packed(records)
         qs = [r.questions for r in records]
-        launched = ops.head_graphs.launches if ops.head_graphs is not None else 0
+        launched = ops.head_graphs.launches
         sync()
         t0 = time.perf_counter()
         hs, _ = backbone(ops, params, ids, cu, pos, check=False)
@@ -138,8 +138,7 @@ def breakdown(cp, ops, params, lens, reps, rng) -> dict:
             rows[key].append(v * 1e3)
         if i:                                      # the first run is a warm-up
             tokens.append(len(ids))
-            if ops.head_graphs is not None:
-                replays += ops.head_graphs.launches - launched
+            replays += ops.head_graphs.launches - launched
     return {**{k: statistics.median(v[1:]) for k, v in rows.items()}, "head_graph_replays": replays,
             "series_tokens": tokens}
 

@@ -17,8 +17,7 @@ HEAD_GEMM = (11, 4096, 1024)          # a joint-head GEMM: one row per option
 SEQ_LENS = (2048, 8192)
 # max |got - ref| / max |ref| allowed when a timed op is checked against numpy (the kernel tests' bounds)
 TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
-# the delta rule: products in one fp16 pass (every product: gated_delta_fast.cu under gdn_one_pass; the outputs':
-# gated_delta_wy_fast.cu, fast under gdn_wy), else all in three
+# the delta rule: fast (gated_delta_wy_fast.cu: the output's products in one fp16 pass), else every product in three
 TOL_GDN_FAST, TOL_GDN = 2e-3, 2e-4
 
 

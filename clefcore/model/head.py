@@ -5,7 +5,7 @@ What the head does with a stream is fixed by its layout alone (its sequences' bo
 tokens or states): ``HeadLayout`` works it out on the host, every index table the head's ops read packed into one
 int64 array that goes to the device in one upload.
 
-On a backend with head graphs (CUDA, the head_graph kernel switch) the head replays a CUDA graph (``heads``). Its
+On a backend with head graphs (CUDA) the head replays a CUDA graph (``heads``). Its
 key is the stream's question schema and its token count rounded up to the graph cache's bucket, never a position:
 requests of one schema whose states differ in length share a graph. For that the head runs on a padded layout,
 whose launches and array shapes follow from the key alone: the stream is padded with rows that no index picks and
@@ -242,9 +242,8 @@ def heads(ops: Backend, p: Params, hs, ids, cu_seqlens, questions_of) -> list:
 
 def graph_tokens(ops: Backend, T: int) -> int | None:
     """Where the head's launches go, decided here only: the token count of the padded layout whose CUDA graph
-    runs a stream of T tokens (T rounded up to the bucket of the backend's head graphs: CUDA with the head_graph
-    switch on) where that count is within the graphs' token limit; None: the launches run from Python one by one,
-    on the exact layout."""
+    runs a stream of T tokens (T rounded up to the bucket of the backend's head graphs: CUDA's) where that count is
+    within the graphs' token limit; None: the launches run from Python one by one, on the exact layout."""
     g = ops.head_graphs
     return None if g is None else g.padded_tokens(T)
 

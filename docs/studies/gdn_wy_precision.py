@@ -1,13 +1,13 @@
-"""Which operands the WY-form delta rule (cuda/gated_delta_wy.cu, the gdn_wy kernel switch) may round, per precision
+"""Which operands the WY-form delta rule (cuda/gated_delta_wy.cu) may round, per precision
 mode, before any kernel ran: numpy emulations of its products (tests/gdn_wy_model.py) against the exact recurrence.
 
 Part 1, random inputs at clef-flash's head shapes (16 key heads, 32 value heads, 128 x 128) and at the golden
 checkpoints' (2 / 4 heads of 16; 2 / 2 heads of 32), of the model's kind (q, k L2-normalised, q scaled, beta a
 sigmoid, g a non-positive log-decay of a given mean per token): each candidate's output and final-state error,
 max |x - exact| / max |exact|, the exact recurrence being the model in float64 with fp32 products. For scale, the
-same for the fp32 numpy reference (clefcore.backends.cpu.gated_delta_rule) and for today's one-pass folded kernel
-(gated_delta_fast.cu, the gdn_one_pass switch: tests/gdn_fp16_model.py). Today's three-pass kernels are fp32-grade:
-the numpy reference stands for them.
+same for the fp32 numpy reference (clefcore.backends.cpu.gated_delta_rule) and for the one-pass folded rule the
+GPU ran before (gdn_fp16_model.py, beside this study). The three-pass folded kernels were fp32-grade: the numpy
+reference stands for them.
 
 Part 2, the golden text fixtures (tests/golden) through the whole model with fast's other roundings emulated
 (every GEMM's activation rounded once to fp16 against fp16 weights, the SwiGLU product stored in fp16, the causal
@@ -51,6 +51,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gdn_fp16_model as folded  # noqa: E402
 import gdn_wy_model as wy  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The full-attention path of the CUDA backend: rotary, the K/V cache, causal GQA attention and the vision tower's
-bidirectional attention (cuda/attention.cu, cuda/rotary.cu; on Hopper under the attn_wgmma kernel switch the causal
-attention of cuda/attention_wgmma.cu, chosen in ``causal_kernels``), with their host-side work list. A mixin of
+bidirectional attention (cuda/attention.cu, cuda/rotary.cu; on Hopper the causal attention of
+cuda/attention_wgmma.cu, chosen in ``causal_kernels``), with their host-side work list. A mixin of
 ``CudaOps``."""
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ ATTN = AttnKernels("attention.cu", "attn")                 # every GPU; mma.sync
 ATTN_WGMMA = AttnKernels("attention_wgmma.cu", "attn_wgmma")   # causal, WGMMA_DIMS, sm_90a only
 
 
-def causal_kernels(switches, cc, native: bool, D: int, kv_fp16: bool) -> AttnKernels:
+def causal_kernels(cc, native: bool, D: int, kv_fp16: bool) -> AttnKernels:
     """The one place that picks the causal attention's kernels: attention_wgmma.cu (Hopper's warpgroup MMAs) when
-    the ``attn_wgmma`` kernel switch is on (``switches``: the names that are on), the GPU's compute capability
-    ``cc`` is 9.0 and runs ``native`` code (the file's body is built for sm_90a only; the compute_70 PTX has an
-    empty kernel), the head dim is one of WGMMA_DIMS and K and V come as fp16 (the K/V cache, which the kernel
-    reads as it is); attention.cu otherwise, exactly as without the switch."""
-    if "attn_wgmma" in switches and native and tuple(cc) == (9, 0) and D in WGMMA_DIMS and kv_fp16:
+    the GPU's compute capability ``cc`` is 9.0 and runs ``native`` code (the file's body is built for sm_90a only;
+    the compute_70 PTX has an empty kernel), the head dim is one of WGMMA_DIMS and K and V come as fp16 (the K/V
+    cache, which the kernel reads as it is); attention.cu otherwise."""
+    if native and tuple(cc) == (9, 0) and D in WGMMA_DIMS and kv_fp16:
         return ATTN_WGMMA
     return ATTN
 
@@ -101,7 +100,7 @@ class AttentionOps:
             raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
         t0 = int(q_offset)
         t1 = t0 + n
-        kernels = causal_kernels(self.switches, self.cc, not self.ptx70, D,
+        kernels = causal_kernels(self.cc, not self.ptx70, D,
                                  k.dtype == np.float16 and v.dtype == np.float16)
         return self._attn_run(q, k[:t1], v[:t1], cu_seqlens, scale, t0, causal=True, kernels=kernels)
 

@@ -1,6 +1,6 @@
 """The Gated DeltaNet path of the CUDA backend: causal depthwise conv + SiLU (cuda/conv1d.cu), the gates, and the
-chunked delta rule with carried state (cuda/gated_delta.cu; cuda/gated_delta_wy.cu under the gdn_wy kernel switch).
-A mixin of ``CudaOps``."""
+chunked delta rule with carried state in the WY form (cuda/gated_delta_wy.cu; fast's operands:
+cuda/gated_delta_wy_fast.cu). A mixin of ``CudaOps``."""
 
 from __future__ import annotations
 
@@ -42,10 +42,9 @@ class DeltaRuleOps:
         return g, beta
 
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
-        """The delta-rule kernels of the plan's row of the precision table under the kernel switches, per group of
-        chunks: the folded form (gdn_prep, gdn_scan, gdn_out: three passes per product; one under gdn_one_pass in
-        fast) or, under gdn_wy, the WY form (gdn_wy_prep, gdn_wy_scan, gdn_wy_out). state: None or fp32
-        [B, hv, dk, dv], read at each sequence's start and overwritten in place with its final state."""
+        """The WY-form kernels of the plan's row of the precision table (gdn_wy_prep, gdn_wy_scan, gdn_wy_out), per
+        group of chunks. state: None or fp32 [B, hv, dk, dv], read at each sequence's start and overwritten in
+        place with its final state."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = v.shape[1], v.shape[2]
@@ -77,53 +76,16 @@ class DeltaRuleOps:
             return out
         if st is None:
             st = cp.empty((nb, hv, dk, dv), dtype=cp.float32)
-        rule = self.gdn_kernels()
-        run = self._gdn_wy if rule.wy else self._gdn_folded
-        run(rule.module, q, k, v, vs, g, beta, np.array(chunks, dtype=np.int32), np.array(seq_of), st,
-            state is None, out)
+        self._gdn_wy(self.gdn_kernels().module, q, k, v, vs, g, beta, np.array(chunks, dtype=np.int32),
+                     np.array(seq_of), st, state is None, out)
         if state is not None and st is not state:
             state[...] = st
         return out
 
-    def _gdn_folded(self, module, q, k, v, vs, g, beta, chunks_np, seq_of, st, fresh, out):
-        """The folded form (cuda/gated_delta.cu): gdn_prep, gdn_scan, gdn_out per group of chunks. chunks_np
-        [n, 4] int32 (start, length, 0, 0), seq_of [n] the sequence of each chunk, st the fp32 states (read where
-        a sequence starts unless ``fresh``, written at its end), out [T, hv, dv]."""
-        cp = self.cp
-        T, hk, dk = k.shape
-        hv, dv = out.shape[1], out.shape[2]
-        C = GDN_CHUNK
-        LK, LX = dk + 8, max(dk, dv) + 8
-        prep_smem = 4 * C * LK + max(4 * C * LX, 4 * C * (C + 4)) + 4 * C * (C + 8) + 8192 + 4 * C * 4
-        bv = self._gdn_bv(hv, dv, len(np.unique(seq_of)))
-        scan_smem = 4 * dk * (dk + 8) + 4 * dk * (bv + 8) + 8192
-        out_smem = 4 * C * (dk + 8) + 4 * dk * 72 + 8192
-        sfx = "_d128" if dk == dv == 128 else ""          # the model's size, with its index arithmetic folded
-        prep = self.kernel(module, "gdn_prep" + sfx, prep_smem)
-        scan = self.kernel(module, "gdn_scan" + sfx, scan_smem)
-        outk = self.kernel(module, "gdn_out" + sfx, out_smem)
-        # workspace per (chunk, value head): N fp32, M' / Q' / entering state as fp16 hi + lo (224 KB at 128 x 128)
-        per = hv * (4 * dk * dv + 4 * dk * dk + 4 * C * dk + 4 * dk * dv)
-        ncap = self._gdn_group(len(chunks_np), per)
-        Nw = cp.empty((ncap, hv, dk, dv), dtype=cp.float32)
-        Mw = cp.empty((ncap, hv, 2, dk, dk), dtype=cp.float16)
-        Qw = cp.empty((ncap, hv, 2, C, dk), dtype=cp.float16)
-        Hw = cp.empty((ncap, hv, 2, dk, dv), dtype=cp.float16)
-        i32 = np.int32
-        for c0 in range(0, len(chunks_np), ncap):
-            c1 = min(c0 + ncap, len(chunks_np))
-            ch = self._upload(chunks_np[c0:c1])
-            prep((c1 - c0, hv), (256,), (q, k, v, np.int64(vs), g, beta, ch, i32(hk), i32(hv), i32(dk), i32(dv), out,
-                                         Nw, Mw, Qw), shared_mem=prep_smem)
-            seqs = self._gdn_seqs(seq_of, c0, c1, fresh)
-            scan((hv, dv // bv, len(seqs)), (256,), (self._upload(seqs), i32(hv), i32(dk), i32(dv), i32(bv), Nw, Mw,
-                                                     st, Hw), shared_mem=scan_smem)
-            outk((c1 - c0, hv, -(-dv // 64)), (256,), (ch, i32(hv), i32(dk), i32(dv), Qw, Hw, out),
-                 shared_mem=out_smem)
-
     def _gdn_wy(self, module, q, k, v, vs, g, beta, chunks_np, seq_of, st, fresh, out):
-        """The WY form (cuda/gated_delta_wy.cu): gdn_wy_prep, gdn_wy_scan, gdn_wy_out per group of chunks;
-        arguments as _gdn_folded's."""
+        """gdn_wy_prep, gdn_wy_scan, gdn_wy_out per group of chunks. chunks_np [n, 4] int32 (start, length, 0, 0),
+        seq_of [n] the sequence of each chunk, st the fp32 states (read where a sequence starts unless ``fresh``,
+        written at its end), out [T, hv, dv]."""
         cp = self.cp
         T, hk, dk = k.shape
         hv, dv = out.shape[1], out.shape[2]
@@ -161,7 +123,7 @@ class DeltaRuleOps:
 
     def _gdn_group(self, n: int, per: int) -> int:
         """Chunks per launch group: gdn_block_chunks, and at most 256 MiB of workspace at ``per`` bytes a chunk
-        (36 chunks at 32 heads of 128 in the folded form); groups of equal size (64 chunks: 32 + 32, not 36 + 28),
+        (128 chunks at 32 heads of 128); groups of equal size (64 chunks: 32 + 32, not 36 + 28),
         so that the per-chunk grids end in fewer part-full waves."""
         ncap = max(1, min(self.gdn_block_chunks, n, (256 << 20) // per))
         return -(-n // -(-n // ncap))
@@ -179,10 +141,10 @@ class DeltaRuleOps:
         return np.array(seqs, dtype=np.int32)
 
     def gdn_kernels(self) -> DeltaRule:
-        """The delta rule's kernels this backend runs now: its plan's row under its kernel switches."""
-        return self.plan.row.delta_rule_under(self.switches)
+        """The delta rule's kernels this backend runs now: its plan's row's."""
+        return self.plan.row.delta_rule
 
     def _gdn_bv(self, hv, dv, nseq):
-        """State columns per gdn_scan block (one block per SM: its latency, not its work, sets the time):
-        32 (two tiles per warp share the M' fragments), or 16 when twice the blocks still fit on the SMs."""
+        """State columns per gdn_wy_scan block (one block per SM: its latency, not its work, sets the time):
+        32, or 16 when twice the blocks still fit on the SMs."""
         return 32 if dv % 32 == 0 and 2 * hv * (dv // 32) * nseq > self.sm_count else 16

@@ -1,12 +1,11 @@
 """The joint schema head's ops on the GPU: GELU, grouped multi-head attention over the head's few rows (fp32),
 span means, normalisation and the per-question softmax. A mixin of ``CudaOps``.
 
-Under the head_graph kernel switch (``CudaOps.head_graphs`` is then a cache, not None; model/head.py replays the
-head from it) two ops take kernels a CUDA graph capture accepts: the attention's fp32 products call cuBLAS through
-clefcore's ctypes entry (cublas.py; CuPy's own binding refuses a capture) with CuPy's very arguments, and the
-per-question softmax sum runs one kernel that adds each question's options in row order, where CuPy's scatter adds
-them with atomics in whatever order the GPU schedules them (for three options and more, rounding that moves from
-run to run, which no replay could be checked against bit for bit)."""
+model/head.py replays the head as a CUDA graph (``CudaOps.head_graphs``), so two ops take kernels a capture accepts:
+the attention's fp32 products call cuBLAS through clefcore's ctypes entry (cublas.py; CuPy's own binding refuses a
+capture) with CuPy's matmul's very arguments, and the per-question softmax sum runs one kernel that adds each
+question's options in row order (a scatter with atomics adds them in whatever order the GPU schedules them: for
+three options and more, rounding that moves from run to run, and answers that would not be the same bits twice)."""
 
 from __future__ import annotations
 
@@ -61,14 +60,12 @@ class HeadOps:
         return self.linear(o.transpose(1, 0, 2).reshape(-1, W), out_w, out_b)
 
     def _bmm(self, a, b):
-        """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul (cuBLAS;
-        under head_graph the same cuBLAS call made through ctypes), or where cuBLAS cannot be loaded a reduction
-        over broadcast views (nothing [h, n, m, k] is materialised)."""
+        """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul's cuBLAS
+        call made through ctypes, or where cuBLAS cannot be loaded a reduction over broadcast views (nothing
+        [h, n, m, k] is materialised)."""
         cp = self.cp
         if self.cublas_missing is not None:
             return rowdot_k()(a[:, :, None, :], b.transpose(0, 2, 1)[:, None, :, :], axis=3)
-        if self.head_graphs is None:
-            return cp.matmul(a, b)
         # what CuPy's matmul does with these operands: C-contiguous copies where they are views, a fresh output
         a, b = cp.ascontiguousarray(a, dtype=cp.float32), cp.ascontiguousarray(b, dtype=cp.float32)
         h, n, k = a.shape
@@ -98,16 +95,6 @@ class HeadOps:
         scores = self._f32(scores)
         values = self._f32(values)
         own = self.asarray(owner)
-        if self.head_graphs is not None:
-            out = cp.empty((n_groups, values.shape[1]), dtype=cp.float32)
-            return segment_softmax_sum_k()(self._c(scores), self._c(values).reshape(-1),
-                                           own.astype(cp.int64, copy=False), np.int64(scores.shape[0]),
-                                           np.int64(values.shape[1]), out)
-        m = cp.full(n_groups, -np.inf, dtype=cp.float32)
-        cp.maximum.at(m, own, scores)
-        e = cp.exp(scores - m[own])
-        den = cp.zeros(n_groups, dtype=cp.float32)
-        cp.add.at(den, own, e)
-        out = cp.zeros((n_groups, values.shape[1]), dtype=cp.float32)
-        cp.add.at(out, own, (e / den[own])[:, None] * values)
-        return out
+        out = cp.empty((n_groups, values.shape[1]), dtype=cp.float32)
+        return segment_softmax_sum_k()(self._c(scores), self._c(values).reshape(-1), own.astype(cp.int64, copy=False),
+                                       np.int64(scores.shape[0]), np.int64(values.shape[1]), out)

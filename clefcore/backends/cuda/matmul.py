@@ -27,7 +27,7 @@ MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
 # cuBLAS from 512 rows up; docs/bench/2026-12-05-h100-wgmma-gemm/). Dynamic shared memory = 4 stages x
 # (A + W tile rows) x 128-byte rows, + 1024 to align the swizzle atoms.
 WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
-# Each tile's twin for the MLP under the fused_elementwise switch: the gate and up projections as one GEMM over
+# Each tile's twin for the fast plan's MLP (Row.fused_elementwise): the gate and up projections as one GEMM over
 # their rows paired 8 by 8 (cuda/gemm_swiglu.cuh), SwiGLU in its epilogue, fp16 out; same tile, shared memory
 # and launch as the plain kernel.
 MMA_SWIGLU = {"gemm_mma_f16a_big": "gemm_mma_swiglu_big", "gemm_mma_f16a": "gemm_mma_swiglu",
@@ -54,9 +54,9 @@ def swiglu_paired_rows(N: int) -> int:
 
 class MatmulOps:
     def _fused(self) -> bool:
-        """Producers write the next GEMM's fp16 operand (the fused_elementwise switch, where the plan's row allows
-        it: clefcore/precision.py ``Row.fused_elementwise_under``). Every fused path asks here."""
-        return self.plan.row.fused_elementwise_under(self.switches)
+        """Producers write the next GEMM's fp16 operand (where the plan's row says so: clefcore/precision.py
+        ``Row.fused_elementwise``). Every fused path asks here."""
+        return self.plan.row.fused_elementwise
 
     def _operand_dtype(self, rows: int):
         """The dtype an op asked for a GEMM's activation (``gemm_input``) writes it in, for a GEMM of ``rows``
@@ -319,8 +319,8 @@ class MatmulOps:
         already hands it blocks of ``token_block`` rows; direct callers get the same bound). The routes of a
         block, chosen by autotune: wmma (SwiGLU fused into the gate/up GEMM's epilogue, then the down GEMM),
         cuBLAS(Lt) for all three GEMMs (split8: the SwiGLU pass also yields the down GEMM's fp8 scale), and on the
-        fp16 row of sm_80+ the mma route (gate and up GEMMs and a SwiGLU pass; one gate/up kernel with SwiGLU in its
-        epilogue under fused_elementwise). x may be fp16 (its producer rounded it: ``_operand_dtype``); the split
+        fp16 row of sm_80+ the mma route (one gate/up kernel with SwiGLU in its epilogue, fp16 out, then the down
+        GEMM). x may be fp16 (its producer rounded it: ``_operand_dtype``); the split
         kernels take it widened back to fp32 (exactly)."""
         cp = self.cp
         split = self.plan.row.gemm.split
@@ -328,7 +328,6 @@ class MatmulOps:
         T, H = x.shape
         I = w_gate.shape[0]
         out = cp.empty((T, w_down.shape[0]), dtype=cp.float32)
-        fused = self._fused()
         step = self.token_block if self.token_block > 0 else max(T, 1)
         for t0 in range(0, T, step):
             xb = x[t0:t0 + step]
@@ -379,19 +378,8 @@ class MatmulOps:
                 else:
                     self._split_gemm(self._split(gb), w_down, ob)
 
-            def run_m():                              # gate and up on the mma route, SwiGLU in one pass, down
-                a16 = self._half(xb)
-                if fused:                             # gate, up and SwiGLU in one kernel: the same bits
-                    hb = self._mma_swiglu(a16, w_gate, w_up, cp.empty((M, I), dtype=cp.float16))
-                    del a16
-                else:
-                    gb = self._mma(a16, w_gate, cp.empty((M, I), dtype=cp.float32))
-                    ub = self._mma(a16, w_up, cp.empty((M, I), dtype=cp.float32))
-                    del a16
-                    hb = cp.empty((M, I), dtype=cp.float16)
-                    self.kernel("gemm.cu", "swiglu_half")(self._grid1(gb.size), (ELEM_THREADS,),
-                                                          (gb, ub, hb, np.int64(gb.size)))
-                    del gb, ub
+            def run_m():                              # gate, up and SwiGLU in one mma kernel, then down
+                hb = self._mma_swiglu(self._half(xb), w_gate, w_up, cp.empty((M, I), dtype=cp.float16))
                 self._gemm(hb, w_down, ob)            # its own autotune
 
             routes = {"wmma": run_w, "cublas": run_c}

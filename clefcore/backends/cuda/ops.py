@@ -35,8 +35,8 @@ from .vision import VisionOps
 
 log = logging.getLogger("clefcore.cuda")
 
-# head_graph: the joint-head graphs kept, one per question schema and bucket of the stream's length (a graph's pool
-# at 1,024 tokens: a few tens of MB, its inputs' copies and the head's activations)
+# the joint-head graphs kept, one per question schema and bucket of the stream's length (a graph's pool at 1,024
+# tokens: a few tens of MB, its inputs' copies and the head's activations)
 HEAD_GRAPHS = 8
 
 
@@ -106,7 +106,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
     token_block: int
     graphs: GraphCache
     tower_graphs: GraphCache
-    head_graphs: GraphCache | None
+    head_graphs: GraphCache
 
     def __init__(self, device_id: int = 0, max_tokens: int = 32768, gemm: str = gpu_settings.GEMM_DEFAULT,
                  tables: str = "host", ptx70: bool = False, token_block: int = gpu_settings.TOKEN_BLOCK,
@@ -180,9 +180,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         # the vision tower's graphs (fast mode, per set of image sizes) in a cache of their own, so that the image
         # sizes a service sees never evict the short prompts' graphs
         self.tower_graphs = GraphCache(self, graph_tokens, 2)
-        # the joint head's graphs, one per question schema and bucket (model/head.py), where the head_graph switch is
-        # on: the one place that reads it (None: the head's launches run from Python, on today's kernels)
-        self.head_graphs = GraphCache(self, graph_tokens, HEAD_GRAPHS) if "head_graph" in self.switches else None
+        # the joint head's graphs, one per question schema and bucket of the stream's length (model/head.py)
+        self.head_graphs = GraphCache(self, graph_tokens, HEAD_GRAPHS)
 
     # ------------------------------------------------------------------------------------------ plumbing
     def kernel(self, module: str, name: str, smem: int = 0):

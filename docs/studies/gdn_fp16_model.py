@@ -1,9 +1,8 @@
-"""The error model of the one-pass delta rule (cuda/gated_delta_fast.cu, the gdn_one_pass switch): the chunked rule in the kernels'
-folded form (S' = S + N + M' S, O = O' + Q' S; cuda/gated_delta.cu's header), in numpy, rounding each tensor-core
-product's two operands to fp16 once where the kernels do, and nowhere else (the solve, the state and every sum
-stay fp32). Its distance from the fp32 reference is the size of error the kernels' rounding points produce on
-these very inputs, so the GPU tests bound the kernels by a multiple of it instead of by a constant read off one
-draw.
+"""The error model of a one-pass delta rule in the folded form (S' = S + N + M' S, O = O' + Q' S), the form the
+GPU ran before the WY form replaced it: in numpy, rounding each tensor-core product's two operands to fp16 once,
+and nowhere else (the solve, the state and every sum stay fp32). Kept for gdn_wy_precision.py, which measures the
+WY form's candidates against it: the folded one-pass rule took fast's worst golden error from 6.4e-3 to 9.0e-3
+on the H100 (docs/bench/2026-12-06-h100-fast-delta-rule-margin/).
 
 Why the recurrence dominates the state's error: M' = (gamma - 1) I - Kd^T W is close to -I where the chunk decays
 strongly, so S + M' S cancels S almost entirely, and the fp16 rounding of S inside M' S (2^-11 of S) survives

@@ -21,19 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 
+import golden_runs   # docs/studies, beside this file
 from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
-from clefcore.checkpoint import Checkpoint
-from clefcore.model.backbone import backbone
-from clefcore.model.head import heads
-from clefcore.model.params import load_params
 
-GOLD = Path(__file__).resolve().parents[2] / "tests" / "golden"
 FAMILIES = ("attn_proj", "gdn_qk", "gdn_v", "gdn_z", "gdn_ab", "gdn_out", "mlp_in", "mlp_down", "head", "attention")
 
 
@@ -77,12 +72,12 @@ class Emulated(CpuOps):
         mid = cpu.silu(x @ w_gate.T) * (x @ w_up.T)
         return (h(mid) if "mlp_down" in self.rounded else mid) @ w_down.T
 
-    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
         if "head" not in self.rounded:
-            return cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups)
+            return cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups, group_ids)
         # the projections' inputs rounded; the out-projection's input rounded as well (its own GEMM)
         o = cpu.mha(h(xq), h(xkv), in_w, in_b, np.eye(out_w.shape[1], dtype=np.float32),
-                    np.zeros(out_w.shape[1], np.float32), heads, groups)
+                    np.zeros(out_w.shape[1], np.float32), heads, groups, group_ids)
         return cpu.linear(h(o), out_w, out_b)
 
     def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
@@ -91,37 +86,15 @@ class Emulated(CpuOps):
         return cpu.attention(h(q), h(k), h(v), cu_seqlens, scale, q_offset)   # P stays fp32 here (see below)
 
 
-def _names(params) -> dict[int, str]:
-    out = {}
-    for i, layer in enumerate(params.layers):
-        for k, v in (layer.items() if isinstance(layer, dict) else vars(layer).items()):
-            out[id(v)] = f"layers.{i}.{k}"
-    return out
-
-
-def errors(rounded: set[str], records) -> tuple[float, float]:
+def errors(rounded: set[str]) -> tuple[float, float]:
     """(worst, mean) |dp| over every option of every golden question."""
     names: dict[int, str] = {}
     ops = Emulated(rounded, names)
-    ck = Checkpoint(GOLD / "model")
-    params = load_params(ck, ops)
-    names.update(_names(params))
-    t = ck.text
+    m = golden_runs.load(golden_runs.SETS["text"], ops)
+    names.update(golden_runs.weight_names(m.params))
+    t = m.checkpoint.text
     ops.gdn_cols = (2 * t.lin_k_heads * t.lin_k_dim, t.conv_dim, t.lin_v_heads * t.lin_v_dim)
-    diffs = []
-    for rec in records:
-        ids = np.array(rec["input_ids"], np.int64)
-        L = len(ids)
-        hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
-        qs = [types.SimpleNamespace(question_span=tuple(q["question_span"]),
-                                    option_spans=[tuple(s) for s in q["option_spans"]], type_index=q["type_index"])
-              for q in rec["questions"]]
-        logits = heads(ops, params, hs, ids, np.array([0, L]), [qs])[0]
-        for q, z in zip(rec["questions"], logits):
-            z = np.asarray(z, np.float64)
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            diffs.extend(np.abs(p - np.array(q["probabilities"])))
+    diffs = np.concatenate(golden_runs.abs_dp(m))
     return float(np.max(diffs)), float(np.mean(diffs))
 
 
@@ -129,18 +102,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args()
-    records = [json.loads(line) for line in (GOLD / "expected.jsonl").read_text().splitlines() if line.strip()]
-    records = [r for r in records if "input_ids" in r]
     gemms = set(FAMILIES) - {"attention"}
-    out = {"none": errors(set(), records), "fast (every GEMM family)": errors(gemms, records),
-           "fast + attention": errors(set(FAMILIES), records)}
+    out = {"none": errors(set()), "fast (every GEMM family)": errors(gemms),
+           "fast + attention": errors(set(FAMILIES))}
     for f in FAMILIES:
-        out[f"only {f}"] = errors({f}, records)
+        out[f"only {f}"] = errors({f})
     for f in sorted(gemms):
-        out[f"fast without {f}"] = errors(gemms - {f}, records)
+        out[f"fast without {f}"] = errors(gemms - {f})
     conv_in = {"gdn_qk", "gdn_v"}    # every column that feeds the conv
-    out["only gdn_qk, gdn_v"] = errors(conv_in, records)
-    out["fast without gdn_qk, gdn_v"] = errors(gemms - conv_in, records)
+    out["only gdn_qk, gdn_v"] = errors(conv_in)
+    out["fast without gdn_qk, gdn_v"] = errors(gemms - conv_in)
     print(f"{'rounded to fp16':32s} {'worst |dp|':>10s} {'mean |dp|':>10s}")
     for k, (worst, mean) in out.items():
         print(f"{k:32s} {worst:10.3e} {mean:10.3e}")

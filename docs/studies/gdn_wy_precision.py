@@ -44,7 +44,6 @@ import json
 import math
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +53,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gdn_fp16_model as folded  # noqa: E402
 import gdn_wy_model as wy  # noqa: E402
+import golden_runs  # noqa: E402  (docs/studies, beside this file)
 
 from clefcore.backends import cpu  # noqa: E402
 
@@ -202,43 +202,33 @@ class FastEmulation(cpu.CpuOps):
             out[a - q_offset:e - q_offset] = ((_h(p) @ vv) / p.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
         return out
 
-    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None):
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
         if not self.fast:
-            return cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups)
+            return cpu.mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups, group_ids)
         # the head's projections are GEMMs (activation rounded); its scores and mix are fp32 (CudaOps.mha)
         W = xq.shape[-1]
         o = cpu.mha(_h(xq), _h(xkv), in_w, in_b, np.eye(W, dtype=np.float32), np.zeros(W, np.float32), heads,
-                    groups)
+                    groups, group_ids)
         return self.linear(o, out_w, out_b)
+
+    # the vision tower (requests with images; fp8_gemm.py runs the image set): CudaOps.vision_mlp's GELU pass
+    # writes fc2's operand in fp16, every projection takes its operand in fp16; the tower's attention itself stays
+    # fp32 here (the kernels read q, K, V in fp16: not emulated, no study here varies the tower)
+    def vision_mlp(self, x, w1, b1, w2, b2):
+        return self.linear(cpu.gelu_tanh(self.linear(x, w1, b1)), w2, b2)
+
+    def vision_attention(self, x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens):
+        W = x.shape[-1]
+        o = cpu.vision_attention(_h(x) if self.fast else x, qkv_w, qkv_b, np.eye(W, dtype=np.float32),
+                                 np.zeros(W, np.float32), heads, cos, sin, cu_seqlens)
+        return self.linear(o, proj_w, proj_b)
 
 
 def part2(seeds: int) -> dict:
-    from clefcore.checkpoint import Checkpoint
-    from clefcore.model.backbone import backbone
-    from clefcore.model.head import heads
-    from clefcore.model.params import load_params
-
-    gold = ROOT / "tests" / "golden"
-    records = [json.loads(line) for line in (gold / "expected.jsonl").read_text().splitlines() if line.strip()]
-    records = [r for r in records if "input_ids" in r]
-    ck = Checkpoint(gold / "model")
-
     def errors(ops):
-        """Every question's max |dp| over its options, for the golden requests one by one."""
-        params = load_params(ck, ops)
-        dps = []
-        for rec in records:
-            ids = np.array(rec["input_ids"], np.int64)
-            L = len(ids)
-            hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
-            qs = [types.SimpleNamespace(question_span=tuple(q["question_span"]),
-                                        option_spans=[tuple(s) for s in q["option_spans"]], type_index=q["type_index"])
-                  for q in rec["questions"]]
-            for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [qs])[0]):
-                z = np.asarray(z, np.float64)
-                p = np.exp(z - z.max())
-                dps.append(float(np.max(np.abs(p / p.sum() - np.array(q["probabilities"])))))
-        return np.array(dps)
+        """Every question's max |dp| over its options, for the golden text requests one by one."""
+        dps = golden_runs.abs_dp(golden_runs.load(golden_runs.SETS["text"], ops))
+        return np.array([float(d.max()) for d in dps])
 
     out = {"seeds": seeds, "fast": {}, "exact": {}}
     for mode, names in (("fast", GOLDEN_FAST), ("exact", GOLDEN_EXACT)):

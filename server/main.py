@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 
 from aiohttp import web
 
+from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig, device_list
 
 from .codings import DECODED
@@ -57,8 +59,15 @@ async def _serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            auto_decompress=False)
     await runner.setup()
-    server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
-                          head_timeout_s=args.header_timeout)
+    try:
+        server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
+                              head_timeout_s=args.header_timeout)
+    except OSError as error:
+        await runner.cleanup()
+        if error.errno == errno.EADDRINUSE:
+            raise ClefError(f"port {args.port} on {args.host} is already in use: stop what listens there, or "
+                            "choose another with --port") from error
+        raise ClefError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from error
     port = server.sockets[0].getsockname()[1]  # the real port when --port 0
     log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,
         content_encodings=list(DECODED))

@@ -75,3 +75,12 @@ def test_the_check_can_fail(formatter, monkeypatch):
     wrong = [entry.split()[0] for entry in unstated(parser)]
     assert wrong == (["--rate", "--port", "--host", "--limit"] if formatter is argparse.HelpFormatter
                      else ["--rate", "--limit"])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_defaults_are_shown_as_written_on_the_command_line(command):
+    """A default the help prints is a plain value a user could type, not a Python object's repr."""
+    parser = subparsers(cli.build_parser())[command]
+    shown = {a.dest: a.default for a in parser._actions
+             if a.option_strings and a.nargs != 0 and a.default not in (None, argparse.SUPPRESS)}
+    assert {dest: value for dest, value in shown.items() if not isinstance(value, (str, int, float))} == {}

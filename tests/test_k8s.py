@@ -253,6 +253,13 @@ def test_pod_fits_worker_1(variant):
     assert {p["containerPort"] for p in container["ports"]} == {PORT}
 
 
+def startup_budget_s() -> int:
+    """How long the Deployment's startup probe lets a first load take before the kubelet restarts it."""
+    (container,) = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    probe = container["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
 @pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_probes_budget_a_first_load(variant):
     (spec, _) = next((s, m) for v, s, m in pods() if v == variant)

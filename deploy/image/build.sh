@@ -20,7 +20,7 @@
 #                         build.log
 #   CLEFCORE_IMAGE_CUBLAS 1 (default): the full image, GEMMs through cuBLAS as in the benchmarks; 0: the lean
 #                         image (~1.1 GB smaller unpacked, every layer under the limit, clefcore's own GEMM
-#                         kernels: 3.4x-4.1x slower on the H200, README "The serving image")
+#                         kernels: 1.14x-1.27x the full image's time on the H100, docs/benchmarks.md)
 #   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml, plus -lean for the lean image)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)

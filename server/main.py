@@ -77,12 +77,12 @@ async def _serve(args: argparse.Namespace) -> int:
     loader = asyncio.ensure_future(service.start())
     stop = asyncio.ensure_future(lifecycle.stop_requested.wait())
     await asyncio.wait({loader, stop}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
+    code, failed = 0, None
     if not loader.done():  # SIGTERM while loading: nothing was accepted, leave at once
         loader.cancel()
         await service.drain(args.shutdown_timeout)
     elif loader.exception() is not None:   # logged by start(); the process exits non-zero and is restarted
-        code = 1
+        code, failed = 1, loader.exception()
     else:
         await stop
         # after a lost device process nothing queued can be answered: drain only answers it with timeouts
@@ -92,4 +92,6 @@ async def _serve(args: argparse.Namespace) -> int:
     await runner.cleanup()
     await service.stop()
     log("exit", code=code)
+    if isinstance(failed, ClefError):      # a model that cannot load: the user's line on stderr too (cli.main)
+        raise failed
     return code

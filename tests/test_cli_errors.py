@@ -4,6 +4,7 @@ tests/test_download.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -48,6 +49,16 @@ def test_a_directory_given_as_the_request_file(tmp_path):
 def test_a_wrong_model_path(tmp_path):
     line = one_line(clefcore_cli("demo", "--model", str(tmp_path / "clef-flash")))
     assert line.startswith(f"clefcore demo: {tmp_path / 'clef-flash'}: model directory not found")
+
+
+def test_serving_a_wrong_model_path(tmp_path):
+    """serve listens at once and loads meanwhile: its JSON log (stderr) says load_failed, and its last line is
+    the user's, in words."""
+    done = clefcore_cli("serve", "--model", str(tmp_path / "clef-flash"), "--port", "0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and done.stdout == ""
+    *log, last = done.stderr.splitlines()
+    assert last == f"clefcore serve: {tmp_path / 'clef-flash'}: model directory not found (nor is it a Hub id, owner/name)"
+    assert [json.loads(line)["event"] for line in log] == ["listening", "load_failed", "exit"]
 
 
 def test_debug_keeps_the_traceback(tmp_path):

@@ -43,7 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
 KSERVE = K8S / "components" / "kserve"
-OVERLAYS = {"deployment": K8S / "overlays" / "homelab", "kserve": K8S / "overlays" / "homelab-kserve"}
+OVERLAYS = {"deployment": K8S / "overlays" / "homelab", "kserve": K8S / "overlays" / "homelab-kserve",
+            "alerts": K8S / "overlays" / "homelab-alerts"}
+VARIANTS = ("deployment", "kserve")
 CLUSTER = OVERLAYS["deployment"] / "cluster" / "kustomization.yaml"     # the homelab's facts, the image's pin
 TODAY = Path(__file__).resolve().parent / "k8s" / "homelab-2b7717a.yaml"
 ALERTS = K8S.parent / "monitoring" / "alerts.yaml"
@@ -90,8 +92,8 @@ def rendered(variant: str) -> tuple[dict, ...]:
 
 
 def objects() -> dict[tuple[str, str], dict]:
-    """(kind, name) -> the object, from both homelab overlays (the Service, NetworkPolicy and PrometheusRule they
-    share are the same in both: test_the_overlays_share_all_but_the_pod)."""
+    """(kind, name) -> the object, from the homelab's overlays (the Service and NetworkPolicy both variants
+    render are the same in both: test_the_overlays_share_all_but_the_pod)."""
     return {(d["kind"], d["metadata"]["name"]): d for variant in OVERLAYS for d in rendered(variant)}
 
 
@@ -145,9 +147,9 @@ def test_kustomize_is_installed():
 
 def test_every_overlay_renders_its_variant_namespaced():
     found = {variant: sorted(d["kind"] for d in rendered(variant)) for variant in OVERLAYS}
-    shared = ["NetworkPolicy", "PrometheusRule", "Service"]
-    assert found == {"deployment": sorted(shared + ["Deployment"]),
-                     "kserve": sorted(shared + ["InferenceService"])}, found
+    shared = ["NetworkPolicy", "Service"]
+    assert found == {"deployment": sorted(shared + ["Deployment"]), "kserve": sorted(shared + ["InferenceService"]),
+                     "alerts": ["PrometheusRule"]}, found
     for variant in OVERLAYS:
         for resource in rendered(variant):
             assert resource["metadata"]["namespace"] == NAMESPACE
@@ -156,7 +158,7 @@ def test_every_overlay_renders_its_variant_namespaced():
 def test_the_overlays_share_all_but_the_pod():
     pods = {"Deployment", "InferenceService"}
     deployment, kserve = ({(d["kind"], d["metadata"]["name"]): d for d in rendered(v) if d["kind"] not in pods}
-                          for v in OVERLAYS)
+                          for v in VARIANTS)
     assert deployment == kserve
 
 
@@ -190,8 +192,8 @@ def pin_copy(tmp_path: Path, digest: str) -> Path:
 def test_a_pinned_digest_is_the_image_both_variants_run(tmp_path):
     digest = "sha256:" + "0123456789abcdef" * 4
     k8s = pin_copy(tmp_path, digest)
-    for variant, overlay in OVERLAYS.items():
-        pinned = kustomize(k8s / overlay.relative_to(K8S))
+    for variant in VARIANTS:
+        pinned = kustomize(k8s / OVERLAYS[variant].relative_to(K8S))
         images = [c["image"] for d in pinned if d["kind"] in ("Deployment", "InferenceService")
                   for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
                             else d["spec"]["predictor"])["containers"]]

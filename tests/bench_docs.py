@@ -167,13 +167,12 @@ def _a_ratio_beside(figure: Figure, others: list[Figure]) -> bool:
     return False
 
 
-def unbacked(text: str, settings: dict[str, str] | None = None) -> list[Figure]:
+def unbacked(text: str) -> list[Figure]:
     """The figures of a README or docs/ page that no JSON cited beside them holds: neither in its paragraph's
     (or, for a table, the paragraph before's) cited records, nor, for an "x", the ratio of two figures on its
-    line. ``settings``: snippets of lines whose figures are settings, limits or contracts, not measurements."""
+    line."""
     cited = citations_by_line(text)
     found = figures(text, e_notation_in_tables_only=True)
-    lines = text.splitlines()
     by_line: dict[int, list[Figure]] = {}
     for f in found:
         by_line.setdefault(f.line, []).append(f)
@@ -182,8 +181,6 @@ def unbacked(text: str, settings: dict[str, str] | None = None) -> list[Figure]:
         if any(_in_json(f, path) for path in cited.get(f.line, [])):
             continue
         if f.unit == "x" and _a_ratio_beside(f, by_line[f.line]):
-            continue
-        if any(snippet in lines[f.line - 1] for snippet in (settings or {})):
             continue
         out.append(f)
     return out

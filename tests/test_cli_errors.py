@@ -57,7 +57,8 @@ def test_serving_a_wrong_model_path(tmp_path):
     done = clefcore_cli("serve", "--model", str(tmp_path / "clef-flash"), "--port", "0")
     assert done.returncode == 1 and "Traceback" not in done.stderr and done.stdout == ""
     *log, last = done.stderr.splitlines()
-    assert last == f"clefcore serve: {tmp_path / 'clef-flash'}: model directory not found (nor is it a Hub id, owner/name)"
+    assert last == (f"clefcore serve: {tmp_path / 'clef-flash'}: model directory not found "
+                    "(nor is it a Hub id, owner/name)")
     assert [json.loads(line)["event"] for line in log] == ["listening", "load_failed", "exit"]
 
 

@@ -1,4 +1,8 @@
-"""``clefcore`` command line: decide, demo, synth, verify, bench, serve, loadtest, download."""
+"""The ``clefcore`` command: decide, demo, synth, verify, bench, serve, loadtest, download.
+
+A user's mistake (a missing file, a busy port, a wrong model path, no network) ends the command with one line on
+stderr and exit status 1; ``clefcore --debug COMMAND`` shows the traceback too.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import answers
+from . import __version__, answers
 from .engine import load
 from .errors import ClefError, RequestError
 from .example_request import support_ticket
@@ -89,8 +93,15 @@ def _delegate(module: str):
     return run
 
 
+DESCRIPTION = ("Answers System One requests (Cloudflare's Clef-flash) on an NVIDIA GPU or the CPU: one request from "
+               "a file, or many over HTTP. 'clefcore COMMAND --help' lists a command's options.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clefcore", description=__doc__)
+    parser = argparse.ArgumentParser(prog="clefcore", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"clefcore {__version__}")
+    parser.add_argument("--debug", action="store_true", dest="traceback",
+                        help="on an error, print its traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("decide", help="answer one System One request (a JSON file, or - for stdin)",
@@ -149,9 +160,23 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ClefError as e:
-        _print(e.to_json())
+    except (ClefError, OSError) as error:   # what the user can fix: a path, a port, the network, a model
+        if args.traceback:
+            raise
+        sys.stderr.write(f"clefcore {args.command}: {_one_line(error)}\n")
         return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ClefError):
+        text = error.message
+    elif error.filename is not None:        # an OSError about a file: which file, and what is wrong with it
+        text = f"{error.filename}: {error.strerror}"
+    else:
+        text = error.strerror or str(error)
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

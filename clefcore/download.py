@@ -37,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ClefError("clefcore download needs huggingface_hub: pip install 'clefcore[hub]'") from None
     try:
+        _reach(httpx2, args)
         path, commit = _fetch(huggingface_hub, args)
         checked = _check(huggingface_hub.HfApi(), args, path, commit)
     except (OSError, ValueError, httpx2.TransportError) as error:   # the Hub's answers, the network, the disk
-        raise ClefError(f"clefcore download {args.repo_id}: {type(error).__name__}: {error}") from None
+        raise ClefError(f"{args.repo_id}: {type(error).__name__}: {error}") from None
     missing = missing_files(path)
     if missing:
         raise CheckpointError(f"{args.repo_id} at commit {commit} has no {', '.join(missing)}: not a clefcore "
@@ -50,6 +51,23 @@ def run(args: argparse.Namespace) -> int:
                      f"hashes; load it with --model {model}\n")
     print(path)
     return 0
+
+
+REACH_TIMEOUT_S = 3.0   # for each of connecting and the answer; one of them at most takes long
+
+
+def _reach(httpx2, args: argparse.Namespace) -> None:
+    """One request to the Hub, not retried, before the transfer. huggingface_hub retries a Hub it cannot reach for
+    about 23 s (and falls back on files already cached); without a network the user hears so at once instead.
+    Any answer, 401 and 404 included, means the Hub is there: the transfer reports those itself."""
+    from huggingface_hub.constants import ENDPOINT
+    from huggingface_hub.utils import get_session
+    url = f"{ENDPOINT}/api/models/{args.repo_id}/revision/{args.revision or 'main'}"
+    try:
+        get_session().get(url, timeout=REACH_TIMEOUT_S)
+    except httpx2.TransportError as error:
+        raise ClefError(f"cannot reach the Hugging Face Hub at {ENDPOINT} ({type(error).__name__}: "
+                        f"{error or 'no answer'}): check the network, a proxy (HTTPS_PROXY) or HF_ENDPOINT") from None
 
 
 def _fetch(hf, args: argparse.Namespace) -> tuple[Path, str]:

@@ -430,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=_positive(float), default=None,
                         help="send this many requests per second (open loop) instead of a closed loop "
                              "(default: off, a closed loop)")
-    parser.add_argument("--mix", type=_mix, default=parse_mix(DEFAULT_MIX),
+    parser.add_argument("--mix", type=_mix, default=DEFAULT_MIX,   # argparse parses a string default
                         help="request classes, name:share:prompt_tokens,...")
     parser.add_argument("--sizing", type=_sizing, default=None,
                         help="FIXED:PER_WORD: size states as prompt tokens = FIXED + PER_WORD x words, as an earlier "

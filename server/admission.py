@@ -168,9 +168,12 @@ def retry_after(wait_s: float, budget_s: float, cap_s: float) -> int:
     return max(1, math.ceil(min(over, cap_s))) if not math.isnan(over) else 1
 
 
+SIZE_LABELS = (*(str(bound) for bound in SIZE_CLASSES), "+Inf", "unknown")
+
+
 def size_class(tokens: int | None) -> str:
     """The refusal counter's label for a prompt of ``tokens`` (None: not known, a body refused unread whose
-    size could not be estimated)."""
+    size could not be estimated): one of SIZE_LABELS."""
     if tokens is None:
         return "unknown"
     return next((str(bound) for bound in SIZE_CLASSES if tokens <= bound), "+Inf")

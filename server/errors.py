@@ -35,6 +35,9 @@ CF_UNAUTHORIZED = 10000
 CF_TOO_LARGE = 5021
 CF_CAPACITY = 3040
 CF_INFERENCE_FAILED = 5012
+# The kinds of the 5xx answers below (unavailable, timed_out, inference_failed, internal): the values of
+# clef_request_failures_total's `type` label.
+SERVER_KINDS = ("unavailable_error", "timeout", "device_error", "internal_error")
 
 
 class ApiError(Exception):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 
 from aiohttp import web
 
+from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig, device_list
 
 from .codings import DECODED
@@ -57,8 +59,15 @@ async def _serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            auto_decompress=False)
     await runner.setup()
-    server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
-                          head_timeout_s=args.header_timeout)
+    try:
+        server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
+                              head_timeout_s=args.header_timeout)
+    except OSError as error:
+        await runner.cleanup()
+        if error.errno == errno.EADDRINUSE:
+            raise ClefError(f"port {args.port} on {args.host} is already in use: stop what listens there, or "
+                            "choose another with --port") from error
+        raise ClefError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from error
     port = server.sockets[0].getsockname()[1]  # the real port when --port 0
     log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,
         content_encodings=list(DECODED))
@@ -68,12 +77,12 @@ async def _serve(args: argparse.Namespace) -> int:
     loader = asyncio.ensure_future(service.start())
     stop = asyncio.ensure_future(lifecycle.stop_requested.wait())
     await asyncio.wait({loader, stop}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
+    code, failed = 0, None
     if not loader.done():  # SIGTERM while loading: nothing was accepted, leave at once
         loader.cancel()
         await service.drain(args.shutdown_timeout)
     elif loader.exception() is not None:   # logged by start(); the process exits non-zero and is restarted
-        code = 1
+        code, failed = 1, loader.exception()
     else:
         await stop
         # after a lost device process nothing queued can be answered: drain only answers it with timeouts
@@ -83,4 +92,6 @@ async def _serve(args: argparse.Namespace) -> int:
     await runner.cleanup()
     await service.stop()
     log("exit", code=code)
+    if isinstance(failed, ClefError):      # a model that cannot load: the user's line on stderr too (cli.main)
+        raise failed
     return code

@@ -29,6 +29,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from clefcore.engine import EngineStatus
 
+from . import admission, errors
 from .engine_status import describe
 
 # Latency buckets from 5 ms (a tiny CPU model) to 2 min (a 24k-token prompt queued behind others).
@@ -81,6 +82,7 @@ class Metrics:
                                       buckets=_SECONDS, registry=r)
         self.prefill = Histogram("clef_prefill_seconds", "Device time of one packed forward (prefill + head)",
                                  buckets=_SECONDS, registry=r)
+        # route: as on clef_requests_total (the route's path), or "library" for an embedding program's calls
         self.e2e = Histogram("clef_request_duration_seconds", "End-to-end latency of decision requests",
                              ["route"], buckets=_SECONDS, registry=r)
         # Admission by work (server/admission.py): what is waiting, in tokens and in expected seconds, and
@@ -144,6 +146,13 @@ class Metrics:
         self.loop_lag = Histogram("clef_event_loop_lag_seconds", "How late the server's event loop woke a timer "
                                   f"set every {LOOP_LAG_INTERVAL_S * 1000:.0f} ms: the delay HTTP work (429s, "
                                   "probes) saw from the loop being busy", buckets=_LAG, registry=r)
+        # Every known label value from the start, at 0: a panel or a ratio shows 0 before the first event, not
+        # "No data".
+        for reason in admission.REASONS:
+            for size in admission.SIZE_LABELS:
+                self.rejected.labels(reason, size)
+        for kind in errors.SERVER_KINDS:
+            self.failures.labels(kind)
         self.workers.set(1)
         self._fallbacks_seen = 0
 

@@ -93,7 +93,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request["log"] = {}
     cloudflare = _local(request).startswith(CLOUDFLARE_PREFIX)
     resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"  # bounded label set
+    route = request["route"] = resource.canonical if resource is not None else "unmatched"  # bounded label set
     try:
         response = await _answer(request, handler)
     except errors.ApiError as error:
@@ -226,7 +226,7 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
             body_model = body.setdefault("model", path_model)
             if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
                 raise errors.model_mismatch(body_model, path_model)
-        return await service.answer(body, arrival, route="cloudflare" if path_model else "systemone",
+        return await service.answer(body, arrival, route=request["route"],
                                     started=request["started"], body_bytes=body_bytes,
                                     read_bytes=request["log"].get("bytes_in", 0), trace=request["log"])
 

@@ -333,7 +333,8 @@ class Service:
     async def answer(self, body: Any, arrival: Arrival, *, route: str, started: float,
                      body_bytes: int | None = None, read_bytes: int = 0, trace: dict | None = None) -> dict:
         """Prepare ``body`` on the threads, queue it, wait for its forward (inside ``accept``). ``route``: the
-        e2e latency histogram's label, measured from ``started`` (time.monotonic). ``body_bytes``: its size on
+        e2e latency histogram's label (the HTTP route's path, as on clef_requests_total), measured from
+        ``started`` (time.monotonic). ``body_bytes``: its size on
         the wire when known, which teaches the early refusal tokens per byte; ``read_bytes``: its decoded size,
         its turn on the threads. ``trace`` (the request's log line) gets its tokens and its trip through the
         batcher."""

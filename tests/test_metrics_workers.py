@@ -83,7 +83,7 @@ def test_a_scrape_sums_over_both_workers(tmp_path):
         # each worker labels its device's busy time with its place in --device: one series per GPU
         for lane in ("0", "1"):
             assert server.metric("clef_device_busy_seconds_total", f'lane="{lane}"') > 0, text
-        assert server.metric("clef_request_duration_seconds_count", 'route="systemone"') == n
+        assert server.metric("clef_request_duration_seconds_count", 'route="/v1/systemone"') == n
         assert server.terminate() == 0
     # Dead workers' live gauges are gone (they would hold clef_ready and the queue depth); counters stay.
     left = sorted(p.name for p in metrics_dir.iterdir())

@@ -7,7 +7,10 @@ and to what each alert promises.
   matches, groups by, or names in a legend or an annotation must be one that those series carry, or one that
   Prometheus adds to every target (TARGET_LABELS). Each value it matches must be one the server sends.
 - The alerts are replayed through promtool's rule unit tests on made-up series: each fires when its description
-  says, and stays quiet beside a healthy server (skipped without promtool, Debian's `prometheus` package).
+  says, and stays quiet beside a healthy server. promtool is required (Debian's `prometheus` package, which
+  .ci/run installs): without it these tests fail rather than skip.
+- Every alert waits (`for:`), NotReady waits out the startup probe's budget, and docs/operations.md lists every
+  alert with what to do.
 - The dashboard is checked as a JSON that Grafana imports: a Prometheus datasource variable, used by every panel
   and query, unique panel ids, panels that fit the 24-column grid without overlapping.
 
@@ -40,6 +43,8 @@ DASHBOARD = MONITORING / "dashboard.json"
 ALERTS = MONITORING / "alerts.yaml"
 # Labels Prometheus adds to every target's series, whatever its discovery: the expressions group by these.
 TARGET_LABELS = {"instance", "job"}
+# Series Prometheus writes for every target itself, with those labels: whether its last scrape succeeded.
+PROMETHEUS_SERIES = {"up"}
 # Grafana's interval variables, as the range a panel would query
 GRAFANA_INTERVALS = ("$__rate_interval", "$__interval", "$__range")
 FAIL_MARKER = "MONITORING-FAULT"
@@ -168,6 +173,8 @@ def problems(expression: Expression, exported: Exported) -> list[str]:
         matchers = selector.matchers.matchers
         name = selector.name or next((m.value for m in matchers if m.name == "__name__"
                                       and m.op == promql_parser.MatchOp.Equal), None)
+        if name in PROMETHEUS_SERIES:
+            continue
         if name not in exported:
             out.append(f"{where}: selects {name!r}, which /metrics does not export")
             continue
@@ -294,32 +301,62 @@ class Scenario:
     firing_at: dict[str, list[tuple[dict, float | None]]]
 
 
-A, B = "a:8080", "b:8080"
+A, B, C = "a:8080", "b:8080", "c:9100"
+JOB = "kubernetes-pods"
 DECISION_OK = 'clef_requests_total{instance="%s",route="/v1/systemone",status="200"}'
 DECISION_429 = 'clef_requests_total{instance="%s",route="/v1/systemone",status="429"}'
 REJECTED = 'clef_requests_rejected_total{instance="%s",reason="queued_work",size="1024"}'
+DECISION_5XX = 'clef_requests_total{instance="%s",route="/v1/systemone",status="%s"}'
+TIMEOUTS = 'clef_request_failures_total{instance="%s",type="timeout"}'
+LATENCY = 'clef_request_duration_seconds_bucket{instance="%s",route="/v1/systemone",le="%s"}'
 SCENARIOS = [
     # The only server's series ends at minute 5: 10 minutes later the alert fires.
     Scenario("ClefcoreDown", {f'clef_ready{{instance="{A}"}}': "1x5 stale"},
              quiet_at=("3m", "14m"), firing_at={"17m": [({}, None)]}),
-    # a stops being ready at minute 6; b stays ready.
-    Scenario("ClefcoreNotReady", {f'clef_ready{{instance="{A}"}}': "1x5 0x40",
-                                  f'clef_ready{{instance="{B}"}}': "1x45"},
-             quiet_at=("5m", "19m"), firing_at={"22m": [({"instance": A}, None)], "40m": [({"instance": A}, None)]}),
+    # a's scrapes fail from minute 11 (its series go stale); b runs on; c, another application's target, is
+    # down all along but never served clefcore.
+    Scenario("ClefcoreReplicaDown", {
+        f'up{{instance="{A}",job="{JOB}"}}': "1x10 0x20", f'clef_workers{{instance="{A}",job="{JOB}"}}': "1x10 stale",
+        f'up{{instance="{B}",job="{JOB}"}}': "1x30", f'clef_workers{{instance="{B}",job="{JOB}"}}': "1x30",
+        f'up{{instance="{C}",job="{JOB}"}}': "0x30"},
+        quiet_at=("10m", "14m"), firing_at={"17m": [({"instance": A, "job": JOB}, None)]}),
+    # a loads for 30 min (a cold kernel cache, within the startup probe's budget) and gets ready; b stops being
+    # ready at minute 6 and stays so.
+    Scenario("ClefcoreNotReady", {f'clef_ready{{instance="{A}"}}': "0x30 1x30",
+                                  f'clef_ready{{instance="{B}"}}': "1x5 0x55"},
+             quiet_at=("5m", "30m", "40m"), firing_at={"42m": [({"instance": B}, None)]}),
     # a restarts at minute 11 (its heartbeat starts again from 0); b runs on. The alert clears 15 min later.
     Scenario("ClefcoreDeviceLost", {f'clef_event_loop_lag_seconds_count{{instance="{A}"}}': "0+3000x10 0+3000x30",
                                     f'clef_event_loop_lag_seconds_count{{instance="{B}"}}': "0+3000x40"},
-             quiet_at=("10m", "27m"), firing_at={"12m": [({"instance": A}, None)], "24m": [({"instance": A}, None)]}),
+             quiet_at=("10m", "28m"), firing_at={"12m": [({"instance": A}, None)], "24m": [({"instance": A}, None)]}),
     # a keeps saying ready on one device of two; b drops a device while draining (not ready): a rollout.
     Scenario("ClefcoreDeviceLost", {f'clef_devices{{instance="{A}"}}': "2x10 1x10",
                                     f'clef_ready{{instance="{A}"}}': "1x20",
                                     f'clef_devices{{instance="{B}"}}': "2x10 1x10",
                                     f'clef_ready{{instance="{B}"}}': "1x10 0x10"},
              quiet_at=("9m",), firing_at={"15m": [({"instance": A}, None)]}),
-    # a's device stalls from minute 5 to 7; b's never.
+    # a's device stalls from minute 5 to 7; b's for one sample only.
     Scenario("ClefcoreDeviceStalled", {f'clef_device_stalled{{instance="{A}"}}': "0x4 1x3 0x10",
-                                       f'clef_device_stalled{{instance="{B}"}}': "0x17"},
-             quiet_at=("4m", "9m"), firing_at={"6m": [({"instance": A}, None)]}),
+                                       f'clef_device_stalled{{instance="{B}"}}': "0x4 1 0x12"},
+             quiet_at=("4m", "5m", "9m"), firing_at={"6m": [({"instance": A}, None)]}),
+    # a answers 10 of 110 decision requests a minute with 500; b 10 of 1010 with 503.
+    Scenario("ClefcoreErrors", {
+        DECISION_OK % A: "0+100x30", DECISION_5XX % (A, "500"): "0+10x30",
+        DECISION_OK % B: "0+1000x30", DECISION_5XX % (B, "503"): "0+10x30"},
+        quiet_at=("3m",), firing_at={"15m": [({"instance": A}, 10 / 110)]}),
+    # a times out 2 of 102 decision requests a minute; b 1 of 1001.
+    Scenario("ClefcoreTimeouts", {
+        DECISION_OK % A: "0+100x40", DECISION_5XX % (A, "503"): "0+2x40", TIMEOUTS % A: "0+2x40",
+        DECISION_OK % B: "0+1000x40", DECISION_5XX % (B, "503"): "0+1x40", TIMEOUTS % B: "0+1x40"},
+        quiet_at=("5m",), firing_at={"30m": [({"instance": A}, 2 / 102)]}),
+    # Each minute a answers 90 of 100 decisions within 1 s, 98 within 10 s, all within 30 s: its p99 is 20 s
+    # (interpolated in the 10-30 s bucket). b answers all within 1 s.
+    Scenario("ClefcoreSlowAnswers", {
+        LATENCY % (A, "1"): "0+90x40", LATENCY % (A, "10"): "0+98x40", LATENCY % (A, "30"): "0+100x40",
+        LATENCY % (A, "+Inf"): "0+100x40",
+        LATENCY % (B, "1"): "0+100x40", LATENCY % (B, "10"): "0+100x40", LATENCY % (B, "30"): "0+100x40",
+        LATENCY % (B, "+Inf"): "0+100x40"},
+        quiet_at=("10m",), firing_at={"30m": [({"instance": A}, 20.0)]}),
     # a refuses 10 of 110 decision requests a minute (health probes do not count); b 10 of 1010.
     Scenario("ClefcoreRefusingRequests", {
         DECISION_OK % A: "0+100x40", DECISION_429 % A: "0+10x40", REJECTED % A: "0+10x40",
@@ -340,8 +377,9 @@ def render(template: str, labels: dict, value: float | None) -> str:
     """An annotation as Prometheus fills it in, for the two placeholders the rules use."""
     for name, label in labels.items():
         template = template.replace("{{ $labels.%s }}" % name, label)
-    if value is not None:   # humanizePercentage: Go's %.4g of the percentage
+    if value is not None:   # humanizePercentage: Go's %.4g of the percentage; humanizeDuration: under a minute
         template = template.replace("{{ $value | humanizePercentage }}", "%.4g%%" % (value * 100))
+        template = template.replace("{{ $value | humanizeDuration }}", "%.4gs" % value)
     assert "{{" not in template, f"a placeholder the scenario does not fill: {template}"
     return template
 
@@ -369,8 +407,12 @@ def run_promtool(tmp_path: Path, groups: list[dict], *command: str) -> subproces
     return subprocess.run(["promtool", *command], cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
-promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                              reason="promtool not installed (Debian's prometheus package; .ci/extras installs it)")
+def test_promtool_is_installed():
+    """The replays below need it: a missing promtool fails here, instead of the replays passing unrun."""
+    assert shutil.which("promtool"), "promtool not found: .ci/run installs Debian's prometheus package for it"
+
+
+promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (see above)")
 
 
 @promtool
@@ -389,7 +431,12 @@ def test_each_alert_fires_when_it_says_and_not_beside_a_healthy_server(tmp_path)
 
 @promtool
 @pytest.mark.parametrize("alert, change", [
-    ("ClefcoreNotReady", {"for": "30m"}),                       # waits past the scenario's firing time
+    ("ClefcoreNotReady", {"for": "50m"}),                       # waits past the scenario's firing time
+    ("ClefcoreNotReady", {"for": "15m"}),                       # fires during a cold start
+    ("ClefcoreReplicaDown", {"expr": "up == 0"}),               # another application's target too
+    ("ClefcoreSlowAnswers", {"expr": "histogram_quantile(0.99, sum by (instance, le) "
+                                     "(rate(clef_request_duration_seconds_bucket[10m]))) > 30"}),  # never fires
+    ("ClefcoreDeviceStalled", {"for": "0m"}),                   # one stalled sample pages
     ("ClefcoreRefusingRequests", {"expr": "sum by (instance) (rate(clef_requests_rejected_total[10m])) / "
                                           "sum by (instance) (rate(clef_requests_total[10m])) > 0.05"}),  # probes too
     ("ClefcoreDeviceLost", {"expr": "resets(clef_event_loop_lag_seconds_count[15m]) > 0"}),  # no device count
@@ -400,3 +447,34 @@ def test_the_replay_catches_a_wrong_rule(tmp_path, alert, change):
     rule.update(change)
     result = run_promtool(tmp_path, groups, "test", "rules", "tests.yaml")
     assert result.returncode != 0 and alert in result.stdout + result.stderr
+
+
+# --- the rules' shape ---------------------------------------------------------------------------------------
+
+def seconds(duration: str) -> int:
+    """A Prometheus duration of one unit (5m, 1h, 30s) in seconds."""
+    number, unit = re.fullmatch(r"(\d+)([smh])", duration).groups()
+    return int(number) * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_every_alert_waits():
+    assert {r["alert"]: seconds(r.get("for", "0s")) >= 60 for r in alert_rules()} == \
+        {r["alert"]: True for r in alert_rules()}
+
+
+def test_not_ready_waits_out_the_startup_probes_budget():
+    """A cold first load may take the whole startup probe's budget; NotReady must not fire within it."""
+    from test_k8s import startup_budget_s
+    (rule,) = [r for r in alert_rules() if r["alert"] == "ClefcoreNotReady"]
+    assert seconds(rule["for"]) > startup_budget_s()
+
+
+def test_the_operations_guide_lists_every_alert_with_what_to_do():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(Clefcore\w+)` \((?:critical|warning)\) \|(.*)\|$",
+                                                        text, re.M)}
+    assert set(rows) == {r["alert"] for r in alert_rules()}
+    for rule in alert_rules():
+        assert f"`{rule['alert']}` ({rule['labels']['severity']})" in text
+        fires_when, what_to_do = rows[rule["alert"]].split(" | ", 1)
+        assert fires_when.strip() and len(what_to_do.strip()) > 40, rule["alert"]

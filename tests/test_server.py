@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
@@ -87,6 +88,24 @@ def test_metrics_exposition(server):
                  "clef_ready 1.0"):
         assert name in text, name
     assert server.metric("clef_requests_total", 'route="/v1/systemone",status="200"') >= 1
+    # one spelling of a route on every series that carries it
+    assert server.metric("clef_request_duration_seconds_count", 'route="/v1/systemone"') >= 1
+    assert 'route="systemone"' not in text
+
+
+def test_labelled_counters_start_at_zero_for_every_known_label_value(server):
+    """Panels and ratios show 0 before the first refusal or failure, not "No data"."""
+    from clefcore.server import admission, errors
+    families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
+    rejected = {(s.labels["reason"], s.labels["size"]) for s in families["clef_requests_rejected"].samples
+                if s.name.endswith("_total")}
+    assert rejected == {(r, s) for r in admission.REASONS for s in admission.SIZE_LABELS}
+    failures = {s.labels["type"] for s in families["clef_request_failures"].samples if s.name.endswith("_total")}
+    assert failures == set(errors.SERVER_KINDS)
+    # and those are every kind a 5xx answer has
+    made = [errors.unavailable("draining", 1), errors.timed_out(30), errors.inference_failed(ValueError("x")),
+            errors.internal(ValueError("x"))]
+    assert all(e.status >= 500 for e in made) and [e.kind for e in made] == list(errors.SERVER_KINDS)
 
 
 def test_openapi_and_playground(server):

@@ -10,7 +10,8 @@
 #      answer, NVRTC must load from the wheels, and cuBLAS must load (full image) or be absent (lean image),
 #   6. with CLEFCORE_IMAGE_PUSH set, publish.sh pushes the OCI layout with push.py, every request body at most
 #      95,000,000 bytes (a plain `buildah push` sends a layer in one request and gets 413 for cuBLASLt's), pulls
-#      it back, compares every digest and runs check_image.py inside the pulled copy.
+#      it back, compares every digest and runs check_image.py inside the pulled copy; with CLEFCORE_IMAGE_PIN
+#      set, writes the pushed digest into that kustomization, so the manifests pin the image by digest.
 #
 # Usage (as root, from anywhere):  bash deploy/image/build.sh
 # It installs buildah and mmdebstrap with apt-get when they are missing. Environment:
@@ -19,7 +20,7 @@
 #                         build.log
 #   CLEFCORE_IMAGE_CUBLAS 1 (default): the full image, GEMMs through cuBLAS as in the benchmarks; 0: the lean
 #                         image (~1.1 GB smaller unpacked, every layer under the limit, clefcore's own GEMM
-#                         kernels: 3.4x-4.1x slower on the H200, README "The serving image")
+#                         kernels: 1.14x-1.27x the full image's time on the H100, docs/benchmarks.md)
 #   CLEFCORE_IMAGE_TAG    image tag (default: the version in pyproject.toml, plus -lean for the lean image)
 #   CLEFCORE_LAYER_LIMIT  largest accepted compressed layer in bytes (default 100000000)
 #   CLEFCORE_DEBIAN_MIRROR, CLEFCORE_DEBIAN_SECURITY   apt mirrors for the base (default deb.debian.org)
@@ -31,6 +32,8 @@
 #                         `buildah login forgejo.riotpiao.com`; push.py reads the credentials it stored)
 #   CLEFCORE_IMAGE_PUSH_TLS=0            push over plain HTTP (a test registry on 127.0.0.1)
 #   CLEFCORE_IMAGE_PUSH_CHUNK            largest request body of the push in bytes (default 95000000)
+#   CLEFCORE_IMAGE_PIN                   after the push, write its digest into this kustomization's `images`
+#                                        entry (deploy/k8s/overlays/homelab/cluster/kustomization.yaml)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

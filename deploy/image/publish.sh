@@ -5,7 +5,9 @@
 #   2. skopeo pulls the image back into a second layout, keeping the registry's blobs as they are;
 #   3. compare.py: the manifest, config and every layer digest are the ones built, every pulled blob re-hashed;
 #   4. the pulled image is imported into a buildah storage of its own (nothing of the build's is reused) and
-#      check_image.py runs inside it as user 10001 with networking off.
+#      check_image.py runs inside it as user 10001 with networking off;
+#   5. with CLEFCORE_IMAGE_PIN set to a kustomization (deploy/k8s/overlays/homelab/cluster/kustomization.yaml),
+#      pin.py writes the pushed digest into its `images` entry: the manifests then run exactly this image.
 #
 # Usage (as root):  bash deploy/image/publish.sh OCI_DIR REF     e.g. REF=forgejo.riotpiao.com/owner/clefcore:0.2.0
 # build.sh runs it when CLEFCORE_IMAGE_PUSH is set. Log in first (`buildah login HOST`): push.py and skopeo read
@@ -13,6 +15,7 @@
 #   CLEFCORE_IMAGE_CUBLAS      1 (default): the image ships cuBLAS; 0: the lean image (what check_image.py expects)
 #   CLEFCORE_IMAGE_PUSH_TLS=0  plain HTTP (a test registry on 127.0.0.1)
 #   CLEFCORE_IMAGE_PUSH_CHUNK  largest request body of the push, bytes
+#   CLEFCORE_IMAGE_PIN         a kustomization to pin the pushed digest in (step 5)
 set -euo pipefail
 if [ $# != 2 ]; then echo "usage: $0 OCI_DIR REF" >&2; exit 2; fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -51,3 +54,7 @@ skopeo copy --quiet "oci:$pulled/oci:clefcore:pulled" \
   "containers-storage:[vfs@$pulled/storage+$pulled/run]localhost/clefcore-pulled:latest"
 bash "$here/run_check.sh" "$pulled" localhost/clefcore-pulled:latest "$check"
 echo "pushed $ref@$digest" >&2
+if [ -n "${CLEFCORE_IMAGE_PIN:-}" ]; then
+  step "pin: $digest in $CLEFCORE_IMAGE_PIN"
+  python3 "$here/pin.py" "$CLEFCORE_IMAGE_PIN" "$digest"
+fi

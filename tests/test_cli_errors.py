@@ -1,0 +1,83 @@
+"""A user's mistakes through the installed command: one line on stderr that says what is wrong, exit status 1, no
+traceback (``clefcore --debug`` keeps it); ``clefcore --version``. The download's unreachable Hub:
+tests/test_download.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import clefcore
+
+MODEL = Path(__file__).parent / "golden" / "model"
+
+
+def clefcore_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CLEFCORE_API_KEY"}
+    return subprocess.run([sys.executable, "-m", "clefcore.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd="/", env=env)
+
+
+def one_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_version():
+    done = clefcore_cli("--version")
+    assert done.returncode == 0 and done.stdout == f"clefcore {clefcore.__version__}\n"
+
+
+def test_a_missing_request_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    assert one_line(clefcore_cli("decide", "--model", str(MODEL), str(missing))) == \
+        f"clefcore decide: {missing}: No such file or directory"
+
+
+def test_a_directory_given_as_the_request_file(tmp_path):
+    assert one_line(clefcore_cli("decide", "--model", str(MODEL), str(tmp_path))) == \
+        f"clefcore decide: {tmp_path}: Is a directory"
+
+
+def test_a_wrong_model_path(tmp_path):
+    line = one_line(clefcore_cli("demo", "--model", str(tmp_path / "clef-flash")))
+    assert line.startswith(f"clefcore demo: {tmp_path / 'clef-flash'}: model directory not found")
+
+
+def test_serving_a_wrong_model_path(tmp_path):
+    """serve listens at once and loads meanwhile: its JSON log (stderr) says load_failed, and its last line is
+    the user's, in words."""
+    done = clefcore_cli("serve", "--model", str(tmp_path / "clef-flash"), "--port", "0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and done.stdout == ""
+    *log, last = done.stderr.splitlines()
+    assert last == (f"clefcore serve: {tmp_path / 'clef-flash'}: model directory not found "
+                    "(nor is it a Hub id, owner/name)")
+    assert [json.loads(line)["event"] for line in log] == ["listening", "load_failed", "exit"]
+
+
+def test_debug_keeps_the_traceback(tmp_path):
+    done = clefcore_cli("--debug", "decide", "--model", str(MODEL), str(tmp_path / "nope.json"))
+    assert done.returncode == 1 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
+
+
+def test_serving_on_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_line(clefcore_cli("serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port)))
+    assert line == (f"clefcore serve: port {port} on 127.0.0.1 is already in use: stop what listens there, or "
+                    "choose another with --port")
+
+
+def test_help_is_plain_text():
+    done = clefcore_cli("--help")
+    assert done.returncode == 0 and "``" not in done.stdout and "--version" in done.stdout
+    assert "System One" in done.stdout.split("positional arguments")[0]

@@ -42,7 +42,6 @@ SETTINGS = {
     ("operations.md", "woke a 20 ms timer", ("20",)): "the event-loop probe's period, a setting",
     ("kernels.md", "| `fast` (default) |", ("1e-2",)): "fast's contract",
     ("kernels.md", "| `exact` |", ("2e-4",)): "exact's contract",
-    ("benchmarks.md", "bounds the one-pass state by 1.25x", ("1.25",)): "a test's bound",
     ("benchmarks.md", "memory but 15.2 GiB (15.78 GiB less", ("15.2", "15.78")):
         "the memory the experiment left, its setting",
     ("benchmarks.md", "429 p99 <= 50 ms", ("50",)): "a target of the overload behaviours",

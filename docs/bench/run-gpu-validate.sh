@@ -10,7 +10,8 @@
 #   CLEFCORE_KERNEL_CACHE=.whl/ptx70 python -c "from clefcore.backends.cuda import compile as C
 #   [C.ptx70_path(p.name) for p in C.kernel_files()]"
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gpu-validate.sh
-# T_GOLDEN, T_SUITE, T_LEAN: each step's limit in seconds (default 90, 250, 130).
+# T_GOLDEN, T_SUITE, T_LEAN: each step's limit in seconds (default 90, 250, 130); T_LEAN=skip leaves the lean step out.
+# SUITE: the test files of the whole-suite step (default: tests, all of them), for a run that must fit less time.
 # Writes to $OUT as it goes: device.txt, golden.txt, suite.txt, suite-no-cublas.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-validate-out}
@@ -23,6 +24,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/device.txt" 2>&1
 # `pytest`, not `python3 -m pytest`: the installed package, not the source tree (setup.cfg: --import-mode=importlib)
 timeout "${T_GOLDEN:-90}" pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_vision_gpu.py \
   -k "golden and probabilities" 2>&1 | grep -E "GOLDEN|passed|failed|Error" | tee "$OUT/golden.txt"
-timeout "${T_SUITE:-250}" pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -30 | tee "$OUT/suite.txt"
-PYTHONPATH=tests/no_cublas:$PYTHONPATH timeout "${T_LEAN:-130}" pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
-  tests/test_gpu_engine.py 2>&1 | tail -20 | tee "$OUT/suite-no-cublas.txt"
+# shellcheck disable=SC2086  # SUITE is a list of paths
+timeout "${T_SUITE:-250}" pytest -q -p no:cacheprovider -m gpu ${SUITE:-tests} 2>&1 | tee "$OUT/suite-full.txt" | tail -30 \
+  | tee "$OUT/suite.txt"
+if [ "${T_LEAN:-}" != skip ]; then
+  PYTHONPATH=tests/no_cublas:$PYTHONPATH timeout "${T_LEAN:-130}" pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
+    tests/test_gpu_engine.py 2>&1 | tail -20 | tee "$OUT/suite-no-cublas.txt"
+fi

@@ -85,13 +85,31 @@ class EncodedRecord:
     input_ids: np.ndarray           # int32 [L]
     questions: tuple[EncodedQuestion, ...]   # request order
     state_span: tuple[int, int]
-    state_tokens_before_truncation: int
+    state_tokens_before_truncation: int   # of its text up to the cut (state_text_cut): all of it, below the cut
     state_truncated: bool
     # with images only: each image's (pads start, pads end, merged grid rows, merged grid columns), the M-RoPE
     # positions [3, L] int64, and the images' preprocessed pixels (clefcore.preprocess.Pixels) in request order
     image_spans: tuple[tuple[int, int, int, int], ...] = ()
     positions: np.ndarray | None = None
     images: tuple = ()
+    state_cut: bool = False       # its text was longer than the cut: state_tokens_before_truncation is a floor
+
+
+# Tokens beyond the kept ones that the text cut leaves before it: what the cut changes (the last pre-tokenizer
+# word, an added token or a normalizer's composition cut in two) lies within a few tokens of it.
+CUT_MARGIN_TOKENS = 64
+# Characters of the original text per byte of normalized text, at most: NFC and NFKC compose up to three
+# characters into one of two bytes (U+0055 U+0308 U+0304 -> U+01D5), 1.5, rounded up.
+COMPOSED_PER_BYTE = 2
+
+
+def state_text_cut(room: int, longest_token_bytes: int) -> int:
+    """The characters of a state's text that are tokenized when ``room`` of its tokens can be kept: the kept tokens
+    stand for at most ``room * longest_token_bytes`` bytes of normalized text, hence at most
+    ``COMPOSED_PER_BYTE`` times as many characters of the text, and the margin after them absorbs what the cut
+    changes. So the kept tokens are those of the whole text, and a state of any length costs at most this much
+    to tokenize."""
+    return COMPOSED_PER_BYTE * longest_token_bytes * (room + CUT_MARGIN_TOKENS)
 
 
 class Encoder:
@@ -140,7 +158,9 @@ class Encoder:
         if fixed > context_length:
             raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {context_length}",
                                      required=fixed, maximum=context_length)
-        state = tok.encode_pieces([render(request["state"])])[0]
+        text = render(request["state"])
+        cut = state_text_cut(context_length - fixed, tok.longest_token_bytes)
+        state = tok.encode_pieces([text[:cut]])[0]   # a text past the cut is never tokenized (its cost is bounded)
         kept = state[:context_length - fixed]  # keeps the head; may cut inside a multi-token character
         offset = len(prefix) + len(kept)
 
@@ -172,6 +192,7 @@ class Encoder:
             image_spans=image_spans,
             positions=positions,
             images=tuple(images),
+            state_cut=len(text) > cut,
         )
 
     def _media(self, images, start: int) -> tuple[list[int], tuple]:

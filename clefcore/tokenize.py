@@ -35,6 +35,7 @@ class Tokenizer:
             ]}
         self._tok = _HFTokenizer.from_str(json.dumps(spec))
         self._constants: dict[str, list[int]] = {}
+        self.longest_token_bytes = _longest_token_bytes(spec)
 
     def encode_pieces(self, pieces: list[str]) -> list[list[int]]:
         """Each piece on its own, no BOS/EOS; added tokens (``<|im_end|>``...) are matched in any text."""
@@ -50,3 +51,14 @@ class Tokenizer:
             if len(self._constants) < _CACHE_LIMIT:
                 self._constants[piece] = ids
         return ids
+
+
+def _longest_token_bytes(spec: dict) -> int:
+    """The most bytes of text one token can stand for: its longest vocabulary entry or added token. A byte-level
+    vocabulary writes each byte as one character; any other spells its text out (or more: byte fallbacks,
+    word-piece markers), so its UTF-8 length bounds the text it matches."""
+    vocab = spec["model"]["vocab"]
+    pieces = vocab.keys() if isinstance(vocab, dict) else (piece for piece, _ in vocab)   # Unigram: [piece, score]
+    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    longest = max((len(p) if byte_level else len(p.encode("utf-8")) for p in pieces), default=1)
+    return max([longest, *(len(t["content"].encode("utf-8")) for t in spec.get("added_tokens") or ())])

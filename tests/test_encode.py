@@ -176,3 +176,68 @@ def test_special_tokens_in_text_are_parsed(encoders):
 def test_unknown_regex_rejected():
     with pytest.raises(ValueError):
         Tokenizer(TOKENIZER, regex="gpt2")
+
+
+# --- the state's text is cut before it is tokenized ---------------------------------------------------------
+
+def _texts(n: int) -> dict:
+    """States of at least ``n`` characters that test the cut: the vocabulary's longest tokens (in bytes, and
+    in ASCII characters), added tokens, one giant pre-tokenizer word, a whitespace run, compositions of three
+    characters into two bytes, digits, a JSON value, and a seeded mix of all of it."""
+    pool = ["a", " ", "\n", "0", "é", "e\u0301", "U\u0308\u0304", "日本", "🚀", "<|im_end|>", "<|endoftext|>",
+            " สวัสดีครับ", "Subscription", "{", "}", "\"", "\\", "\u2028"]
+    rng = np.random.default_rng(47)
+    texts = {"longest": " สวัสดีครับ" * n, "ascii": "Subscription" * n, "added": "<|endoftext|>" * n,
+             "word": "a" * n, "spaces": " " * n + "x", "composed": "U\u0308\u0304" * n, "digits": "0123456789" * n,
+             "json": {"rows": [{"id": i, "tag": "Subscription"} for i in range(n // 4)]},
+             "mix": "".join(pool[i] for i in rng.integers(0, len(pool), n))}
+    return texts
+
+
+def _encode_uncut(encoder: Encoder, request: dict, context_length: int, monkeypatch):
+    """The rule itself: the whole text tokenized, then truncated (no cut)."""
+    with monkeypatch.context() as m:
+        m.setattr("clefcore.encode.state_text_cut", lambda room, longest: 1 << 62)
+        return encoder.encode(request, context_length)
+
+
+@pytest.mark.parametrize("regex", [None, "qwen35"])
+@pytest.mark.parametrize("room", [0, 1, 57, 300])
+def test_the_cut_never_changes_the_prompt(encoders, monkeypatch, regex, room):
+    """A state past the cut (clefcore.encode.state_text_cut) gives the prompt that tokenizing all of it would:
+    the same ids, spans and truncation, for texts built to strain the bound, and for texts of exactly the cut's
+    length and one character either side of it."""
+    from clefcore.encode import state_text_cut
+    encoder = encoders[regex]
+    request = validate_request(parse_body(REQUESTS[0]), mode="reference")
+    request = dict(request, state="")
+    fixed = len(encoder.encode(request, 16384).input_ids)
+    context = fixed + room
+    cut = state_text_cut(room, encoder.tokenizer.longest_token_bytes)
+    assert encoder.tokenizer.longest_token_bytes == 31   # the golden vocabulary's " สวัสดีครับ"
+    cases = {name: text for name, text in _texts(cut + 5).items()}
+    cases.update({f"mix{d:+d}": cases["mix"][:cut + d] for d in (-1, 0, 1)})
+    for name, state in cases.items():
+        record = encoder.encode(dict(request, state=state), context)
+        whole = _encode_uncut(encoder, dict(request, state=state), context, monkeypatch)
+        assert record.input_ids.tolist() == whole.input_ids.tolist(), name
+        assert (record.state_span, record.questions, record.state_truncated) == \
+            (whole.state_span, whole.questions, whole.state_truncated), name
+        assert record.state_cut == (len(render(state)) > cut), name
+        assert record.state_truncated, name
+
+
+def test_a_cut_below_the_bound_would_change_the_prompt(encoders, monkeypatch):
+    """The comparison above can fail: a cut one character short of the text the kept tokens stand for splits the
+    last of them."""
+    encoder = encoders[None]
+    request = dict(validate_request(parse_body(REQUESTS[0]), mode="reference"), state="")
+    fixed = len(encoder.encode(request, 16384).input_ids)
+    state, room = "Subscription " * 1000, 40
+    whole = _encode_uncut(encoder, dict(request, state=state), fixed + room, monkeypatch)
+    start, end = whole.state_span
+    covered = len(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
+    assert state.startswith(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
+    monkeypatch.setattr("clefcore.encode.state_text_cut", lambda room, longest: covered - 1)
+    short = encoder.encode(dict(request, state=state), fixed + room)
+    assert short.input_ids.tolist() != whole.input_ids.tolist()

@@ -1,0 +1,122 @@
+"""What one client's request can make a real `clefcore serve` spend (tiny model with vision, CPU, an API key): a
+state of 13.6 MB of text, or of 6.8 million numbers, sent gzip in under 25 KB, is answered or refused within
+15 s, while the server's memory grows by at most 1 GiB and /live keeps answering within 0.5 s.
+
+The text is cut and tokenized at serve's default context (24,576 tokens) and refused there for its length
+(--on-overflow reject: this CPU runs a prompt of that many tokens in over a minute, longer than the request
+timeout), and answered, truncated, at a context of 4,096 tokens."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import Server, ticket  # noqa: E402
+
+KEY = "bounds-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GIB = 1 << 30
+
+
+SERVERS = {"default": ("--on-overflow", "reject"), "short": ("--context-length", "4096")}
+
+
+@pytest.fixture(scope="module", params=sorted(SERVERS))
+def server(request):
+    with Server("--api-key", KEY, *SERVERS[request.param]) as s:
+        s.wait_ready()
+        assert s.decide(ticket("warm up"), headers=AUTH).status == 200   # one measured body: the sizer's sample
+        s.name = request.param
+        yield s
+
+
+class Watch:
+    """While it runs: /live asked over and over (each on a new connection), its slowest answer, and the server's
+    peak memory (its process and the device process together) above where it started."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.base = server.rss_bytes()
+        self.peak = self.base
+        self.slowest = 0.0
+        self.asked = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._live), threading.Thread(target=self._memory)]
+
+    def __enter__(self) -> "Watch":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _live(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            reply = self.server.get("/live", timeout=10)
+            assert reply.status == 200, reply
+            self.slowest = max(self.slowest, time.monotonic() - started)
+            self.asked += 1
+            time.sleep(0.02)
+
+    def _memory(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.server.rss_bytes())
+            time.sleep(0.01)
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.base
+
+
+def gzip_state(state) -> bytes:
+    body = json.dumps(ticket(state), separators=(",", ":")).encode()
+    return gzip.compress(body, 9)
+
+
+def post(server: Server, data: bytes):
+    return server.post("/v1/systemone", data, headers={**AUTH, "Content-Encoding": "gzip"}, timeout=60)
+
+
+STATES = {
+    # one long string: cut before it is tokenized, then truncated as ever (or refused for it)
+    "string": "x " * 6_800_000,
+    # 6.8 million numbers: more elements than a body may hold, refused before it is parsed
+    "ints": [0] * 6_800_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATES))
+def test_a_huge_state_in_a_small_body_costs_little(server, name):
+    data = gzip_state(STATES[name])
+    assert len(data) < 25_000 and len(gzip.decompress(data)) > 13_000_000, len(data)
+    with Watch(server) as watch:
+        started = time.monotonic()
+        reply = post(server, data)
+        took = time.monotonic() - started
+    error = reply.json().get("error", {})
+    if name == "ints":
+        assert reply.status == 413, reply
+        assert error["limit"] == "500000 elements" and "500000" in error["message"], error
+    elif server.name == "default":
+        assert reply.status == 400 and error["limit"] == "24576 tokens", reply
+        assert "prompt needs at least" in error["message"], error
+    else:
+        assert reply.status == 200, reply
+        assert reply.json()["usage"]["input_tokens"] == 4096   # the state filled the context
+    assert took < 15.0, took
+    assert watch.grown <= GIB, f"memory grew by {watch.grown / 2**20:.0f} MiB"
+    assert watch.asked > 0 and watch.slowest < 0.5, (watch.asked, watch.slowest)
+    print(f"{server.name} {name}: {reply.status} in {took:.2f} s, memory +{watch.grown / 2**20:.0f} MiB, "
+          f"slowest /live {watch.slowest * 1000:.0f} ms over {watch.asked}")
+    assert server.decide(ticket("after"), headers=AUTH).status == 200   # and the next request is answered

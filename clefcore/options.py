@@ -28,6 +28,9 @@ MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 # (TypeSafe: 10 s).
 HEADER_TIMEOUT = 30.0
 BODY_TIMEOUT = 60.0
+# --write-timeout's default: nginx's send_timeout. A client that takes none of its answer's bytes for this long
+# is gone or hostile; a slow one that reads at all restarts the clock.
+WRITE_TIMEOUT = 60.0
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -347,6 +350,9 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
                         help="seconds from a request's headers to the end of its body; then 408 and the "
                              "connection is closed")
+    parser.add_argument("--write-timeout", type=_positive(float), default=WRITE_TIMEOUT,
+                        help="seconds a connection may leave its answers unread once the server's send buffers "
+                             "for it are full; then it is closed and what waits for it is dropped")
     auto = (f"auto: the tokens of a step of --step-budget at the device's measured rate, kept current as it "
             f"serves, between {STEP_FLOOR_TOKENS} and {STEP_CAP_TOKENS} (the device memory is reserved for "
             f"{STEP_CAP_TOKENS})")

@@ -58,7 +58,7 @@ async def _serve(args: argparse.Namespace) -> int:
                            auto_decompress=False)
     await runner.setup()
     server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
-                          head_timeout_s=args.header_timeout)
+                          head_timeout_s=args.header_timeout, write_timeout_s=args.write_timeout)
     port = server.sockets[0].getsockname()[1]  # the real port when --port 0
     log("listening", host=args.host, port=port, pid=os.getpid(), device=args.device,
         content_encodings=list(DECODED))

@@ -9,6 +9,8 @@ timeout), and answered, truncated, at a context of 4,096 tokens."""
 from __future__ import annotations
 
 import gzip
+import select
+import socket
 import json
 import sys
 import threading
@@ -120,3 +122,103 @@ def test_a_huge_state_in_a_small_body_costs_little(server, name):
     print(f"{server.name} {name}: {reply.status} in {took:.2f} s, memory +{watch.grown / 2**20:.0f} MiB, "
           f"slowest /live {watch.slowest * 1000:.0f} ms over {watch.asked}")
     assert server.decide(ticket("after"), headers=AUTH).status == 200   # and the next request is answered
+
+
+# --- clients that send requests and never read the answers ------------------------------------------------------
+
+PIPELINED = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"   # the playground: tens of KB an answer
+
+
+def pipeline_and_never_read(port: int) -> socket.socket:
+    """A connection that sends GET / over and over, as fast as the server takes them, and reads nothing."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.setblocking(False)
+    return sock
+
+
+def push(sock: socket.socket) -> None:
+    """Send what the connection takes now (nothing once it is full, or closed)."""
+    try:
+        while sock.send(PIPELINED * 64):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+def closed(sock: socket.socket) -> bool:
+    """The server has closed (reset) the connection; nothing is read to find out."""
+    poller = select.poll()
+    poller.register(sock, select.POLLERR | select.POLLHUP | select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
+def closes_all(server: Server, clients: int, within: float) -> float:
+    socks = [pipeline_and_never_read(server.port) for _ in range(clients)]
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < within:
+            for sock in socks:
+                push(sock)
+            if all(closed(sock) for sock in socks):
+                return time.monotonic() - started
+            time.sleep(0.1)
+        raise AssertionError(f"{sum(not closed(s) for s in socks)} of {clients} connections still open "
+                             f"after {within} s")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+WRITE_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def writer_server():
+    with Server("--api-key", KEY, "--write-timeout", str(WRITE_TIMEOUT)) as s:
+        s.wait_ready()
+        yield s
+
+
+def test_clients_that_never_read_are_closed_at_the_write_deadline(writer_server):
+    """20 connections pipeline requests and read nothing: once the server's buffers for each are full, it waits
+    --write-timeout for the client to take some, then drops the connection and what waited for it. Each holds
+    at most its bounded buffers meanwhile, and a normal client is answered throughout and after."""
+    server = writer_server
+    base = server.rss_bytes()
+    took = closes_all(server, 20, within=60)
+    print(f"20 clients that never read: all closed {took:.1f} s after they began")
+    assert WRITE_TIMEOUT <= took < WRITE_TIMEOUT + 30, took
+    events = server.wait_for_events("write_timeout", lambda events: len(events) >= 20)
+    assert len(events) == 20 and all(e["timeout_s"] == WRITE_TIMEOUT for e in events), events[:3]
+    assert max(e["waiting_bytes"] for e in events) < 1 << 20, events   # the transport's buffer, bounded
+    assert server.rss_bytes() - base < 200 << 20
+    assert server.decide(ticket("after"), headers=AUTH).status == 200
+
+
+def test_a_slow_reader_keeps_its_connection(writer_server):
+    """A client that reads, however slowly, restarts the write clock: its answers all arrive, although they are
+    more than the buffers hold and take longer than the deadline to arrive."""
+    sock = socket.create_connection(("127.0.0.1", writer_server.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    count = 200   # ~2.4 MB of answers
+    try:
+        sock.sendall(PIPELINED * count)
+        received, started = b"", time.monotonic()
+        while received.count(b"HTTP/1.1 200 OK") < count and time.monotonic() - started < 60:
+            chunk = sock.recv(64 * 1024)   # 64 KB every 0.2 s: a slow link
+            assert chunk, "closed"
+            received += chunk
+            time.sleep(0.2)
+        assert received.count(b"HTTP/1.1 200 OK") == count
+        assert time.monotonic() - started > 2 * WRITE_TIMEOUT
+    finally:
+        sock.close()
+
+
+@pytest.mark.slow
+def test_clients_that_never_read_are_closed_within_two_minutes_by_default():
+    with Server("--api-key", KEY) as server:
+        server.wait_ready()
+        took = closes_all(server, 20, within=120)
+        assert 60 <= took < 120, took

@@ -194,7 +194,7 @@ class Service:
         self.preparer = preparer
         self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                               budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.engine.context_length),
+                               budgets=Budgets(cfg.min_wait_budget, cfg.wait_budget, cfg.engine.context_length),
                                start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
                                policy=cfg.admission)

@@ -98,18 +98,15 @@ class EncodedRecord:
 # Tokens beyond the kept ones that the text cut leaves before it: what the cut changes (the last pre-tokenizer
 # word, an added token or a normalizer's composition cut in two) lies within a few tokens of it.
 CUT_MARGIN_TOKENS = 64
-# Characters of the original text per byte of normalized text, at most: NFC and NFKC compose up to three
-# characters into one of two bytes (U+0055 U+0308 U+0304 -> U+01D5), 1.5, rounded up.
-COMPOSED_PER_BYTE = 2
 
 
-def state_text_cut(room: int, longest_token_bytes: int) -> int:
-    """The characters of a state's text that are tokenized when ``room`` of its tokens can be kept: the kept tokens
-    stand for at most ``room * longest_token_bytes`` bytes of normalized text, hence at most
-    ``COMPOSED_PER_BYTE`` times as many characters of the text, and the margin after them absorbs what the cut
-    changes. So the kept tokens are those of the whole text, and a state of any length costs at most this much
+def state_text_cut(room: int, max_chars_per_token: int | None) -> int | None:
+    """The characters of a state's text that are tokenized when ``room`` of its tokens can be kept (None: all of
+    them, where the tokenizer gives no bound). The kept tokens stand for at most ``room * max_chars_per_token``
+    characters of the text (``Tokenizer.max_chars_per_token``), and the margin after them absorbs what the cut
+    changes, so the kept tokens are those of the whole text, and a state of any length costs at most this much
     to tokenize."""
-    return COMPOSED_PER_BYTE * longest_token_bytes * (room + CUT_MARGIN_TOKENS)
+    return None if max_chars_per_token is None else max_chars_per_token * (room + CUT_MARGIN_TOKENS)
 
 
 class Encoder:
@@ -159,8 +156,9 @@ class Encoder:
             raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {context_length}",
                                      required=fixed, maximum=context_length)
         text = render(request["state"])
-        cut = state_text_cut(context_length - fixed, tok.longest_token_bytes)
-        state = tok.encode_pieces([text[:cut]])[0]   # a text past the cut is never tokenized (its cost is bounded)
+        cut = state_text_cut(context_length - fixed, tok.max_chars_per_token)
+        cut_off = cut is not None and len(text) > cut
+        state = tok.encode_pieces([text[:cut] if cut_off else text])[0]   # the text past the cut costs nothing
         kept = state[:context_length - fixed]  # keeps the head; may cut inside a multi-token character
         offset = len(prefix) + len(kept)
 
@@ -192,7 +190,7 @@ class Encoder:
             image_spans=image_spans,
             positions=positions,
             images=tuple(images),
-            state_cut=len(text) > cut,
+            state_cut=cut_off,
         )
 
     def _media(self, images, start: int) -> tuple[list[int], tuple]:

@@ -251,7 +251,16 @@ def _weight_map(index: Path) -> dict[str, str]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
+    for shard in set(weight_map.values()):
+        # a shard is a file beside the index: a path would read whatever file it names, inside or outside
+        if not _plain_file_name(shard):
+            raise CheckpointError(f"{index}: shard {shard[:200]!r} is not a plain file name in the model directory "
+                                  f"(no path separators, '..', '.' or empty names)")
     return weight_map
+
+
+def _plain_file_name(name: str) -> bool:
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def _full_name(short: str) -> str:

@@ -85,13 +85,28 @@ class EncodedRecord:
     input_ids: np.ndarray           # int32 [L]
     questions: tuple[EncodedQuestion, ...]   # request order
     state_span: tuple[int, int]
-    state_tokens_before_truncation: int
+    state_tokens_before_truncation: int   # of its text up to the cut (state_text_cut): all of it, below the cut
     state_truncated: bool
     # with images only: each image's (pads start, pads end, merged grid rows, merged grid columns), the M-RoPE
     # positions [3, L] int64, and the images' preprocessed pixels (clefcore.preprocess.Pixels) in request order
     image_spans: tuple[tuple[int, int, int, int], ...] = ()
     positions: np.ndarray | None = None
     images: tuple = ()
+    state_cut: bool = False       # its text was longer than the cut: state_tokens_before_truncation is a floor
+
+
+# Tokens beyond the kept ones that the text cut leaves before it: what the cut changes (the last pre-tokenizer
+# word, an added token or a normalizer's composition cut in two) lies within a few tokens of it.
+CUT_MARGIN_TOKENS = 64
+
+
+def state_text_cut(room: int, max_chars_per_token: int | None) -> int | None:
+    """The characters of a state's text that are tokenized when ``room`` of its tokens can be kept (None: all of
+    them, where the tokenizer gives no bound). The kept tokens stand for at most ``room * max_chars_per_token``
+    characters of the text (``Tokenizer.max_chars_per_token``), and the margin after them absorbs what the cut
+    changes, so the kept tokens are those of the whole text, and a state of any length costs at most this much
+    to tokenize."""
+    return None if max_chars_per_token is None else max_chars_per_token * (room + CUT_MARGIN_TOKENS)
 
 
 class Encoder:
@@ -140,7 +155,10 @@ class Encoder:
         if fixed > context_length:
             raise ContextLengthError(f"schema requires {fixed} tokens before state; maximum is {context_length}",
                                      required=fixed, maximum=context_length)
-        state = tok.encode_pieces([render(request["state"])])[0]
+        text = render(request["state"])
+        cut = state_text_cut(context_length - fixed, tok.max_chars_per_token)
+        cut_off = cut is not None and len(text) > cut
+        state = tok.encode_pieces([text[:cut] if cut_off else text])[0]   # the text past the cut costs nothing
         kept = state[:context_length - fixed]  # keeps the head; may cut inside a multi-token character
         offset = len(prefix) + len(kept)
 
@@ -172,6 +190,7 @@ class Encoder:
             image_spans=image_spans,
             positions=positions,
             images=tuple(images),
+            state_cut=cut_off,
         )
 
     def _media(self, images, start: int) -> tuple[list[int], tuple]:

@@ -52,6 +52,12 @@ class RequestError(ClefError):
         return body
 
 
+class BodyTooLargeError(RequestError):
+    """The body holds more than a request may (``limit``): the server answers 413."""
+
+    type = "request_too_large"
+
+
 class ContextLengthError(RequestError):
     """The fixed part of the prompt (everything but the state) does not fit ``context_length``."""
 

@@ -92,7 +92,10 @@ def snapshot(repo_id: str, revision: str) -> ModelDir:
             known = sorted(p.relative_to(refs).as_posix() for p in refs.rglob("*") if p.is_file())
             raise CheckpointError(f"{repo_id}: revision {revision!r} is not in the cache (no {ref}; refs there: "
                                   f"{', '.join(known) or 'none'}); {fetch} fetches it")
-        commit = ref.read_text(encoding="utf-8").strip()
+        commit = ref.read_text(encoding="utf-8", errors="replace").strip()
+        if not _COMMIT.fullmatch(commit):   # used as a path below: only a commit hash may name the snapshot
+            raise CheckpointError(f"{repo_id}: ref {ref} holds {commit[:80]!r}, not a 40-hex commit hash; "
+                                  f"{fetch} writes it anew")
     path = repo / "snapshots" / commit
     if not path.is_dir():
         snapshots = repo / "snapshots"

@@ -28,6 +28,9 @@ MAX_BODY_BYTES = 13 * 1024 * 1024   # --max-body-bytes' default
 # (TypeSafe: 10 s).
 HEADER_TIMEOUT = 30.0
 BODY_TIMEOUT = 60.0
+# --write-timeout's default: nginx's send_timeout. A client that takes none of its answer's bytes for this long
+# is gone or hostile; a slow one that reads at all restarts the clock.
+WRITE_TIMEOUT = 60.0
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -70,6 +73,10 @@ def device_list(text: str) -> tuple[str, ...]:
     return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
+# --min-queue-wait's default: a burst of short requests is queued while its expected wait is within this (a
+# second refused bursts that the device clears in two), and a short request admitted is still answered well
+# within the 10 s that clients such as TypeSafe's SDKs wait.
+MIN_QUEUE_WAIT = 5.0
 DEFAULT_CONTEXT_LENGTH = 16384   # the reference's prompt limit: load()'s, decide's and demo's default
 SERVE_CONTEXT_LENGTH = 24576     # what Cloudflare serves: clefcore serve's default
 REGEXES = tuple(SPLIT_REGEX)
@@ -205,7 +212,7 @@ class ServiceConfig:
     max_queue: int = 256
     request_timeout: float = 30.0
     max_queue_wait: float | None = None     # None: half of request_timeout (wait_budget)
-    min_queue_wait: float = 1.0
+    min_queue_wait: float | None = None     # None: MIN_QUEUE_WAIT, or the wait budget if smaller
     chunk_tokens: int | None = None         # None: auto, as max_batch_tokens; 0: never chunk
     step_budget: float = STEP_BUDGET_S      # seconds of device time an auto-sized step is cut to
     age_rate: float | None = None           # None: a third of the measured device rate; math.inf: first in,
@@ -219,14 +226,15 @@ class ServiceConfig:
     admission: Any = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_requests", "max_queue", "request_timeout", "min_queue_wait",
+        for name in ("max_batch_requests", "max_queue", "request_timeout",
                      "step_budget", "stall_timeout", "device_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_batch_tokens is not None and not self.max_batch_tokens > 0:
             raise ValueError(f"max_batch_tokens must be > 0 or None (auto), got {self.max_batch_tokens}")
-        if self.max_queue_wait is not None and not self.max_queue_wait > 0:
-            raise ValueError(f"max_queue_wait must be > 0 or None, got {self.max_queue_wait}")
+        for name in ("max_queue_wait", "min_queue_wait"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if not self.devices:
             raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
         if self.chunk_tokens is not None and self.chunk_tokens < 0:
@@ -264,6 +272,12 @@ class ServiceConfig:
         """Seconds of expected wait a request of context_length tokens may be admitted into: half the timeout
         leaves the other half for the estimate's error."""
         return self.max_queue_wait if self.max_queue_wait is not None else self.request_timeout / 2
+
+    @property
+    def min_wait_budget(self) -> float:
+        """Seconds of expected wait any request may be admitted into, however short (``min_queue_wait``; by
+        default MIN_QUEUE_WAIT, or the wait budget if that is smaller)."""
+        return self.min_queue_wait if self.min_queue_wait is not None else min(MIN_QUEUE_WAIT, self.wait_budget)
 
 
 def _positive(kind):
@@ -347,6 +361,9 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
                         help="seconds from a request's headers to the end of its body; then 408 and the "
                              "connection is closed")
+    parser.add_argument("--write-timeout", type=_positive(float), default=WRITE_TIMEOUT,
+                        help="seconds a connection may leave its answers unread once the server's send buffers "
+                             "for it are full; then it is closed and what waits for it is dropped")
     auto = (f"auto: the tokens of a step of --step-budget at the device's measured rate, kept current as it "
             f"serves, between {STEP_FLOOR_TOKENS} and {STEP_CAP_TOKENS} (the device memory is reserved for "
             f"{STEP_CAP_TOKENS})")
@@ -365,7 +382,9 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "--request-timeout)")
     parser.add_argument("--min-queue-wait", type=_positive(float), default=d.min_queue_wait,
                         help="the wait any request tolerates, however short it is; never less than one "
-                             "device step, one chunk and its own run")
+                             f"device step, one chunk and its own run (default: {MIN_QUEUE_WAIT:g}, or "
+                             f"--max-queue-wait if smaller; a smaller value refuses short requests sooner under "
+                             f"load)")
     parser.add_argument("--chunk-tokens", type=_or_auto(_non_negative(int)), default="auto",
                         help="run prompts longer than this in chunks of this many tokens, between batches of "
                              f"short ones: a number, 0 (never), or {auto}")

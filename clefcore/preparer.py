@@ -51,8 +51,10 @@ class Preparer:
         if on_overflow == "reject" and record.state_truncated:
             need = len(record.input_ids) - (record.state_span[1] - record.state_span[0]) \
                 + record.state_tokens_before_truncation
-            raise ContextLengthError(f"prompt needs {need} tokens (state {record.state_tokens_before_truncation}); "
-                                     f"maximum is {self.context_length}", required=need, maximum=self.context_length)
+            more = "at least " if record.state_cut else ""   # the state's text past the cut was not counted
+            raise ContextLengthError(f"prompt needs {more}{need} tokens (state {more}"
+                                     f"{record.state_tokens_before_truncation}); maximum is {self.context_length}",
+                                     required=need, maximum=self.context_length)
         return Prepared(request, record)
 
 

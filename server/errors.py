@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from clefcore.errors import ContextLengthError, RequestError
+from clefcore.errors import BodyTooLargeError, ContextLengthError, RequestError
 
 # TypeSafe's `detail.error_type` vocabulary; our own kinds map onto it.
 _TYPESAFE_KIND = {
@@ -84,7 +84,10 @@ class ApiError(Exception):
 
 
 def malformed_body(err: RequestError, encoding: str = "") -> ApiError:
+    """A body that is not JSON (400), or holds more than a body may (BodyTooLargeError: 413)."""
     message = f"request body (decoded from {encoding}): {err.message}" if encoding else err.message
+    if isinstance(err, BodyTooLargeError):
+        return ApiError(413, message, err.type, cf_code=CF_TOO_LARGE, limit=err.limit)
     return ApiError(400, message, "invalid_json", cf_code=CF_NOT_JSON, field=err.field or None,
                     limit=err.limit)
 

@@ -61,7 +61,7 @@ async def _serve(args: argparse.Namespace) -> int:
     await runner.setup()
     try:
         server = await listen(runner, args.host, args.port, reuse_port=args.reuse_port,
-                              head_timeout_s=args.header_timeout)
+                              head_timeout_s=args.header_timeout, write_timeout_s=args.write_timeout)
     except OSError as error:
         await runner.cleanup()
         if error.errno == errno.EADDRINUSE:

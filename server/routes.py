@@ -31,7 +31,7 @@ from clefcore.example_request import support_ticket
 from clefcore.options import BODY_TIMEOUT, MAX_BODY_BYTES
 
 from . import errors
-from .body import read_json
+from .body import decode, parse, receive
 from .engine_status import describe
 from .logs import RefusalLog, log
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -215,20 +215,31 @@ async def _decide(request: web.Request, path_model: str | None) -> dict:
     service = request.app[SERVICE]
     with service.accept() as arrival:
         # Refuse before reading and tokenizing when the queue is already full or the work before a body of this
-        # size is over its budget: shedding load must be cheap. A compressed body's size says little.
+        # size is over its budget: shedding load must be cheap. A compressed body's size says little: it is
+        # judged once decoded, by its decoded size, as a plain body is by its own.
         plain = request.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
         body_bytes = request.content_length if plain else None
         service.refuse_early(arrival, body_bytes)
         http = request.app[HTTP]
-        body = await read_json(request, http.max_body_bytes, service.executor, http.body_timeout)
-        if path_model is not None and isinstance(body, dict):
-            # Workers AI takes the model from the path: a body may leave it out or name it either way.
-            body_model = body.setdefault("model", path_model)
-            if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
-                raise errors.model_mismatch(body_model, path_model)
-        return await service.answer(body, arrival, route=request["route"],
-                                    started=request["started"], body_bytes=body_bytes,
-                                    read_bytes=request["log"].get("bytes_in", 0), trace=request["log"])
+        body = await receive(request, http.max_body_bytes, http.body_timeout)
+        data = body.data
+        if body.applied:
+            data = await decode(body, http.max_body_bytes, service.on_threads)
+            body_bytes = len(data)
+            service.refuse_early(arrival, body_bytes)
+        request["log"]["bytes_in"] = len(data)
+
+        def read() -> Any:   # on the prepare threads
+            parsed = parse(data, body.encoding)
+            if path_model is not None and isinstance(parsed, dict):
+                # Workers AI takes the model from the path: a body may leave it out or name it either way.
+                body_model = parsed.setdefault("model", path_model)
+                if isinstance(body_model, str) and cloudflare_model(body_model) != path_model:
+                    raise errors.model_mismatch(body_model, path_model)
+            return parsed
+        return await service.answer(read, arrival, route=request["route"],
+                                    started=request["started"], body_bytes=body_bytes, read_bytes=len(data),
+                                    trace=request["log"])
 
 
 # --- plain routes -------------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from clefcore import hub
 from clefcore.checkpoint import Checkpoint
@@ -56,6 +56,8 @@ from .testhooks import TestHooks
 
 __all__ = ["Service", "ServiceConfig", "ServiceError", "Unavailable", "Overloaded", "TimedOut",
            "InferenceFailed", "Health"]
+
+T = TypeVar("T")
 
 # Retry-After of the 503s while loading, or while a device is stalled, faulted or lost: it may take a while, and
 # another replica may answer meanwhile. A draining server's clients should go elsewhere at once.
@@ -192,7 +194,7 @@ class Service:
         self.preparer = preparer
         self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
-                               budgets=Budgets(cfg.min_queue_wait, cfg.wait_budget, cfg.engine.context_length),
+                               budgets=Budgets(cfg.min_wait_budget, cfg.wait_budget, cfg.engine.context_length),
                                start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
                                policy=cfg.admission)
@@ -292,7 +294,7 @@ class Service:
         started = time.monotonic()
         with self.accept() as arrival:
             self.refuse_early(arrival, None)
-            return await self.answer(body, arrival, route="library", started=started)
+            return await self.answer(lambda: body, arrival, route="library", started=started)
 
     @contextlib.contextmanager
     def accept(self) -> Iterator[Arrival]:
@@ -324,24 +326,32 @@ class Service:
     def refuse_early(self, arrival: Arrival, body_bytes: int | None) -> None:
         """Raise Overloaded, before the body is read and tokenized, when the queue is full or the work before a
         body of ``body_bytes`` (None: unknown) is over its budget: shedding load must be cheap. Otherwise the
-        body's estimated size is held as work ahead of later arrivals until it is queued."""
+        body's estimated size is held as work ahead of later arrivals until it is queued. Asked again once a
+        compressed body's decoded size is known, it judges and holds that size as a plain body's."""
         refusal = self.batcher.early_refusal(body_bytes)
         if refusal is not None:
             raise Overloaded(refusal, self.batcher.capacity)
+        self.batcher.release(arrival.hold)
         arrival.hold = self.batcher.hold(body_bytes)
 
-    async def answer(self, body: Any, arrival: Arrival, *, route: str, started: float,
+    async def on_threads(self, nbytes: int, fn: Callable[[], T]) -> T:
+        """``fn()`` on the prepare threads, in the turn of a body of ``nbytes`` (server/prepare.py: the
+        smallest first, with aging), so that no body's decoding, parsing or tokenizing holds up the event
+        loop or jumps the queue."""
+        return await self._gate.run(nbytes, fn, self.executor)
+
+    async def answer(self, read: Callable[[], Any], arrival: Arrival, *, route: str, started: float,
                      body_bytes: int | None = None, read_bytes: int = 0, trace: dict | None = None) -> dict:
-        """Prepare ``body`` on the threads, queue it, wait for its forward (inside ``accept``). ``route``: the
-        e2e latency histogram's label (the HTTP route's path, as on clef_requests_total), measured from
-        ``started`` (time.monotonic). ``body_bytes``: its size on
-        the wire when known, which teaches the early refusal tokens per byte; ``read_bytes``: its decoded size,
-        its turn on the threads. ``trace`` (the request's log line) gets its tokens and its trip through the
-        batcher."""
+        """Prepare the body that ``read()`` returns (as parsed from JSON; it runs on the prepare threads, and what
+        it raises is raised here), queue it, wait for its forward (inside ``accept``). ``route``: the e2e
+        latency histogram's label (the HTTP route's path, as on clef_requests_total), measured from ``started`` (time.monotonic). ``body_bytes``: its size as a
+        plain body when known, which teaches the early refusal tokens per byte; ``read_bytes``: its decoded
+        size, its turn on the threads. ``trace`` (the request's log line) gets its tokens and its trip through
+        the batcher."""
         cfg = self.config
         trace = {} if trace is None else trace
-        prepared = await self._gate.run(read_bytes, lambda: self.preparer.prepare(body, on_overflow=cfg.on_overflow),
-                                        self.executor)
+        prepared = await self.on_threads(read_bytes, lambda: self.preparer.prepare(read(),
+                                                                                   on_overflow=cfg.on_overflow))
         trace["prompt_tokens"] = prepared.num_tokens
         batcher = self.batcher
         batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between

@@ -12,7 +12,7 @@ import pytest
 
 import clefcore
 from clefcore import synth
-from clefcore.checkpoint import Checkpoint, SafetensorsFile, bf16_bits, to_float32, write_safetensors
+from clefcore.checkpoint import Checkpoint, SafetensorsFile, bf16_bits, missing_files, to_float32, write_safetensors
 from clefcore.errors import CheckpointError
 from clefcore.example_request import support_ticket
 
@@ -194,3 +194,25 @@ def test_fused_projections_are_stacked_at_load():
     f32 = stack_refs("x", [refs[0], type(refs[1])(refs[1].file, "y", "F32", refs[1].shape, wide)])
     assert f32.dtype == "F32" and np.array_equal(f32.raw, want[:f32.shape[0]])
     assert stack_refs("x", refs[:1]) is refs[0]
+
+
+@pytest.mark.parametrize("shard", ["/abs", "../outside/model-00001-of-00002.safetensors",
+                                   "sub/../model-00001-of-00002.safetensors", "..", ".", "",
+                                   "..\\model-00001-of-00002.safetensors"])
+def test_shard_names_must_be_plain_file_names(model_copy, tmp_path, shard):
+    """The index names the shards; one that names a path (absolute, with '..' or a separator) would read a file
+    outside the model directory: here a valid shard copied outside, which would load if it were read."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    real = "model-00001-of-00002.safetensors"
+    shutil.copy(model_copy / real, outside / real)
+    shard = shard.replace("/abs", str(outside / real))
+    index = model_copy / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"] = {n: shard if s == real else s for n, s in data["weight_map"].items()}
+    index.write_text(json.dumps(data))
+    (model_copy / real).unlink()
+    for reader in (lambda: clefcore.load(model_copy), lambda: missing_files(model_copy)):
+        with pytest.raises(CheckpointError) as e:
+            reader()
+        assert f"shard {shard!r} is not a plain file name in the model directory" in str(e.value)

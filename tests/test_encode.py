@@ -9,7 +9,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from clefcore.encode import Encoder
+from clefcore.encode import Encoder, state_text_cut
 from clefcore.errors import ContextLengthError, RequestError
 from clefcore.jsonvalue import parse_body, render
 from clefcore.tokenize import Tokenizer
@@ -176,3 +176,98 @@ def test_special_tokens_in_text_are_parsed(encoders):
 def test_unknown_regex_rejected():
     with pytest.raises(ValueError):
         Tokenizer(TOKENIZER, regex="gpt2")
+
+
+# --- the state's text is cut before it is tokenized ---------------------------------------------------------
+
+def _texts(n: int) -> dict:
+    """States of at least ``n`` characters that test the cut: the vocabulary's longest tokens (in bytes, and
+    in ASCII characters), added tokens, one giant pre-tokenizer word, a whitespace run, compositions of three
+    characters into two bytes, digits, a JSON value, and a seeded mix of all of it."""
+    pool = ["a", " ", "\n", "0", "é", "e\u0301", "U\u0308\u0304", "日本", "🚀", "<|im_end|>", "<|endoftext|>",
+            " สวัสดีครับ", "Subscription", "{", "}", "\"", "\\", "\u2028"]
+    rng = np.random.default_rng(47)
+    texts = {"longest": " สวัสดีครับ" * n, "ascii": "Subscription" * n, "added": "<|endoftext|>" * n,
+             "word": "a" * n, "spaces": " " * n + "x", "composed": "U\u0308\u0304" * n, "digits": "0123456789" * n,
+             "json": {"rows": [{"id": i, "tag": "Subscription"} for i in range(n // 4)]},
+             "mix": "".join(pool[i] for i in rng.integers(0, len(pool), n))}
+    return texts
+
+
+def _encode_uncut(encoder: Encoder, request: dict, context_length: int, monkeypatch):
+    """The rule itself: the whole text tokenized, then truncated (no cut)."""
+    with monkeypatch.context() as m:
+        m.setattr("clefcore.encode.state_text_cut", lambda room, longest: 1 << 62)
+        return encoder.encode(request, context_length)
+
+
+@pytest.mark.parametrize("regex", [None, "qwen35"])
+@pytest.mark.parametrize("room", [0, 1, 57, 300])
+def test_the_cut_never_changes_the_prompt(encoders, monkeypatch, regex, room):
+    """A state past the cut (clefcore.encode.state_text_cut) gives the prompt that tokenizing all of it would:
+    the same ids, spans and truncation, for texts built to strain the bound, and for texts of exactly the cut's
+    length and one character either side of it."""
+    encoder = encoders[regex]
+    request = validate_request(parse_body(REQUESTS[0]), mode="reference")
+    request = dict(request, state="")
+    fixed = len(encoder.encode(request, 16384).input_ids)
+    context = fixed + room
+    cut = state_text_cut(room, encoder.tokenizer.max_chars_per_token)
+    assert encoder.tokenizer.max_chars_per_token == 2 * 31   # the golden vocabulary's " สวัสดีครับ", 31 bytes
+    cases = {name: text for name, text in _texts(cut + 5).items()}
+    cases.update({f"mix{d:+d}": cases["mix"][:cut + d] for d in (-1, 0, 1)})
+    for name, state in cases.items():
+        record = encoder.encode(dict(request, state=state), context)
+        whole = _encode_uncut(encoder, dict(request, state=state), context, monkeypatch)
+        assert record.input_ids.tolist() == whole.input_ids.tolist(), name
+        assert (record.state_span, record.questions, record.state_truncated) == \
+            (whole.state_span, whole.questions, whole.state_truncated), name
+        assert record.state_cut == (len(render(state)) > cut), name
+        assert record.state_truncated, name
+
+
+def test_a_cut_below_the_bound_would_change_the_prompt(encoders, monkeypatch):
+    """The comparison above can fail: a cut one character short of the text the kept tokens stand for splits the
+    last of them."""
+    encoder = encoders[None]
+    request = dict(validate_request(parse_body(REQUESTS[0]), mode="reference"), state="")
+    fixed = len(encoder.encode(request, 16384).input_ids)
+    state, room = "Subscription " * 1000, 40
+    whole = _encode_uncut(encoder, dict(request, state=state), fixed + room, monkeypatch)
+    start, end = whole.state_span
+    covered = len(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
+    assert state.startswith(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
+    monkeypatch.setattr("clefcore.encode.state_text_cut", lambda room, longest: covered - 1)
+    short = encoder.encode(dict(request, state=state), fixed + room)
+    assert short.input_ids.tolist() != whole.input_ids.tolist()
+
+
+@pytest.mark.parametrize("change", ["removed_split", "whitespace", "strip_normalizer", "not_byte_level"])
+def test_no_cut_where_a_token_may_stand_for_unbounded_text(tmp_path, change):
+    """A tokenizer that may drop text (a split that removes what it splits on, whitespace splitting, a stripping
+    normalizer) or is not byte-level has no bound on the text a token stands for: its states are tokenized
+    whole, as before."""
+    spec = json.loads(TOKENIZER.read_text(encoding="utf-8"))
+    split, byte_level = spec["pre_tokenizer"]["pretokenizers"]
+    if change == "removed_split":
+        spec["pre_tokenizer"]["pretokenizers"] = [dict(split, behavior="Removed"), byte_level]
+    elif change == "whitespace":
+        spec["pre_tokenizer"]["pretokenizers"] = [{"type": "WhitespaceSplit"}, byte_level]
+    elif change == "strip_normalizer":
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"},
+                                                                   {"type": "Strip", "strip_left": True, "strip_right": True}]}
+    else:
+        spec["decoder"] = {"type": "Fuse"}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    assert Tokenizer(TOKENIZER).max_chars_per_token == 62
+    tokenizer = Tokenizer(path)
+    assert tokenizer.max_chars_per_token is None
+    encoder = Encoder(tokenizer)
+    state = "word " * 4000   # past where the golden vocabulary's bound would cut it, at 36 tokens of room
+    assert len(state) > state_text_cut(36, 62)
+    request = dict(validate_request(parse_body(REQUESTS[0]), mode="reference"), state="")
+    fixed = len(encoder.encode(request, 16384).input_ids)
+    record = encoder.encode(dict(request, state=state), fixed + 36)
+    assert not record.state_cut
+    assert record.state_tokens_before_truncation == len(tokenizer.encode_pieces([state])[0])

@@ -213,3 +213,17 @@ def test_the_service_serves_a_hub_id_at_its_revision(cache):
     assert answer == clefcore.load(MODEL).decide(support_ticket())
     with pytest.raises(CheckpointError, match="joint_head.safetensors: file not found"):
         asyncio.run(main(None))
+
+
+@pytest.mark.parametrize("held", ["../../../outside", "/abs/outside", "a" * 39 + "/", "A" * 40, "main"])
+def test_a_ref_must_hold_a_commit_hash(cache, tmp_path, held):
+    """refs/main is used to name the snapshot directory: a path in it would load a model from anywhere (here a
+    complete model directory outside the cache, reachable through the ref)."""
+    outside = tmp_path / "outside"
+    outside.symlink_to(MODEL.resolve())
+    held = held.replace("/abs/outside", str(outside))
+    (cache / f"models--{REPO.replace('/', '--')}" / "refs" / "main").write_text(held)
+    with pytest.raises(CheckpointError) as error:
+        hub.locate(REPO)
+    assert "not a 40-hex commit hash" in error.value.message
+    assert repr(held) in error.value.message

@@ -5,7 +5,6 @@ coding, a body that inflates past --max-body-bytes gets a 413, and the server ke
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import gzip
 import json
 import random
@@ -272,32 +271,34 @@ def test_zstd_windows_over_8_mib_are_refused():
     assert codings.decode(narrow, ["zstd"], limits(len(data))) == data
 
 
-class _Recorder(concurrent.futures.Executor):
-    """An executor that runs nothing: it keeps what it was given and answers with ``outcome`` (None: never)."""
+class _Threads:
+    """The prepare threads as body.decode sees them (``on_threads``): they keep what they were given and run
+    nothing; a call raises ``outcome``, or never returns (None)."""
 
     def __init__(self, outcome: BaseException | None = None):
         self.calls = []
         self.outcome = outcome
 
-    def submit(self, fn, /, *args, **kwargs):
-        self.calls.append(args)
-        future = concurrent.futures.Future()
+    async def __call__(self, nbytes, fn):
+        self.calls.append(fn)
         if self.outcome is not None:
-            future.set_exception(self.outcome)
-        return future
+            raise self.outcome
+        await asyncio.get_running_loop().create_future()
 
 
-def test_a_client_that_leaves_stops_its_decoding():
+def test_a_client_that_leaves_stops_its_decoding(monkeypatch):
     """The handler is cancelled when its client disconnects; the decoding thread is told to stop."""
     from clefcore.server import body
 
-    executor = _Recorder()
+    threads, seen = _Threads(), []
+    monkeypatch.setattr(body.codings, "decode", lambda data, applied, limits: seen.append(limits))
 
     async def leave():
-        task = asyncio.ensure_future(body._decode(gzip.compress(b"{}"), ["gzip"], "gzip", 1000, executor))
-        while not executor.calls:
+        task = asyncio.ensure_future(body.decode(body.Body(gzip.compress(b"{}"), ("gzip",), "gzip"), 1000, threads))
+        while not threads.calls:
             await asyncio.sleep(0)
-        (_, _, limits), = executor.calls
+        threads.calls[0]()          # what the thread would run: the decoding, with its limits
+        (limits,) = seen
         assert not limits.stop.is_set()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -311,7 +312,7 @@ def test_decoding_past_its_deadline_gets_413_naming_it():
     from clefcore.server import body, codings, errors
 
     with pytest.raises(errors.ApiError) as refused:
-        asyncio.run(body._decode(b"x", ["br"], "br", 13 * 1024 * 1024, _Recorder(codings.TooSlow())))
+        asyncio.run(body.decode(body.Body(b"x", ("br",), "br"), 13 * 1024 * 1024, _Threads(codings.TooSlow())))
     error = refused.value
     seconds = codings.deadline_s(13 * 1024 * 1024)
     assert error.status == 413 and error.limit == f"{seconds:g} s decoding", error.bare_body()

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clefcore.encode import EncodedRecord, Encoder
-from clefcore.errors import RequestError
-from clefcore.jsonvalue import MAX_DEPTH, parse_body
+from clefcore.errors import BodyTooLargeError, RequestError
+from clefcore.jsonvalue import MAX_DEPTH, MAX_ELEMENTS, parse_body
 from clefcore.tokenize import Tokenizer
 from clefcore.validate import validate_request
 
@@ -377,6 +377,30 @@ def test_parse_body_rejects(data, needle):
     with pytest.raises(RequestError) as info:
         parse_body(data)
     assert needle in info.value.message
+
+
+@pytest.mark.parametrize("body", [
+    "[" + "0," * MAX_ELEMENTS + "0]",                          # elements
+    "[" + "[]," * (MAX_ELEMENTS // 2) + "[]]",                   # arrays, each counted
+    "{" + ",".join(f'"{i}":{{}}' for i in range(MAX_ELEMENTS // 2 + 1)) + "}",   # members and objects
+])
+def test_parse_body_bounds_the_elements_before_parsing(body, monkeypatch):
+    """More than MAX_ELEMENTS elements, members, arrays and objects: BodyTooLargeError naming the limit, before
+    the parser builds anything."""
+    def never(*args, **kwargs):
+        raise AssertionError("parsed")
+    monkeypatch.setattr("clefcore.jsonvalue.json.loads", never)
+    with pytest.raises(BodyTooLargeError) as info:
+        parse_body(body.encode())
+    assert info.value.limit == f"{MAX_ELEMENTS} elements" and str(MAX_ELEMENTS) in info.value.message
+
+
+def test_parse_body_counts_only_commas_and_brackets_outside_strings():
+    """Commas and brackets inside strings (escaped quotes included) are text, not elements."""
+    text = '\\"[{,' * MAX_ELEMENTS
+    body = json.dumps({"state": text, "list": list(range(1000))})
+    assert parse_body(body.encode())["state"] == text
+    assert parse_body(body)["state"] == text
 
 
 def test_parse_body_keeps_json_semantics():

@@ -47,6 +47,11 @@ class Prepared:
     def num_tokens(self) -> int:
         return int(len(self.record.input_ids))
 
+    @property
+    def images(self) -> tuple:
+        """Its images, preprocessed (clefcore.preprocess.Pixels), in request order."""
+        return self.record.images
+
 
 class Preparer:
     def __init__(self, checkpoint: Checkpoint, context_length: int, validation: str, images_refused: str | None,

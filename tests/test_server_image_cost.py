@@ -1,0 +1,81 @@
+"""One small request with one huge image never takes the server down (a real `clefcore serve` on the CPU, the
+tiny synthetic model with a vision tower, default settings and an API key).
+
+A 4000 x 4000 1-bit PNG is 2.8 KB on the wire and 15,625 image tokens once resized within the processor's bounds;
+its vision tower would take minutes on the CPU (attention over 62,500 patches). The server refuses it with 413
+before any device work, naming the image-token limit it sized at start from the tower's measured cost, and
+stays ready; an image within the limit is answered, and so is the next text request. That a legitimate long
+step is never taken for a stall (its limit is its own expected time, towers included) is shown without minutes
+of CPU by tests/test_image_cost.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_harness import SUPPORT_TICKET, Server  # noqa: E402
+
+KEY = "image-cost-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def png_url(width: int, height: int) -> str:
+    buf = io.BytesIO()
+    Image.new("1", (width, height)).save(buf, "PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tmp_path_factory.mktemp("tiny-vision")
+    subprocess.run([sys.executable, "-m", "clefcore.cli", "synth", "--preset", "tiny", "--vision", "--out",
+                    str(model)], check=True, capture_output=True, cwd=model)
+    with Server("--model", str(model), "--api-key", KEY) as s:
+        s.wait_ready(120)
+        yield s
+
+
+def test_a_huge_image_is_refused_413_and_the_server_keeps_serving(server):
+    huge = png_url(4000, 4000)
+    assert len(huge) < 4_500                                   # about 2.8 KB of PNG, base64'd
+    ready = server.events("ready")[0]
+    limit = ready["max_image_tokens"]
+    assert 128 <= limit < 15_625 and ready["max_request_image_tokens"] == 4 * limit
+    assert ready["tower_tokens_per_patch"] > 0 or ready["tower_tokens_per_patch_squared"] > 0
+
+    started = time.monotonic()
+    r = server.decide(dict(SUPPORT_TICKET, images=[huge]), headers=AUTH)
+    assert r.status == 413, r
+    error = r.json()["error"]
+    assert error["type"] == "request_too_large" and error["field"] == "images[0]"
+    assert error["limit"] == f"{limit} image tokens per image" and "15625 image tokens" in error["message"]
+    assert time.monotonic() - started < 10                     # refused from its size, no tower run
+
+    cf = server.post("/client/v4/accounts/test/ai/run/@cf/cloudflare/clef",
+                     dict(SUPPORT_TICKET, images=[huge]), headers=AUTH)
+    assert cf.status == 413 and cf.json()["success"] is False, cf
+
+    # still serving: ready, an image within the limit and the next text request are answered
+    assert server.get("/health").status == 200
+    small = server.decide(dict(SUPPORT_TICKET, images=[png_url(640, 480)]), headers=AUTH)
+    assert small.status == 200, small
+    assert server.decide(SUPPORT_TICKET, headers=AUTH).status == 200
+    time.sleep(2)
+    assert server.proc.poll() is None and server.get("/health").status == 200
+    assert server.metric("clef_device_stalled") == 0
+    assert server.metric("clef_device_faults_total") == 0
+
+
+def test_request_image_token_limit(server):
+    # four images within the per-image limit each, over the per-request limit together only if it is below 4x
+    limit = server.events("ready")[0]["max_request_image_tokens"]
+    r = server.decide(dict(SUPPORT_TICKET, images=[png_url(256, 256)] * 4), headers=AUTH)
+    assert (r.status == 200) == (4 * 64 <= limit), r

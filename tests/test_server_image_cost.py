@@ -14,6 +14,7 @@ import base64
 import io
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,11 +35,16 @@ def png_url(width: int, height: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_model(tmp_path_factory):
     model = tmp_path_factory.mktemp("tiny-vision")
     subprocess.run([sys.executable, "-m", "clefcore.cli", "synth", "--preset", "tiny", "--vision", "--out",
                     str(model)], check=True, capture_output=True, cwd=model)
-    with Server("--model", str(model), "--api-key", KEY) as s:
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(server_model):
+    with Server("--model", str(server_model), "--api-key", KEY) as s:
         s.wait_ready(120)
         yield s
 
@@ -79,3 +85,33 @@ def test_request_image_token_limit(server):
     limit = server.events("ready")[0]["max_request_image_tokens"]
     r = server.decide(dict(SUPPORT_TICKET, images=[png_url(256, 256)] * 4), headers=AUTH)
     assert (r.status == 200) == (4 * 64 <= limit), r
+
+
+def test_a_long_tower_step_is_busy_not_stalled(server_model):
+    """With the per-image limit raised and a stall floor of 1 s, an image whose tower takes seconds on the CPU is
+    answered while /health stays 200 throughout: its steps' stall limits are 4x their own expected times, the
+    tower's included (tests/test_image_cost.py has the control, a tower counted as free taken for a stall)."""
+    with Server("--model", str(server_model), "--api-key", KEY, "--stall-timeout", "1",
+                "--max-image-tokens", "16384") as s:
+        s.wait_ready(120)
+        body = dict(SUPPORT_TICKET, images=[png_url(1280, 1280)])     # 6,400 patches, 1,600 image tokens
+        health, done = [], threading.Event()
+
+        def probe():
+            while not done.is_set():
+                health.append(s.get("/health").status)
+                time.sleep(0.1)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        started = time.monotonic()
+        try:
+            r = s.decide(body, headers=AUTH, timeout=120)
+        finally:
+            done.set()
+            prober.join()
+        took = time.monotonic() - started
+        assert r.status == 200, r
+        assert took > 1.0, took          # longer than the stall floor
+        assert health and set(health) == {200}, health
+        assert s.metric("clef_device_faults_total") == 0 and s.proc.poll() is None

@@ -260,11 +260,11 @@ def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecor
     return image_rows(records), tower_embeds(ops, vp, [p for r in records for p in r.images])
 
 
-def tower_embeds(ops, vp: vision.VisionParams, images) -> object:
+def tower_embeds(ops, vp: vision.VisionParams, images, replay: bool = True):
     """The vision tower over ``images`` (clefcore.preprocess.Pixels) in one call: their embeddings [n, H], in
-    placeholder order."""
+    placeholder order (``replay``: as vision.tower's)."""
     patches = ops.patch_rows([p.image for p in images])       # made where the tower runs, from the uint8 pixels
-    return vision.tower(ops, vp, patches, [p.grid_thw for p in images])
+    return vision.tower(ops, vp, patches, [p.grid_thw for p in images], replay=replay)
 
 
 def image_rows(records: list[EncodedRecord]) -> np.ndarray:

@@ -243,10 +243,11 @@ class _Device:
         for side in sides:
             image = pixels(noise.integers(0, 256, (side, side, 3), dtype=np.uint8))
             runs = []
-            for _ in range(2):        # the first run of a size pays for its warm-up (kernels, a graph's capture)
+            for _ in range(2):        # the first run of a size pays for its warm-up (kernels, GEMM autotuning)
                 started = time.perf_counter()
                 with engine.on_device():
-                    engine.ops.to_host(tower_embeds(engine.ops, engine.vision, [image]))   # waits for the device
+                    # waits for the device; never a graph: real images' sizes keep the places among them
+                    engine.ops.to_host(tower_embeds(engine.ops, engine.vision, [image], replay=False))
                 runs.append(time.perf_counter() - started)
             samples.append((side // PATCH * (side // PATCH), min(runs)))
         return samples

@@ -80,20 +80,13 @@ def test_a_huge_image_is_refused_413_and_the_server_keeps_serving(server):
     assert server.metric("clef_device_faults_total") == 0
 
 
-def test_request_image_token_limit(server):
-    # four images within the per-image limit each, over the per-request limit together only if it is below 4x
-    limit = server.events("ready")[0]["max_request_image_tokens"]
-    r = server.decide(dict(SUPPORT_TICKET, images=[png_url(256, 256)] * 4), headers=AUTH)
-    assert (r.status == 200) == (4 * 64 <= limit), r
-
-
 def test_a_long_tower_step_is_busy_not_stalled(server_model):
     """With the per-image limit raised and a stall floor of 3 s, a 2048 x 2048 image, whose tower alone takes
     several times that on the CPU, is answered while /health stays 200 throughout: each step's stall limit is 4x
     its own expected time, the tower's included. (Counted as its tokens alone, that step's limit would be the
     3 s floor: tests/test_image_cost.py has that control.)"""
     with Server("--model", str(server_model), "--api-key", KEY, "--stall-timeout", "3",
-                "--max-image-tokens", "16384") as s:
+                "--max-image-tokens", "16384", "--max-request-image-tokens", "4100") as s:
         s.wait_ready(120)
         body = dict(SUPPORT_TICKET, images=[png_url(2048, 2048)])     # 16,384 patches, 4,096 image tokens
         health, done = [], threading.Event()
@@ -117,3 +110,7 @@ def test_a_long_tower_step_is_busy_not_stalled(server_model):
         assert health and set(health) == {200}, health
         assert s.metric("clef_device_faults_total") == 0, s.events("device_stalled")
         assert s.proc.poll() is None
+        # the request's images together: 4,096 + 64 tokens, over --max-request-image-tokens
+        r = s.decide(dict(SUPPORT_TICKET, images=[png_url(2048, 2048), png_url(256, 256)]), headers=AUTH)
+        assert r.status == 413 and r.json()["error"]["field"] == "images", r
+        assert r.json()["error"]["limit"] == "4100 image tokens per request"

@@ -112,12 +112,15 @@ def pixel_bounds(directory: Path) -> PixelBounds:
     A model that ships neither file gets the release's bounds. CheckpointError for values that are not positive
     integers with min <= max."""
     processor, preprocessor = directory / "processor_config.json", directory / "preprocessor_config.json"
-    if processor.is_file() and isinstance(read_json(processor).get("image_processor"), dict):
-        source, config = processor, read_json(processor)["image_processor"]
+    nested = read_json(processor) if processor.is_file() else {}
+    if isinstance(nested, dict) and isinstance(nested.get("image_processor"), dict):
+        source, config = processor, nested["image_processor"]
     elif preprocessor.is_file():
         source, config = preprocessor, read_json(preprocessor)
     else:
         return PixelBounds()
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: the image processor's config must be a JSON object")
     low, high = PROCESSOR_DEFAULT_PIXELS
     size = config.get("size")
     if size is not None:

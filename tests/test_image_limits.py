@@ -46,7 +46,7 @@ def test_pixel_bounds_from_the_processor_config(tmp_path):
     _write(tmp_path / "preprocessor_config.json", {"min_pixels": 3136, "max_pixels": 12_845_056})
     assert pixel_bounds(tmp_path) == PixelBounds(3136, 12_845_056)
     for bad in ({"size": {"shortest_edge": 4096}}, {"min_pixels": "4096"}, {"min_pixels": 10, "max_pixels": 5},
-                {"max_pixels": 0}, {"min_pixels": True}):
+                {"max_pixels": 0}, {"min_pixels": True}, [65_536, 16_777_216]):
         _write(tmp_path / "preprocessor_config.json", bad)
         with pytest.raises(CheckpointError):
             pixel_bounds(tmp_path)

@@ -7,6 +7,7 @@ process (server/device_process.py); ``Engine`` holds one for the embedded path (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from . import images
@@ -85,24 +86,29 @@ class Preparer:
 
 def request_pixels(request: dict, bounds: PixelBounds = PixelBounds(), limits: ImageLimits = ImageLimits()) -> tuple:
     """A validated request's images, decoded (bounded: clefcore/images.py) and preprocessed within ``bounds``, in
-    request order. Each image's tokens are checked against ``limits`` from its size, before it is resized."""
-    pixels, total = [], 0
-    for i, data in enumerate(request.get("images") or ()):
-        rgb = images.decode(data, i)
-        h, w = smart_resize(rgb.shape[0], rgb.shape[1], bounds)
+    request order. Each image's tokens are checked against ``limits`` from the size in its header, before its
+    pixels are decompressed (the token count of a size and of its transpose are equal: EXIF rotation changes
+    nothing)."""
+    total = 0
+
+    def admit(index: int, width: int, height: int) -> None:
+        nonlocal total
+        h, w = smart_resize(height, width, bounds)
         tokens = h * w // (FACTOR * FACTOR)
         total += tokens
         if limits.per_image is not None and tokens > limits.per_image:
             raise ImageTokensError(
-                f"images[{i}]: a {rgb.shape[1]}x{rgb.shape[0]} image is resized to {w}x{h} and becomes {tokens} "
-                f"image tokens; at most {limits.per_image} per image (send it smaller)",
-                field=f"images[{i}]", limit=f"{limits.per_image} image tokens per image")
+                f"images[{index}]: a {width}x{height} image is resized to {w}x{h} and becomes {tokens} image "
+                f"tokens; at most {limits.per_image} per image (send it smaller)",
+                field=f"images[{index}]", limit=f"{limits.per_image} image tokens per image")
         if limits.per_request is not None and total > limits.per_request:
             raise ImageTokensError(
-                f"images: the images up to images[{i}] become {total} image tokens; at most {limits.per_request} "
-                f"per request", field="images", limit=f"{limits.per_request} image tokens per request")
-        pixels.append(preprocess(rgb, bounds))
-    return tuple(pixels)
+                f"images: the images up to images[{index}] become {total} image tokens; at most "
+                f"{limits.per_request} per request",
+                field="images", limit=f"{limits.per_request} image tokens per request")
+
+    return tuple(preprocess(images.decode(data, i, partial(admit, i)), bounds)
+                 for i, data in enumerate(request.get("images") or ()))
 
 
 def pixel_bounds(directory: Path) -> PixelBounds:

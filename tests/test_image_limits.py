@@ -74,3 +74,14 @@ def test_image_token_limits_per_image_and_per_request():
                                                  ImageLimits(per_image=234))] == [416 * 576 // 1024] == [234]
     with pytest.raises(ValueError):
         ImageLimits(per_image=0)
+
+
+def test_refused_from_the_header_before_the_pixels_are_decompressed(monkeypatch):
+    # the 4000 x 4000 PNG's pixels are never decoded: Pillow's load would be the first to touch them
+    from PIL import ImageFile
+    loads = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self) or None)
+    with pytest.raises(ImageTokensError) as refused:
+        request_pixels({"images": [_png(4000, 4000)]}, limits=ImageLimits(per_image=1024))
+    assert refused.value.field == "images[0]" and "15625 image tokens" in refused.value.message
+    assert loads == []

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clefcore.images import MAX_IMAGES
+from clefcore.images import MAX_ASPECT, MAX_IMAGES
 from clefcore.preparer import ImageLimits
 from clefcore.preprocess import FACTOR, MERGE, PixelBounds
 
@@ -79,15 +79,22 @@ class TowerCost:
         raise ValueError("a tower that costs nothing has no largest image")
 
 
+def least_image(bounds: PixelBounds) -> int:
+    """The most tokens an image smaller than ``bounds.min_pixels`` becomes: enlarged to that many pixels, each side
+    rounded up to a multiple of 32 (adding less than 32 to it), which adds the most at the widest aspect ratio
+    allowed. So small images are answered however slow the tower is (179 tokens at the release's bounds)."""
+    low, wide = bounds.min_pixels, MAX_ASPECT
+    return math.ceil((math.sqrt(low / wide) + FACTOR) * (math.sqrt(low * wide) + FACTOR) / (FACTOR * FACTOR))
+
+
 def image_limits(per_image: int | None, per_request: int | None, cost: TowerCost, step_tokens: int,
                  bounds: PixelBounds) -> ImageLimits:
     """The image-token limits: ``per_image`` and ``per_request`` as configured, or where None (auto), those of the
-    module doc: one image's tower within ``step_tokens`` (an auto-sized step's tokens), never below twice the
-    tokens of an image at the processor's least pixel count (``bounds``: rounding to multiples of 32 makes the
-    least images up to that large), and MAX_IMAGES of those per request."""
+    module doc: one image's tower within ``step_tokens`` (an auto-sized step's tokens), never below what any image
+    enlarged to the processor's least pixel count becomes (``least_image``), and MAX_IMAGES of those per
+    request."""
     if per_image is None:
-        smallest = 2 * math.ceil(bounds.min_pixels / (FACTOR * FACTOR))
-        per_image = max(smallest, cost.largest_image(step_tokens) // (MERGE * MERGE))
+        per_image = max(least_image(bounds), cost.largest_image(step_tokens) // (MERGE * MERGE))
     if per_request is None:
         per_request = MAX_IMAGES * per_image
     return ImageLimits(per_image, per_request)

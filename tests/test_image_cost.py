@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from clefcore.engine import EngineStatus
-from clefcore.preprocess import PixelBounds
+from clefcore.preprocess import PixelBounds, smart_resize
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
 from clefcore.server.device_watch import DeviceWatch
-from clefcore.server.image_cost import TowerCost, image_limits
+from clefcore.server.image_cost import TowerCost, image_limits, least_image
 from clefcore.server.metrics import Metrics
 
 
@@ -59,7 +59,22 @@ def test_image_limits_default_to_one_step_per_image():
     assert image_limits(300, None, cost, 1_024, PixelBounds()).per_request == 1_200
     assert image_limits(None, 500, cost, 1_024, PixelBounds()).per_request == 500
     # never below what the least images become: a slow tower still answers small images
-    assert image_limits(None, None, TowerCost(100.0, 1.0), 1_024, PixelBounds()).per_image == 2 * 64
+    assert least_image(PixelBounds()) == 179
+    assert image_limits(None, None, TowerCost(100.0, 1.0), 1_024, PixelBounds()).per_image == 179
+
+
+def test_every_image_enlarged_to_the_least_pixels_fits_the_least_image():
+    # every size whose rounded area is below the release's least pixels: those under 400 pixels high (taller ones
+    # round to at least 12 x 12 blocks of 32, over 65,536 pixels), each width up to the aspect ratio's limit or to
+    # where even a 32-pixel-high rounding exceeds the bound
+    bounds = PixelBounds()
+    worst = 0
+    for height in range(1, 400):
+        for width in range(height, min(200 * height, 4_100) + 1):
+            if round(height / 32) * round(width / 32) * 1024 < bounds.min_pixels:    # enlarged
+                h, w = smart_resize(height, width, bounds)
+                worst = max(worst, h * w // 1024)
+    assert worst == 128 <= least_image(bounds)       # 1 x 63 pixels -> 64 x 2048
 
 
 # --- the batcher: an image request's steps and their stall limits ------------------------------------------------

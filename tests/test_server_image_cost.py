@@ -54,7 +54,7 @@ def test_a_huge_image_is_refused_413_and_the_server_keeps_serving(server):
     assert len(huge) < 4_500                                   # about 2.8 KB of PNG, base64'd
     ready = server.events("ready")[0]
     limit = ready["max_image_tokens"]
-    assert 128 <= limit < 15_625 and ready["max_request_image_tokens"] == 4 * limit
+    assert 179 <= limit < 15_625 and ready["max_request_image_tokens"] == 4 * limit
     assert ready["tower_tokens_per_patch"] > 0 or ready["tower_tokens_per_patch_squared"] > 0
 
     started = time.monotonic()
@@ -71,7 +71,7 @@ def test_a_huge_image_is_refused_413_and_the_server_keeps_serving(server):
 
     # still serving: ready, an image within the limit and the next text request are answered
     assert server.get("/health").status == 200
-    small = server.decide(dict(SUPPORT_TICKET, images=[png_url(640, 480)]), headers=AUTH)
+    small = server.decide(dict(SUPPORT_TICKET, images=[png_url(320, 240)]), headers=AUTH)   # 80 tokens
     assert small.status == 200, small
     assert server.decide(SUPPORT_TICKET, headers=AUTH).status == 200
     time.sleep(2)

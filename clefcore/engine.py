@@ -190,10 +190,14 @@ class Engine:
 
     def image_inputs(self, records: list[EncodedRecord]):
         """See the module's image_inputs; refuses when this engine does not answer images."""
-        if any(r.images for r in records) and self.vision is None:
-            # prepare refuses these; a record made elsewhere must not run without them
-            raise RequestError(self.images_refused, field="images")
+        self.check_images(records)
         return image_inputs(self.ops, self.vision, records)
+
+    def check_images(self, records: list[EncodedRecord]) -> None:
+        """RequestError when a record has images and this engine does not answer them: prepare refuses these; a
+        record made elsewhere must not run without them."""
+        if any(r.images for r in records) and self.vision is None:
+            raise RequestError(self.images_refused, field="images")
 
     def infer(self, prepared: list[Prepared]) -> list[dict]:
         if not prepared:
@@ -253,12 +257,21 @@ def image_inputs(ops, vp: vision.VisionParams | None, records: list[EncodedRecor
     the packed stream that are image pads, their embeddings [n, H]), or (None, None) without images."""
     if not any(r.images for r in records):
         return None, None
-    images = [p for r in records for p in r.images]
+    return image_rows(records), tower_embeds(ops, vp, [p for r in records for p in r.images])
+
+
+def tower_embeds(ops, vp: vision.VisionParams, images, replay: bool = True):
+    """The vision tower over ``images`` (clefcore.preprocess.Pixels) in one call: their embeddings [n, H], in
+    placeholder order (``replay``: as vision.tower's)."""
     patches = ops.patch_rows([p.image for p in images])       # made where the tower runs, from the uint8 pixels
-    embeds = vision.tower(ops, vp, patches, [p.grid_thw for p in images])
+    return vision.tower(ops, vp, patches, [p.grid_thw for p in images], replay=replay)
+
+
+def image_rows(records: list[EncodedRecord]) -> np.ndarray:
+    """The rows of the packed stream of ``records`` that are image pads, in placeholder order."""
     starts = np.concatenate([[0], np.cumsum([len(r.input_ids) for r in records])])
     rows = np.concatenate([np.arange(s, e) + starts[b] for b, r in enumerate(records) for s, e, _, _ in r.image_spans])
-    return rows.astype(np.int64), embeds
+    return rows.astype(np.int64)
 
 
 def packed_positions(records: list[EncodedRecord]) -> np.ndarray:
@@ -284,48 +297,79 @@ def load(path: str | Path, device: str = "cpu", options: EngineOptions | None = 
 class ChunkedRun:
     """One request's prefill as a sequence of ``step()`` calls of ``chunk`` tokens each (ChunkedPrefill),
     then ``response()``: the joint head over the whole prompt, once. Between steps the engine may run other
-    forwards. Guards are read after every step; a trip restarts the run on the range-safe exact path (counted and
-    logged as in Engine.forward), a trip there too is a DeviceError. Answers equal the unchunked forward's up to
-    fp rounding."""
+    forwards. A request with images first runs their vision tower: with the first chunk, or split, a block of
+    images per step (``step(images=n)``), so that no step runs more than a block's tower. Guards are read after
+    every step; a trip restarts the run on the range-safe exact path (counted and logged as in Engine.forward),
+    a trip there too is a DeviceError. Answers equal the unchunked forward's up to fp rounding."""
 
     def __init__(self, engine: Engine, prepared: Prepared, chunk: int):
         self.engine, self.prepared, self.chunk = engine, prepared, int(chunk)
+        engine.check_images([prepared.record])
         self.safe = False          # running on the range-safe exact path after a guard trip
-        self._prefill = self._start()
+        self._start()
 
-    def _start(self):
+    def _start(self) -> None:
+        """From the beginning: no image through the tower yet, no chunk run."""
+        self._embeds: list = []    # the tower's output per block of images run so far, in order
+        self._towered = 0          # images through the tower
+        self._prefill: ChunkedPrefill | None = None
+
+    def _tower(self, images: int) -> None:
+        """The vision tower over the next ``images`` images (on the device, inside a step)."""
+        e, pending = self.engine, self.prepared.record.images[self._towered:self._towered + images]
+        self._embeds.append(tower_embeds(e.ops, e.vision, pending))
+        self._towered += len(pending)
+
+    def _begin(self) -> ChunkedPrefill:
+        """The chunked prefill, once every image is through the tower."""
         e, rec = self.engine, self.prepared.record
-        with e.on_device():
-            rows, embeds = e.image_inputs([rec])
-            return ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
-                                        head_rows([0, len(rec.input_ids)], [rec.questions]),
-                                        positions=rec.positions, image_rows=rows, image_embeds=embeds)
+        rows = embeds = None
+        if rec.images:
+            rows = image_rows([rec])
+            embeds = self._embeds[0] if len(self._embeds) == 1 else e.ops.xp.concatenate(self._embeds)
+            self._embeds = []
+        return ChunkedPrefill(e.ops, e.params, rec.input_ids, self.chunk,
+                              head_rows([0, len(rec.input_ids)], [rec.questions]),
+                              positions=rec.positions, image_rows=rows, image_embeds=embeds)
 
     @property
     def done(self) -> bool:
-        return self._prefill.done
+        return self._prefill is not None and self._prefill.done
+
+    @property
+    def images_left(self) -> int:
+        """Images not yet through the vision tower."""
+        return len(self.prepared.record.images) - self._towered
 
     @property
     def tokens_left(self) -> int:
-        return self._prefill.T - self._prefill.t
+        return len(self.prepared.record.input_ids) - (0 if self._prefill is None else self._prefill.t)
 
     def _context(self):
         return self.engine.ops.fallback() if self.safe else nullcontext()
 
-    def step(self, tokens: int | None = None) -> bool:
-        """Run the next chunk (of ``tokens``, default the run's ``chunk``); True when the prefill is complete."""
+    def step(self, tokens: int | None = None, images: int = 0) -> bool:
+        """Run the next chunk (of ``tokens``, default the run's ``chunk``), the vision tower of the images not yet
+        through it first; with ``images`` > 0 while images are left, only the tower of the next ``images``
+        instead. True when the prefill is complete."""
         ops = self.engine.ops
         try:
             with self.engine.on_device(), self._context():
-                self._prefill.step(tokens)
+                if images > 0 and self.images_left:
+                    self._tower(images)
+                else:
+                    if self.images_left:
+                        self._tower(self.images_left)
+                    if self._prefill is None:
+                        self._prefill = self._begin()
+                    self._prefill.step(tokens)
                 ops.check_watched()
         except GuardError as first:
             if self.safe or not ops.falls_back:
                 raise
-            self.engine._count_fallback(first, 1, self._prefill.T)
+            self.engine._count_fallback(first, 1, len(self.prepared.record.input_ids))
             self.safe = True
-            with self._context():
-                self._prefill = self._start()
+            self._start()
         return self.done
 
     def logits(self) -> list:
@@ -335,7 +379,7 @@ class ChunkedRun:
         e, rec = self.engine, self.prepared.record
         with e.on_device(), self._context():
             z = heads_from(e.ops, e.params, self._prefill.readout, rec.input_ids, self._prefill.cu,
-                                 [rec.questions])[0]
+                           [rec.questions])[0]
             e.ops.check_watched()
         return z
 

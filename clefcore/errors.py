@@ -69,6 +69,13 @@ class ContextLengthError(RequestError):
         self.maximum = maximum
 
 
+class ImageTokensError(RequestError):
+    """An image, or a request's images together, would become more placeholder tokens than the deployment's
+    limit on image tokens (the vision tower's cost grows with their square): the server's 413."""
+
+    type = "request_too_large"
+
+
 class CheckpointError(ClefError):
     """A model directory is missing a file, a tensor, or holds inconsistent values."""
 

@@ -19,6 +19,7 @@ import binascii
 import io
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,10 +106,10 @@ def parse_images(images: list) -> list[bytes]:
     return out
 
 
-def decode(data: bytes, index: int) -> np.ndarray:
+def decode(data: bytes, index: int, admit: Callable[[int, int], None] | None = None) -> np.ndarray:
     """File bytes -> [H, W, 3] uint8, as the reference decodes (alpha dropped, not composited; palette and
     greyscale expanded; EXIF orientation applied, as transformers 5.24 does). Dimensions are checked from the
-    header, before the pixels are decompressed."""
+    header, before the pixels are decompressed; so is ``admit(width, height)``, which raises to refuse them."""
     from PIL import Image, ImageOps
 
     field = f"images[{index}]"
@@ -132,6 +133,8 @@ def decode(data: bytes, index: int) -> np.ndarray:
         if max(w, h) / min(w, h) > MAX_ASPECT:
             raise _refuse(field, f"image is {w}x{h}; the aspect ratio must be at most {MAX_ASPECT}",
                           limit=f"aspect ratio {MAX_ASPECT}")
+        if admit is not None:
+            admit(w, h)
         if getattr(im, "n_frames", 1) > 1:
             raise _refuse(field, "animated images are not supported", limit="one frame")
         rawmode = im.tile[0][3] if im.tile and isinstance(im.tile[0][3], str) else ""

@@ -217,6 +217,10 @@ class ServiceConfig:
     step_budget: float = STEP_BUDGET_S      # seconds of device time an auto-sized step is cut to
     age_rate: float | None = None           # None: a third of the measured device rate; math.inf: first in,
                                             # first out
+    max_image_tokens: int | None = None     # image tokens one image may become; None: auto (its vision tower
+                                            # within one auto-sized step at the measured cost)
+    max_request_image_tokens: int | None = None   # a request's images together; None: auto (MAX_IMAGES images at
+                                                  # max_image_tokens)
     stall_timeout: float = 30.0             # a device call past max(this, 4x its expected time) is stalled
     device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
@@ -237,6 +241,9 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if not self.devices:
             raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
+        for name in ("max_image_tokens", "max_request_image_tokens"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 or None (auto), got {getattr(self, name)}")
         if self.chunk_tokens is not None and self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0 or None (auto), got {self.chunk_tokens}")
         if self.age_rate is not None and not self.age_rate > 0:
@@ -396,10 +403,19 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                         help="scheduler aging, prompt tokens of priority per second waited: a number, inf "
                              "(first in, first out) or auto (default: auto, a third of the measured device rate: "
                              "a request is passed by shorter work for at most three times its own run time)")
+    parser.add_argument("--max-image-tokens", type=_or_auto(_positive(int)), default="auto",
+                        help="image tokens one image may become once resized within the model's processor "
+                             "bounds (1,024 pixels each), 413 above: a number, or auto: the largest image whose "
+                             "vision tower takes at most one step of --step-budget at the device's cost, measured "
+                             "at start (the tower's time grows with the square of the image's pixels)")
+    parser.add_argument("--max-request-image-tokens", type=_or_auto(_positive(int)), default="auto",
+                        help="image tokens a request's images may become together, 413 above: a number, or auto "
+                             "(four images at --max-image-tokens)")
     parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
-                        help="seconds a call on the device may run, or 4x its expected time (its tokens at the "
-                             "measured rate) if longer, before the device counts as stalled: /health answers 503 "
-                             "and the queued requests 503 until it answers again (default: %(default)s)")
+                        help="seconds a call on the device may run, or 4x its expected time (its tokens and its "
+                             "images' vision towers at the measured rate) if longer, before the device counts as "
+                             "stalled: /health answers 503 and the queued requests 503 until it answers again "
+                             "(default: %(default)s)")
     parser.add_argument("--device-grace", type=_positive(float), default=d.device_grace,
                         help="seconds a device may stay stalled, or keep failing its self-check, before the server "
                              "gives it up: its process is killed, its requests get 500 and the server exits 1 to be "

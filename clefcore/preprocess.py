@@ -19,8 +19,8 @@ PATCH = 16
 MERGE = 2
 TEMPORAL = 2
 FACTOR = PATCH * MERGE
-MIN_PIXELS = 65_536          # processor_config size.shortest_edge (a pixel count, despite the name)
-MAX_PIXELS = 16_777_216      # size.longest_edge
+MIN_PIXELS = 65_536          # the release's processor_config size.shortest_edge (a pixel count, despite the name)
+MAX_PIXELS = 16_777_216      # its size.longest_edge
 # fused rescale + normalise: mean and std both 0.5 / (1/255) = 127.5 in fp32, so each level maps to one float
 _LEVELS = (np.arange(256, dtype=np.float32) - np.float32(127.5)) / np.float32(127.5)
 
@@ -41,19 +41,31 @@ class Pixels:
         return self.grid_thw[1] * self.grid_thw[2] // (MERGE * MERGE)
 
 
-def smart_resize(height: int, width: int) -> tuple[int, int]:
-    """(h', w'): multiples of 32 near the original, within [MIN_PIXELS, MAX_PIXELS]; Python's round (half to
-    even), as the reference."""
+@dataclass(frozen=True)
+class PixelBounds:
+    """The processor's bounds on a resized image's pixels (its ``size``: ``shortest_edge`` is the least pixel
+    count, ``longest_edge`` the most); the release's by default."""
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+
+    def __post_init__(self):
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"pixel bounds must satisfy 0 < min <= max, got {self.min_pixels}, {self.max_pixels}")
+
+
+def smart_resize(height: int, width: int, bounds: PixelBounds = PixelBounds()) -> tuple[int, int]:
+    """(h', w'): multiples of 32 near the original, within the bounds' [min_pixels, max_pixels]; Python's round
+    (half to even), as the reference."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"aspect ratio of {width}x{height} exceeds 200")
     h = round(height / FACTOR) * FACTOR
     w = round(width / FACTOR) * FACTOR
-    if h * w > MAX_PIXELS:
-        beta = math.sqrt(height * width / MAX_PIXELS)
+    if h * w > bounds.max_pixels:
+        beta = math.sqrt(height * width / bounds.max_pixels)
         h = max(FACTOR, math.floor(height / beta / FACTOR) * FACTOR)
         w = max(FACTOR, math.floor(width / beta / FACTOR) * FACTOR)
-    elif h * w < MIN_PIXELS:
-        beta = math.sqrt(MIN_PIXELS / (height * width))
+    elif h * w < bounds.min_pixels:
+        beta = math.sqrt(bounds.min_pixels / (height * width))
         h = math.ceil(height * beta / FACTOR) * FACTOR
         w = math.ceil(width * beta / FACTOR) * FACTOR
     return h, w
@@ -167,7 +179,8 @@ def pixels(img: np.ndarray) -> Pixels:
     return Pixels(img, (1,) + patch_grid(img.shape))
 
 
-def preprocess(rgb: np.ndarray) -> Pixels:
-    """Decoded [H, W, 3] uint8 -> this image resized, with its grid (``.values``: the processor's pixel_values)."""
-    h, w = smart_resize(rgb.shape[0], rgb.shape[1])
+def preprocess(rgb: np.ndarray, bounds: PixelBounds = PixelBounds()) -> Pixels:
+    """Decoded [H, W, 3] uint8 -> this image resized within ``bounds``, with its grid (``.values``: the
+    processor's pixel_values)."""
+    h, w = smart_resize(rgb.shape[0], rgb.shape[1], bounds)
     return pixels(resize(rgb, h, w))

@@ -193,10 +193,11 @@ def rotary_angles(c: VisionConfig, gh: int, gw: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- tower
 
-def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None = None):
+def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None = None, replay: bool = True):
     """pixel_values [N, 1536] (the images' patch rows, concatenated: ``ops.patch_rows``, or a fixture's), grids
     [(t, gh, gw)] per image -> image embeddings [N / 4, out_hidden] in placeholder order. ``keep`` (a dict)
-    receives the intermediate stages, for checks.
+    receives the intermediate stages, for checks. ``replay=False`` runs it without graphs (synthetic images,
+    such as the server's measurement at start, must not take a place among them).
 
     A backend with ``ops.tower_graphs`` (CUDA; None on the CPU) replays one graph per set of image sizes while
     their merged tokens stay within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is
@@ -210,7 +211,7 @@ def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None 
     merged = int(cu[-1]) // p.config.spatial_merge_size ** 2
     # where the plan's row allows it (fast): the exact modes' fp32 vision attention calls CuPy's cuBLAS matmul,
     # which refuses a capture
-    if keep is not None or graphs is None or not ops.plan.row.tower_graphs or not graphs.fits(merged):
+    if keep is not None or not replay or graphs is None or not ops.plan.row.tower_graphs or not graphs.fits(merged):
         return _tower(ops, p, cu, keep, *inputs)
     key = ("vision tower", grids, ops.plan)
     return graphs.run(key, lambda *a: _tower(ops, p, cu, None, *a), inputs, list(p.w.values())).copy()

@@ -64,6 +64,7 @@ from . import admission
 from .admission import Budgets, RateMeter, RecentShare, Refusal
 from .device_process import DeviceProcess, Step
 from .device_watch import RECHECK_S, DeviceWatch
+from .image_cost import TowerCost
 from .logs import log
 from .metrics import Metrics
 from .steps import StepSize
@@ -128,7 +129,8 @@ class _Chunked:
     """The long prompt being run chunk by chunk (its state lives in the device process from the first step):
     its entry, the tokens its run has left, when its first step started, and the device time its steps took."""
     entry: Entry
-    tokens_left: int
+    tokens_left: int       # its cost left: prompt tokens, and the towers of the images not yet run
+    images_left: int       # images not yet through the vision tower
     begun: bool = False    # its first step was sent
     started: float = 0.0
     device_s: float = 0.0
@@ -154,7 +156,8 @@ class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, watch: DeviceWatch, max_queue: int,
                  max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
-                 first_lane: int = 0, policy: admission.PolicyFactory | None = None):
+                 first_lane: int = 0, policy: admission.PolicyFactory | None = None,
+                 tower: TowerCost = TowerCost(0.0, 0.0)):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
         self-check's outcome.
         ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
@@ -166,9 +169,11 @@ class Batcher:
         (admission.measured_rate).
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate over AUTO_AGE_DIVISOR; inf: first in, first out). ``first_lane``: the busy counter's label of the
-        first device (its place in --device)."""
+        first device (its place in --device). ``tower``: what an image's vision tower costs, in prompt tokens
+        (server/image_cost.py); every count of work here (admission, steps, the stall limit) is in that unit."""
         self._metrics = metrics
         self._watch = watch
+        self._tower = tower
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
         self._scheduler = Scheduler(max_queue, self._rate.rate / AUTO_AGE_DIVISOR if age_rate is None else age_rate)
@@ -218,6 +223,10 @@ class Batcher:
     def chunk_tokens(self) -> int:
         """The tokens of a chunk now; a longer prompt is queued to run chunked (0: none is)."""
         return self._chunk_size.at(self._rate.rate)
+
+    def cost(self, prepared: Any) -> int:
+        """What a prepared request costs the device, in prompt tokens: its own and its images' vision towers."""
+        return self._tower.request(prepared)
 
     def backlog_tokens(self) -> int:
         """Tokens of accepted work not yet done: queued short prompts, the batches on the devices, queued long
@@ -348,14 +357,15 @@ class Batcher:
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
         view = self.view(now)
-        decision = self.policy.decide(prepared.num_tokens, view)
+        cost = self.cost(prepared)
+        decision = self.policy.decide(cost, view)
         if isinstance(decision, Refusal):
-            self._count_refusal(decision.reason, prepared.num_tokens)
+            self._count_refusal(decision.reason, cost)
             raise QueueFull(decision)
         if decision.evict is not None:
             self._evict(decision.evict)
         # promised its answer by ``answer_by``: the batch it rides is cut to keep that (pyx/scheduler.pyx)
-        entry = Entry((prepared, future), prepared.num_tokens, deadline, now, decision.answer_by)
+        entry = Entry((prepared, future), cost, deadline, now, decision.answer_by)
         long = view.chunked(entry.tokens)
         if long:
             self._long_keys[entry] = self._long.key(entry.tokens, now)
@@ -493,7 +503,8 @@ class Batcher:
                 self._publish()
                 return
             entry = batch.entries[0]
-            lane.active = _Chunked(entry, entry.tokens, started=now, ready_at=entry.enqueued_at)
+            lane.active = _Chunked(entry, entry.tokens, len(entry.payload[0].images), started=now,
+                                   ready_at=entry.enqueued_at)
             self._metrics.queue_wait.observe(now - entry.enqueued_at)
         active = lane.active
         _, future = active.entry.payload
@@ -508,12 +519,14 @@ class Batcher:
             return
         self._metrics.running.inc()
         chunk = self.chunk_tokens
-        lane.step_tokens = min(chunk, active.tokens_left)
+        prepared = active.entry.payload[0]
+        images, tower = self._tower_block(prepared.images, active.images_left, chunk)
+        lane.step_tokens = tower if images else min(chunk, active.tokens_left)
         lane.step_started = now
         active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            step = await self._on_device(lane, "chunk step", lane.step_tokens,
-                                         lane.device.step(None if active.begun else active.entry.payload[0], chunk))
+            step = await self._on_device(lane, "vision tower step" if images else "chunk step", lane.step_tokens,
+                                         lane.device.step(None if active.begun else prepared, chunk, images))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
         finally:
@@ -521,10 +534,15 @@ class Batcher:
             lane.step_tokens = 0
             active.ready_at = time.monotonic()
         active.begun = True
-        active.tokens_left = step.tokens_left
+        # a guard trip restarts the run: its images and tokens grow back, and the step counts nothing
+        towered = self._tower.images(prepared.images[len(prepared.images) - active.images_left:
+                                                     len(prepared.images) - step.images_left])
+        active.images_left = step.images_left
+        active.tokens_left = step.tokens_left + self._tower.images(prepared.images[len(prepared.images)
+                                                                                   - step.images_left:])
         active.device_s += step.seconds
         self._metrics.chunk_steps.inc()
-        self._stepped(lane, step.tokens, step.seconds)
+        self._stepped(lane, step.tokens + towered, step.seconds)
         if step.done:
             lane.active = None
             self._metrics.after_batch(self.lane_statuses())
@@ -538,6 +556,18 @@ class Batcher:
         self._publish()
         if step.error is not None:
             await self._check(lane)
+
+    def _tower_block(self, images: Sequence, left: int, chunk: int) -> tuple[int, int]:
+        """The next step of a chunked run while ``left`` of its ``images`` are not through the vision tower: the
+        next of them whose towers fit a chunk's ``chunk`` tokens together (at least one; the image-token limit
+        keeps one within a step at the device's rate), and what their towers cost. (0, 0) when none is left."""
+        count = cost = 0
+        for pixels in images[len(images) - left:]:
+            one = self._tower.images([pixels])
+            if count and cost + one > chunk:
+                break
+            count, cost = count + 1, cost + one
+        return count, cost
 
     async def _on_device(self, lane: _Lane, what: str, tokens: int, call: Awaitable[T]) -> T:
         """Await ``call`` on the lane's device (``what`` of ``tokens`` prompt tokens), watched for a stall."""

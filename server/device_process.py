@@ -29,11 +29,14 @@ import time
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from clefcore.engine import Engine, EngineStatus, padded
+import numpy as np
+
+from clefcore.engine import Engine, EngineStatus, padded, tower_embeds
 from clefcore.example_request import support_ticket
 from clefcore.errors import DeviceError
 from clefcore.options import EngineOptions
 from clefcore.preparer import Prepared
+from clefcore.preprocess import PATCH, pixels
 
 from .testhooks import TestHooks
 
@@ -52,6 +55,7 @@ class Step(NamedTuple):
     tokens_left: int              # grows back when a guard trip restarts the run on the exact path
     error: Exception | None       # this request alone failed
     seconds: float                # device time of the step
+    images_left: int = 0          # images not yet through the vision tower (grow back as tokens_left does)
 
 
 class DeviceProcess:
@@ -85,14 +89,21 @@ class DeviceProcess:
         its tokens and the second (warm) run's device seconds."""
         return await self._call("measure", tokens)
 
+    async def measure_tower(self, sides: tuple[int, ...]) -> list[tuple[int, float]]:
+        """The vision tower's device time at start: one synthetic square image of each of ``sides`` pixels, run
+        twice; (patches, the faster run's device seconds) each. Empty when the engine answers no images."""
+        return await self._call("measure_tower", sides)
+
     async def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
         """One packed forward: a (response, error) pair per request (a failing batch is retried request by
         request, so only the failing ones carry an error), and the forward's device seconds."""
         return await self._call("infer", prepared)
 
-    async def step(self, prepared: Prepared | None, tokens: int) -> Step:
-        """The next chunk, of ``tokens`` tokens, of the running chunked prompt (``prepared`` starts a new one)."""
-        return await self._call("step", prepared, tokens)
+    async def step(self, prepared: Prepared | None, tokens: int, images: int = 0) -> Step:
+        """The next chunk, of ``tokens`` tokens, of the running chunked prompt (``prepared`` starts a new one);
+        with ``images`` > 0 while its images are not all through the vision tower, the tower of the next
+        ``images`` of them instead."""
+        return await self._call("step", prepared, tokens, images)
 
     async def drop(self) -> None:
         """Free the chunked prompt's state (its client left)."""
@@ -223,6 +234,24 @@ class _Device:
         self._infer(batch)
         return 2 * half.num_tokens, time.perf_counter() - started
 
+    def measure_tower(self, sides: tuple[int, ...]) -> list[tuple[int, float]]:
+        engine = self.engine
+        if engine.vision is None:
+            return []
+        noise = np.random.default_rng(0)
+        samples = []
+        for side in sides:
+            image = pixels(noise.integers(0, 256, (side, side, 3), dtype=np.uint8))
+            runs = []
+            for _ in range(2):        # the first run of a size pays for its warm-up (kernels, GEMM autotuning)
+                started = time.perf_counter()
+                # outside the forwards' window (Engine.on_device): its activations are not counted as a request's
+                # overflow of the reserved memory; never a graph: real images' sizes keep the places among them
+                engine.ops.to_host(tower_embeds(engine.ops, engine.vision, [image], replay=False))   # waits
+                runs.append(time.perf_counter() - started)
+            samples.append((side // PATCH * (side // PATCH), min(runs)))
+        return samples
+
     def infer(self, prepared: list[Prepared]) -> tuple[BatchResults, float]:
         started = time.perf_counter()
         try:
@@ -239,7 +268,7 @@ class _Device:
                         results.append((None, _as_device_error(error)))
         return results, time.perf_counter() - started
 
-    def step(self, prepared: Prepared | None, tokens: int) -> Step:
+    def step(self, prepared: Prepared | None, tokens: int, images: int = 0) -> Step:
         started = time.perf_counter()
         try:
             if prepared is not None:
@@ -247,14 +276,14 @@ class _Device:
                 self.run = self.engine.chunked(prepared, tokens)
             run = self.run
             before = run.tokens_left
-            self._hooks([run.prepared], min(tokens, before))
-            done = run.step(tokens)
+            self._hooks([run.prepared], 0 if images and run.images_left else min(tokens, before))
+            done = run.step(tokens, images)
             response = run.response() if done else None
             if done:
                 self.run = None
             # a guard trip restarts the run on the exact path: tokens_left grows back, count nothing
             return Step(done, response, max(0, before - run.tokens_left), run.tokens_left, None,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, run.images_left)
         except Exception as error:  # noqa: BLE001 - this request alone fails
             self.run = None
             return Step(True, None, 0, 0, _as_device_error(error), time.perf_counter() - started)
@@ -285,7 +314,8 @@ class _Device:
 
 
 _OPS: dict[str, Callable] = {"load": _Device.load, "self_check": _Device.self_check, "measure": _Device.measure,
-                             "infer": _Device.infer, "step": _Device.step, "drop": _Device.drop}
+                             "measure_tower": _Device.measure_tower, "infer": _Device.infer, "step": _Device.step,
+                             "drop": _Device.drop}
 
 
 def _serve(conn, hooks: TestHooks) -> None:

@@ -6,14 +6,16 @@ process neither answers nor dies. A faulted device is one that fails every call,
 illegal memory access: each request then fails alone with a DeviceError, and only the self-check that the
 batcher runs after such a failure tells a failed device from a failed request.
 
-The batcher reports every call on a device (``started``/``ended``) with its prompt tokens and the measured rate;
-the call's limit is ``STALL_FACTOR`` times its expected time (tokens over the rate), never under
-``stall_timeout_s``. A device past its limit, or one whose self-check failed, is in trouble: ``on_change`` tells
-the Service, which stops taking requests (``/health`` 503) and refuses the queued ones (503, another replica
-may answer them). Trouble ends when the call ends or a later self-check passes (``on_change`` again). Trouble
-that lasts ``grace_s`` is given up (``on_expired``): the Service kills the device process and fails, and
-``clefcore serve`` exits non-zero to be restarted. Each episode is one log line when it begins
-(``device_stalled`` / ``device_faulted``) and one when it ends (``device_recovered`` / ``device_given_up``).
+The batcher reports every call on a device (``started``/``ended``) with its cost in tokens (its prompt tokens and
+its images' vision towers, server/image_cost.py) and the measured rate; the call's limit is ``STALL_FACTOR`` times
+its expected time (cost over the rate), never under ``stall_timeout_s``: a step that is long because its work is
+large (a big image's tower) gets a limit as long, while a call that hangs still runs past its own. A device past
+its limit, or one whose self-check failed, is in trouble: ``on_change`` tells the Service, which stops taking
+requests (``/health`` 503) and refuses the queued ones (503, another replica may answer them). Trouble ends when
+the call ends or a later self-check passes (``on_change`` again). Trouble that lasts ``grace_s`` is given up
+(``on_expired``): the Service kills the device process and fails, and ``clefcore serve`` exits non-zero to be
+restarted. Each episode is one log line when it begins (``device_stalled`` / ``device_faulted``) and one when it
+ends (``device_recovered`` / ``device_given_up``).
 
 Lanes are named by their label (their place in --device), as the batcher's are.
 """
@@ -75,7 +77,8 @@ class DeviceWatch:
         return min(self._troubles.values(), key=lambda t: t.since, default=None)
 
     def limit_s(self, tokens: int, rate: float) -> float:
-        """How long a call of ``tokens`` prompt tokens may run on a device of ``rate`` tokens/s."""
+        """How long a call costing ``tokens`` (prompt tokens, images at their towers' cost) may run on a device of
+        ``rate`` tokens/s."""
         return max(self.stall_timeout_s, STALL_FACTOR * tokens / rate)
 
     # --- what the batcher reports ---------------------------------------------------------------------------

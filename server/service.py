@@ -39,7 +39,7 @@ from clefcore.checkpoint import Checkpoint
 from clefcore.engine import EngineStatus
 from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig
-from clefcore.preparer import Preparer
+from clefcore.preparer import ImageLimits, Preparer, pixel_bounds
 
 from . import admission, gpus
 from .admission import Budgets, Refusal
@@ -47,6 +47,7 @@ from .batcher import Batcher, DeadlineExceeded, DeviceUnavailable, Hold, QueueFu
 from .device_process import DeviceProcess
 from .device_watch import FAULTED, STALLED, DeviceWatch, Trouble
 from .engine_status import combined
+from .image_cost import TOWER_SIDES, TowerCost, image_limits
 from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import Metrics
@@ -181,10 +182,12 @@ class Service:
             size = min(StepSize(None, cfg.step_budget).at(admission.start_rate(cfg.devices[0])),
                        cfg.reserve_limits["batch_tokens"])
             measured = await asyncio.gather(*(device.measure(size) for device in self.devices))
+            rate = admission.measured_rate(measured)
+            towers = await asyncio.gather(*(device.measure_tower(TOWER_SIDES) for device in self.devices))
+            tower = TowerCost.fit(_mean_samples(towers), rate)
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
-            preparer = await loop.run_in_executor(self.executor, lambda: Preparer(
-                Checkpoint(cfg.model, where.commit), cfg.engine.context_length, cfg.engine.validation,
-                engine.images_refused, cfg.engine.regex))
+            preparer = await loop.run_in_executor(self.executor, _preparer, cfg, where.commit, engine.images_refused,
+                                                  tower, rate)
         except Exception as error:
             self.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
             log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
@@ -195,9 +198,9 @@ class Service:
         self.batcher = Batcher(self.devices, self.metrics, watch=self.watch, max_queue=cfg.max_queue,
                                max_batch_tokens=cfg.max_batch_tokens, max_batch_requests=cfg.max_batch_requests,
                                budgets=Budgets(cfg.min_wait_budget, cfg.wait_budget, cfg.engine.context_length),
-                               start_rate=admission.measured_rate(measured), chunk_tokens=cfg.chunk_tokens,
+                               start_rate=rate, chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
-                               policy=cfg.admission)
+                               policy=cfg.admission, tower=tower)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
@@ -207,7 +210,11 @@ class Service:
             load_s=round(time.monotonic() - started, 3), images=engine.images_refused or "answered",
             device_memory_bytes=self.status.memory_in_use,
             reserved_bytes=self.status.backend.get("reserved_bytes", 0), rate_tokens_per_s=round(self.batcher.rate),
-            max_batch_tokens=self.batcher.batch_tokens, chunk_tokens=self.batcher.chunk_tokens)
+            max_batch_tokens=self.batcher.batch_tokens, chunk_tokens=self.batcher.chunk_tokens,
+            tower_tokens_per_patch=round(tower.per_patch, 4),
+            tower_tokens_per_patch_squared=float(f"{tower.per_patch_squared:.4g}"),
+            max_image_tokens=preparer.image_limits.per_image,
+            max_request_image_tokens=preparer.image_limits.per_request)
 
     def health(self) -> Health:
         """What /health and /live answer now (see the module doc)."""
@@ -355,7 +362,7 @@ class Service:
         trace["prompt_tokens"] = prepared.num_tokens
         batcher = self.batcher
         batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between
-        batcher.sizer.observe(body_bytes, prepared.num_tokens)
+        batcher.sizer.observe(body_bytes, batcher.cost(prepared))
         self._refuse_without_device()
         deadline = time.monotonic() + cfg.request_timeout
         try:
@@ -379,3 +386,21 @@ class Service:
         if not str(response.get("model", "")).strip():
             response["model"] = self.devices[0].status.model_name
         return response
+
+
+def _preparer(cfg: ServiceConfig, commit: str | None, images_refused: str | None, tower: TowerCost,
+              rate: float) -> Preparer:
+    """The host side of requests (the model at ``commit``), with the image-token limits sized from the tower's
+    measured cost where the model answers images."""
+    checkpoint = Checkpoint(cfg.model, commit)
+    limits = ImageLimits()
+    if images_refused is None:
+        limits = image_limits(cfg.max_image_tokens, cfg.max_request_image_tokens, tower,
+                              StepSize(None, cfg.step_budget).at(rate), pixel_bounds(checkpoint.path))
+    return Preparer(checkpoint, cfg.engine.context_length, cfg.engine.validation, images_refused, cfg.engine.regex,
+                    limits)
+
+
+def _mean_samples(samples: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The tower's times measured on each device (the same kind), averaged per image size."""
+    return [(runs[0][0], sum(seconds for _, seconds in runs) / len(runs)) for runs in zip(*samples)]

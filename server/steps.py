@@ -1,5 +1,6 @@
 """How many prompt tokens one device step may take: a packed batch (--max-batch-tokens) or a long prompt's chunk
-(--chunk-tokens).
+(--chunk-tokens). Images count at their vision towers' cost in tokens (server/image_cost.py), so a step of
+image work is bounded in time like one of text.
 
 A fixed number stays what it is. ``auto`` (None) is the largest step that takes ``budget_s`` of device time at the
 rate the service measures (server/admission.py's RateMeter: once at start, then after every step), never below

@@ -101,7 +101,7 @@ def test_retry_after_and_size_classes():
 
 
 class Prepared(SimpleNamespace):
-    pass
+    images = ()     # text only: its cost is its tokens
 
 
 def batcher(**kw) -> Batcher:

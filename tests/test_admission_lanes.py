@@ -20,7 +20,7 @@ from clefcore.server.metrics import Metrics
 
 
 class Prepared(SimpleNamespace):
-    pass
+    images = ()     # text only: its cost is its tokens
 
 
 def batcher(lanes: int, **kw) -> Batcher:
@@ -121,7 +121,7 @@ class FakeDevice:
         await asyncio.sleep(0.01)
         return [({"by": self.name, "prompt": p.name}, None) for p in prepared], 0.01
 
-    async def step(self, prepared, tokens):
+    async def step(self, prepared, tokens, images=0):
         if prepared is not None:
             self.run = [prepared, prepared.num_tokens]
         assert self.run is not None, f"{self.name}: a chunk step with no run started here"

@@ -125,7 +125,7 @@ def test_a_fault_is_counted_once_while_it_lasts_and_a_passed_check_ends_it():
 # --- the batcher's side -----------------------------------------------------------------------------------------
 
 class Prepared(SimpleNamespace):
-    pass
+    images = ()     # text only: its cost is its tokens
 
 
 class FlakyDevice:

@@ -180,3 +180,27 @@ def test_tower_load_reports_progress():
     clefcore.load(MODEL, device="cpu", progress=lambda done, total, what: calls.append((done, total, what)))
     tower = [c for c in calls if c[2].startswith("model.visual.")]
     assert tower and tower[-1][0] == tower[-1][1] == len(tower) and calls.index(tower[0]) > 0
+
+
+def test_chunked_with_the_tower_split_equals_golden(engine):
+    """The vision tower run image by image, a step each, before the text chunks: the answers stay within the
+    fixtures' tolerance and equal the run whose first chunk carries the whole tower."""
+    for fx in OK:
+        index = fx["index"]
+        p = prepared(engine, index)
+        whole = engine.chunked(p, 100)
+        while not whole.step():
+            pass
+        split = engine.chunked(p, 100)
+        steps = 0
+        while split.images_left:
+            left = split.images_left
+            assert not split.step(images=1) and split.images_left == left - 1
+            assert split.tokens_left == len(p.record.input_ids)     # no text ran in a tower step
+            steps += 1
+        assert steps == len(p.record.images)
+        while not split.step():
+            pass
+        for got, same, want in zip(split.logits(), whole.logits(), fx["questions"], strict=True):
+            np.testing.assert_allclose(got, same, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(got, want["logits"], rtol=0, atol=2e-4)

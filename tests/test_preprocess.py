@@ -72,3 +72,13 @@ def test_a_resized_image_must_be_whole_merge_blocks():
     with pytest.raises(ValueError, match="multiples of 32"):
         pp.patch_values(np.zeros((32, 64, 4), np.uint8))
     assert pp.pixels(np.zeros((32, 96, 3), np.uint8)).grid_thw == (1, 2, 6)
+
+
+def test_smart_resize_within_other_bounds():
+    # Qwen2-VL's processor defaults: 5000 x 5000 -> beta = sqrt(25e6 / 1003520) = 4.9912, 5000 / beta / 32 = 31.3
+    bounds = pp.PixelBounds(56 * 56, 28 * 28 * 1280)
+    assert pp.smart_resize(5000, 5000, bounds) == (992, 992)
+    assert pp.smart_resize(48, 64, bounds) == (64, 64)          # 2 x 2 blocks of 32 = 4096 pixels >= 3136
+    assert pp.preprocess(np.zeros((5000, 5000, 3), np.uint8), bounds).grid_thw == (1, 62, 62)
+    with pytest.raises(ValueError):
+        pp.PixelBounds(100, 99)

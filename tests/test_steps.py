@@ -71,7 +71,7 @@ def test_a_server_sizes_its_steps_from_the_rate_it_measured_at_start():
 
 
 class Prepared(SimpleNamespace):
-    pass
+    images = ()     # text only: its cost is its tokens
 
 
 def batcher(**kw) -> Batcher:
@@ -163,7 +163,7 @@ class FakeDevice:
         self.answered.update((p.name, self.clock.t) for p in prepared)
         return [({"prompt": p.name}, None) for p in prepared], sum(p.num_tokens for p in prepared) / 1_000
 
-    async def step(self, prepared, tokens):
+    async def step(self, prepared, tokens, images=0):
         if prepared is not None:
             self.run = [prepared, prepared.num_tokens]
         self.ran.append(("step", self.run[0].name, self.clock.t))

@@ -104,7 +104,7 @@ class Backend(Protocol):
     def rmsnorm(self, x, w, eps, gemm_input=False) -> Array:
         """``gemm_input``: the result is read only as the activation of weight GEMMs (``linear``, ``mlp``) with x's
         leading axis as their rows; the backend may then return it in the form those GEMMs take it (the CUDA
-        backend's fast plan, under the fused_elementwise switch: fp16, the rounding the GEMM would make). The same
+        backend's fast plan (precision.Row.fused_elementwise): fp16, the rounding the GEMM would make). The same
         for every op below that has the flag; numpy's result is fp32 either way."""
 
     def add_rmsnorm(self, x, delta, w, eps, gemm_input=False) -> tuple[Array, Array]:

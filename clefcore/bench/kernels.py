@@ -21,6 +21,22 @@ TOL_FP16, TOL_SPLIT, TOL_SPLIT8, TOL_FP32 = 4e-3, 2e-5, 5e-5, 1e-5
 TOL_GDN_FAST, TOL_GDN = 2e-3, 2e-4
 
 
+GDN_HEADS = (16, 32, 128, 128)       # clef-flash's Gated DeltaNet: key heads, value heads, key and value dims
+
+
+def gdn_inputs(cp, ops, T):
+    """The delta rule's (q, k, v, g, beta) for one T-token sequence at clef-flash's head shapes, of the model's
+    kind: q and k L2-normalised (q scaled), the gates from random projections through the backend's gate op."""
+    hk, hv, dk, dv = GDN_HEADS
+    q = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6, dk ** -0.5)
+    k = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6)
+    v = cp.random.standard_normal((T, hv, dv), dtype=cp.float32)
+    g, beta = ops.gdn_gates(cp.random.standard_normal((T, hv), dtype=cp.float32),
+                            cp.random.standard_normal((T, hv), dtype=cp.float32),
+                            cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
+    return q, k, v, g, beta
+
+
 def tol_k(tol, K):
     """A split / split8 bound for a GEMM over K terms: their error is the fp32 accumulation's, which grows
     linearly with K because the tensor cores add with truncation (a numpy emulation, one truncating add per
@@ -143,14 +159,8 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
         fl = 4.0 * hq * D * T * T / 2
         rows.append((f"attention T={T} D={D} 16q/4kv (fp32 q cast to fp16, fp16 K/V cache)", ta,
                      f"{fl / ta / 1e9:.0f} TFLOP/s"))
-        hk, hv, dk, dv = 16, 32, 128, 128
-        qq = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6, dk ** -0.5)
-        kk = ops.l2norm(cp.random.standard_normal((T, hk, dk), dtype=cp.float32), 1e-6)
-        vv = cp.random.standard_normal((T, hv, dv), dtype=cp.float32)
-        g, beta = ops.gdn_gates(cp.random.standard_normal((T, hv), dtype=cp.float32),
-                                cp.random.standard_normal((T, hv), dtype=cp.float32),
-                                cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
-        gdn_args = (qq, kk, vv, g, beta, cu)
+        hv = GDN_HEADS[1]
+        gdn_args = gdn_inputs(cp, ops, T) + (cu,)
         rule = ops.gdn_kernels()
         one_pass = rule.passes == 1
         _check(f"gated delta rule T={T}", host(ops.gated_delta_rule(*gdn_args)),

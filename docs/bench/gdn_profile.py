@@ -9,18 +9,12 @@ import cupy as cp
 import numpy as np
 
 from clefcore.backends.cuda import CudaOps
+from clefcore.bench.kernels import gdn_inputs
 from clefcore.bench.timing import gpu_ms
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 ops = CudaOps(0, precision=sys.argv[2] if len(sys.argv) > 2 else "fast")
-hk, hv, d = 16, 32, 128
-q = ops.l2norm(cp.random.standard_normal((T, hk, d), dtype=cp.float32), 1e-6, d ** -0.5)
-k = ops.l2norm(cp.random.standard_normal((T, hk, d), dtype=cp.float32), 1e-6)
-v = cp.random.standard_normal((T, hv, d), dtype=cp.float32)
-g, beta = ops.gdn_gates(cp.random.standard_normal((T, hv), dtype=cp.float32),
-                        cp.random.standard_normal((T, hv), dtype=cp.float32),
-                        cp.zeros(hv, cp.float32), cp.zeros(hv, cp.float32))
-args = (q, k, v, g, beta, cp.asarray(np.array([0, T], np.int32)))
+args = gdn_inputs(cp, ops, T) + (cp.asarray(np.array([0, T], np.int32)),)
 ms = gpu_ms(cp, lambda: ops.gated_delta_rule(*args))
 print(f"gated delta rule T={T} {ops.plan.path}: {ms:.3f} ms ({ops.gdn_kernels().module})")
 cp.cuda.Device().synchronize()

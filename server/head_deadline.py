@@ -116,7 +116,6 @@ class Deadlines(asyncio.Protocol):
             log("head_timeout", client=_peer(transport), timeout_s=self._timeout_s)
         transport.close()   # what was written is sent first
 
-
     def _stop_write_clock(self) -> None:
         if self._write_timer is not None:
             self._write_timer.cancel()

@@ -157,7 +157,7 @@ class Batcher:
                  max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
                  first_lane: int = 0, policy: admission.PolicyFactory | None = None,
-                 tower: TowerCost = TowerCost(0.0, 0.0)):
+                 tower: TowerCost = TowerCost(0.0, 0.0), tower_ceiling: TowerCost | None = None):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
         self-check's outcome.
         ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
@@ -170,10 +170,13 @@ class Batcher:
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate over AUTO_AGE_DIVISOR; inf: first in, first out). ``first_lane``: the busy counter's label of the
         first device (its place in --device). ``tower``: what an image's vision tower costs, in prompt tokens
-        (server/image_cost.py); every count of work here (admission, steps, the stall limit) is in that unit."""
+        (server/image_cost.py); every count of work here (admission, steps, rates) is in that unit.
+        ``tower_ceiling``: a tower cost that errs towards cost (TowerCost.ceiling; None: ``tower``), which the
+        stall limit counts images at, so that a long tower is never taken for a hung device."""
         self._metrics = metrics
         self._watch = watch
         self._tower = tower
+        self._tower_ceiling = tower if tower_ceiling is None else tower_ceiling
         self._rate = RateMeter(start_rate)
         self._follow_rate = age_rate is None
         self._scheduler = Scheduler(max_queue, self._rate.rate / AUTO_AGE_DIVISOR if age_rate is None else age_rate)
@@ -460,7 +463,8 @@ class Batcher:
         self._publish()
         self._metrics.running.inc(len(prepared))
         try:
-            results, prefill_s = await self._on_device(lane, "forward", batch.tokens, lane.device.infer(prepared))
+            ceiling = sum(self._tower_ceiling.request(p) for p in prepared)
+            results, prefill_s = await self._on_device(lane, "forward", ceiling, lane.device.infer(prepared))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             results, prefill_s = [(None, lost)] * len(prepared), 0.0
         finally:
@@ -522,10 +526,12 @@ class Batcher:
         prepared = active.entry.payload[0]
         images, tower = self._tower_block(prepared.images, active.images_left, chunk)
         lane.step_tokens = tower if images else min(chunk, active.tokens_left)
+        first = len(prepared.images) - active.images_left
+        ceiling = self._tower_ceiling.images(prepared.images[first:first + images]) if images else lane.step_tokens
         lane.step_started = now
         active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
         try:
-            step = await self._on_device(lane, "vision tower step" if images else "chunk step", lane.step_tokens,
+            step = await self._on_device(lane, "vision tower step" if images else "chunk step", ceiling,
                                          lane.device.step(None if active.begun else prepared, chunk, images))
         except DeviceError as lost:   # the device process is gone (the server is exiting)
             step = Step(True, None, 0, 0, lost, 0.0)
@@ -570,7 +576,8 @@ class Batcher:
         return count, cost
 
     async def _on_device(self, lane: _Lane, what: str, tokens: int, call: Awaitable[T]) -> T:
-        """Await ``call`` on the lane's device (``what`` of ``tokens`` prompt tokens), watched for a stall."""
+        """Await ``call`` on the lane's device (``what``, costing ``tokens`` prompt tokens with images at the tower's
+        ceiling), watched for a stall."""
         self._watch.started(lane.label, what, tokens, self._rate.rate)
         try:
             return await call

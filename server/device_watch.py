@@ -7,8 +7,8 @@ illegal memory access: each request then fails alone with a DeviceError, and onl
 batcher runs after such a failure tells a failed device from a failed request.
 
 The batcher reports every call on a device (``started``/``ended``) with its cost in tokens (its prompt tokens and
-its images' vision towers, server/image_cost.py) and the measured rate; the call's limit is ``STALL_FACTOR`` times
-its expected time (cost over the rate), never under ``stall_timeout_s``: a step that is long because its work is
+its images' vision towers at their ceiling, server/image_cost.py) and the measured rate; the call's limit is
+``STALL_FACTOR`` times its expected time (cost over the rate), never under ``stall_timeout_s``: a step that is long because its work is
 large (a big image's tower) gets a limit as long, while a call that hangs still runs past its own. A device past
 its limit, or one whose self-check failed, is in trouble: ``on_change`` tells the Service, which stops taking
 requests (``/health`` 503) and refuses the queued ones (503, another replica may answer them). Trouble ends when

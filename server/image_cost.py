@@ -42,19 +42,29 @@ class TowerCost:
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]], rate: float) -> "TowerCost":
         """The terms through the tower's device seconds on two image sizes (``samples``: (patches, seconds) each),
-        counted at ``rate`` prompt tokens per second. Where timing noise makes a term negative, each term is
-        instead the one that alone accounts for a point's whole time (the small image's for the patches, the large
-        one's for their square), which errs towards cost. No samples (the model answers no images): nothing."""
+        counted at ``rate`` prompt tokens per second. Where timing noise makes a term negative, ``ceiling``'s
+        instead, which errs towards cost. No samples (the model answers no images): nothing."""
         if not samples:
             return cls(0.0, 0.0)
-        (p1, t1), (p2, t2) = sorted(samples)
-        if not (0 < p1 < p2 and t1 >= 0 and t2 >= 0 and rate > 0):
-            raise ValueError(f"a tower cost needs two image sizes, their times and a rate, got {samples}, {rate}")
+        (p1, t1), (p2, t2) = _two_points(samples, rate)
         squared = (t2 / p2 - t1 / p1) / (p2 - p1)
         linear = t1 / p1 - squared * p1
         if squared < 0 or linear < 0:
-            linear, squared = t1 / p1, t2 / p2 ** 2
+            return cls.ceiling(samples, rate)
         return cls(linear * rate, squared * rate)
+
+    @classmethod
+    def ceiling(cls, samples: Sequence[tuple[int, float]], rate: float) -> "TowerCost":
+        """A cost that no timing noise brings under the tower's (noise only adds time): each term alone accounts
+        for a point's whole time, the small image's for the patches, the large one's for their square. It is
+        never below ``fit``'s and grows faster beyond the measured sizes, where ``fit`` extrapolates: the tower
+        of an image of 7x the large one's patches took 1.7x what ``fit`` said on a CPU (memory, not arithmetic,
+        grows past the caches there), and more after a noisy small point. Its use is the stall limit, which must
+        never take a long tower for a hung device. No samples: nothing."""
+        if not samples:
+            return cls(0.0, 0.0)
+        (p1, t1), (p2, t2) = _two_points(samples, rate)
+        return cls(t1 / p1 * rate, t2 / p2 ** 2 * rate)
 
     def image(self, patches: int) -> int:
         """Prompt tokens of device time that the tower takes for one image of ``patches`` patches."""
@@ -77,6 +87,14 @@ class TowerCost:
         if a > 0:
             return int(tokens / a)
         raise ValueError("a tower that costs nothing has no largest image")
+
+
+def _two_points(samples: Sequence[tuple[int, float]], rate: float) -> list[tuple[int, float]]:
+    """``samples`` as two (patches, seconds) points, the smaller image first (ValueError for anything else)."""
+    points = sorted(samples)
+    if not (len(points) == 2 and 0 < points[0][0] < points[1][0] and min(t for _, t in points) >= 0 and rate > 0):
+        raise ValueError(f"a tower cost needs two image sizes, their times and a rate, got {samples}, {rate}")
+    return points
 
 
 def least_image(bounds: PixelBounds) -> int:

@@ -184,7 +184,8 @@ class Service:
             measured = await asyncio.gather(*(device.measure(size) for device in self.devices))
             rate = admission.measured_rate(measured)
             towers = await asyncio.gather(*(device.measure_tower(TOWER_SIDES) for device in self.devices))
-            tower = TowerCost.fit(_mean_samples(towers), rate)
+            samples = _mean_samples(towers)
+            tower, tower_ceiling = TowerCost.fit(samples, rate), TowerCost.ceiling(samples, rate)
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await loop.run_in_executor(self.executor, _preparer, cfg, where.commit, engine.images_refused,
                                                   tower, rate)
@@ -200,7 +201,7 @@ class Service:
                                budgets=Budgets(cfg.min_wait_budget, cfg.wait_budget, cfg.engine.context_length),
                                start_rate=rate, chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
-                               policy=cfg.admission, tower=tower)
+                               policy=cfg.admission, tower=tower, tower_ceiling=tower_ceiling)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")

@@ -42,6 +42,22 @@ def test_a_noisy_fit_errs_towards_cost():
     assert cost.image(62_500) > 1_000.0 * 0.020 * 62_500 / 2304 * 10
 
 
+def test_the_ceiling_is_never_under_the_fit_nor_a_point():
+    for samples in ([(576, 0.013), (2304, 0.123)], [(576, 0.025), (2304, 0.123)], [(576, 0.010), (2304, 0.020)]):
+        fit, ceiling = TowerCost.fit(samples, 1_000.0), TowerCost.ceiling(samples, 1_000.0)
+        for patches, seconds in samples:
+            assert ceiling.image(patches) >= seconds * 1_000.0
+        for patches in (1, 576, 1_000, 2_304, 16_384, 62_500):
+            assert ceiling.image(patches) >= fit.image(patches)
+    # a noisy small point (0.025 s for 0.013) takes the fit's square term down 6x; not the ceiling's
+    clean, noisy = [(576, 0.013), (2304, 0.123)], [(576, 0.025), (2304, 0.123)]
+    assert TowerCost.fit(noisy, 1_000.0).image(16_384) < 0.6 * TowerCost.fit(clean, 1_000.0).image(16_384)
+    assert TowerCost.ceiling(noisy, 1_000.0).image(16_384) >= TowerCost.ceiling(clean, 1_000.0).image(16_384)
+    assert TowerCost.ceiling([], 1.0) == TowerCost(0.0, 0.0)
+    with pytest.raises(ValueError):
+        TowerCost.ceiling([(576, 0.01)], 1.0)
+
+
 def test_largest_image_inverts_the_cost():
     cost = TowerCost(0.5, 1e-4)
     for tokens in (100.0, 1_024.0, 8_192.0):
@@ -129,16 +145,19 @@ class TimedDevice:
         pass
 
 
-def serve(tower: TowerCost, device_tower: TowerCost, requests: list[Prepared], stall_s: float):
-    """Submit ``requests`` one at a time to a batcher that counts images at ``tower`` on a device whose images
-    take ``device_tower``: (the outcomes, the steps' images arguments, the troubles the watch found)."""
+def serve(tower: TowerCost, device_tower: TowerCost, requests: list[Prepared], stall_s: float,
+          ceiling: TowerCost | None = None):
+    """Submit ``requests`` one at a time to a batcher that counts images at ``tower`` (their stall limits at
+    ``ceiling``) on a device whose images take ``device_tower``: (the outcomes, the steps' images arguments, the
+    troubles the watch found)."""
     metrics, troubles = Metrics(), []
     device = TimedDevice(device_tower)
 
     async def main():
         w = DeviceWatch(metrics, stall_s, 30.0, on_change=troubles.append, on_expired=lambda trouble: None)
         b = Batcher([device], metrics, watch=w, max_queue=8, max_batch_tokens=6_000, max_batch_requests=4,
-                    budgets=Budgets(60.0, 60.0, 10_000), start_rate=RATE, chunk_tokens=6_000, tower=tower)
+                    budgets=Budgets(60.0, 60.0, 10_000), start_rate=RATE, chunk_tokens=6_000, tower=tower,
+                    tower_ceiling=ceiling)
         b.start()
         outcomes = []
         for r in requests:
@@ -178,3 +197,24 @@ def test_counting_only_tokens_takes_the_busy_device_for_a_stalled_one():
     outcomes, _, troubles = serve(TowerCost(0.0, 0.0), TOWER, [two], stall_s=0.2)
     assert outcomes[0].response["prompt"] == "two"
     assert [t.kind for t in troubles if t is not None] == ["stalled"]
+
+
+# Fitted on 8 x 8 and 16 x 16 patch images (1e-5 s a patch, 1e-9 s a patch squared), and the 64 x 64 one's tower
+# taking six times what the fit says (0.35 s against 0.058 s, as past the caches on a CPU, or after a noisy point)
+SMALL_POINTS = [(p, 1e-5 * p + 1e-9 * p * p) for p in (64, 256)]
+SLOWER = TowerCost(0.0, 6 * TowerCost.fit(SMALL_POINTS, RATE).image(4_096) / 4_096 ** 2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_tower_slower_than_its_fit_beyond_the_measured_sizes_is_busy_at_the_ceiling(packed):
+    fit, ceiling = TowerCost.fit(SMALL_POINTS, RATE), TowerCost.ceiling(SMALL_POINTS, RATE)
+    assert SLOWER.image(4_096) > 4 * (fit.image(4_096) + 100) and SLOWER.image(4_096) / RATE > 0.1   # past it
+    assert ceiling.image(4_096) > SLOWER.image(4_096)
+    # one image and 100 prompt tokens: one step's work (packed) or more (chunked: its tower a step)
+    request = Prepared(num_tokens=100 if packed else 6_000, name="image", images=(picture(64),))
+    outcomes, steps, troubles = serve(fit, SLOWER, [request], stall_s=0.1, ceiling=ceiling)
+    assert outcomes[0].response["prompt"] == "image" and troubles == []
+    assert steps == ([] if packed else [1, 0])
+    _, _, troubles = serve(fit, SLOWER, [request], stall_s=0.1)     # the control: the fit's limit trips
+    assert [t.kind for t in troubles if t is not None] == ["stalled"]
+

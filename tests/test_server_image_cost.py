@@ -83,8 +83,9 @@ def test_a_huge_image_is_refused_413_and_the_server_keeps_serving(server):
 def test_a_long_tower_step_is_busy_not_stalled(server_model):
     """With the per-image limit raised and a stall floor of 6 s, a 2048 x 2048 image, whose tower alone takes
     longer than that on the CPU (about 12 s on 2 cores), is answered while /health stays 200 throughout: each
-    step's stall limit is 4x its own expected time, the tower's included. (Counted as its tokens alone, that
-    step's limit would be the floor: tests/test_image_cost.py has that control.) The floor sits well above the
+    step's stall limit is 4x its own expected time, the tower's counted at its ceiling (which the tower of an
+    image 7x the measured sizes stays under, where the fitted cost does not always: tests/test_image_cost.py has
+    those controls, and the one counting tokens alone). The floor sits well above the
     text steps, which are sized to --step-budget (0.15 s) at the measured rate, so that only the tower's step
     tests the rule on a loaded machine."""
     with Server("--model", str(server_model), "--api-key", KEY, "--stall-timeout", "6",
@@ -109,7 +110,9 @@ def test_a_long_tower_step_is_busy_not_stalled(server_model):
         took = time.monotonic() - started
         assert r.status == 200, r
         assert took > 6.0, took          # longer than the stall floor
-        assert health and set(health) == {200}, (s.events("device_stalled"), s.events("ready"))
+        ready = s.events("ready")[0]
+        assert health and set(health) == {200}, ([e["reason"] for e in s.events("device_stalled")],
+                                                 {k: v for k, v in ready.items() if k.startswith(("tower", "rate"))})
         assert s.metric("clef_device_faults_total") == 0, s.events("device_stalled")
         assert s.proc.poll() is None
         # the request's images together: 4,096 + 64 tokens, over --max-request-image-tokens

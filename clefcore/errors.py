@@ -76,6 +76,13 @@ class ImageTokensError(RequestError):
     type = "request_too_large"
 
 
+class PromptTokensError(RequestError):
+    """A prompt longer than the deployment takes: on top of the context length, a server bounds a prompt by what
+    its device runs within the wait budget (attention grows with the square of the length): the server's 413."""
+
+    type = "request_too_large"
+
+
 class CheckpointError(ClefError):
     """A model directory is missing a file, a tensor, or holds inconsistent values."""
 

@@ -221,6 +221,8 @@ class ServiceConfig:
                                             # within one auto-sized step at the measured cost)
     max_request_image_tokens: int | None = None   # a request's images together; None: auto (MAX_IMAGES images at
                                                   # max_image_tokens)
+    max_prompt_tokens: int | None = None    # prompt tokens at most, 413 above; None: auto (the longest prompt whose
+                                            # run fits wait_budget at the cost measured at start)
     stall_timeout: float = 30.0             # a device call past max(this, 4x its expected time) is stalled
     device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
@@ -241,7 +243,7 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if not self.devices:
             raise ValueError(f"device must name at least one device (cpu, cuda:N), got {self.device!r}")
-        for name in ("max_image_tokens", "max_request_image_tokens"):
+        for name in ("max_image_tokens", "max_request_image_tokens", "max_prompt_tokens"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 or None (auto), got {getattr(self, name)}")
         if self.chunk_tokens is not None and self.chunk_tokens < 0:
@@ -411,9 +413,13 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-image-tokens", type=_or_auto(_positive(int)), default="auto",
                         help="image tokens a request's images may become together, 413 above: a number, or auto "
                              "(four images at --max-image-tokens)")
+    parser.add_argument("--max-prompt-tokens", type=_or_auto(_positive(int)), default="auto",
+                        help="prompt tokens a request may have once cut to --context-length, 413 above: a number, "
+                             "or auto: the longest prompt the device runs within --max-queue-wait at the cost "
+                             "measured at start (attention's time grows with the square of a prompt's length)")
     parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
                         help="seconds a call on the device may run, or 4x its expected time (its tokens and its "
-                             "images' vision towers at the measured rate) if longer, before the device counts as "
+                             "images' vision towers, at their cost's ceiling, at the measured rate) if longer, before the device counts as "
                              "stalled: /health answers 503 and the queued requests 503 until it answers again "
                              "(default: %(default)s)")
     parser.add_argument("--device-grace", type=_positive(float), default=d.device_grace,

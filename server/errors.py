@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from clefcore.errors import BodyTooLargeError, ContextLengthError, ImageTokensError, RequestError
+from clefcore.errors import BodyTooLargeError, ContextLengthError, ImageTokensError, PromptTokensError, RequestError
 
 # TypeSafe's `detail.error_type` vocabulary; our own kinds map onto it.
 _TYPESAFE_KIND = {
@@ -94,13 +94,14 @@ def malformed_body(err: RequestError, encoding: str = "") -> ApiError:
 
 def invalid_request(err: RequestError) -> ApiError:
     """A body the engine refused. Context overflows are 400 with llama.cpp-style token counts
-    (serving-and-peers.md §5a); images over the server's image-token limits 413; every other rule is a 422
+    (serving-and-peers.md §5a); images over the server's image-token limits and prompts over its prompt-token
+    limit 413; every other rule is a 422
     schema violation. On the Cloudflare route a
     missing top-level property or an unknown question type is Workers AI's 400/5006, the rest 422/5012."""
     if isinstance(err, ContextLengthError):
         return ApiError(400, err.message, err.type, cf_code=CF_TOO_LARGE, field=err.field, limit=err.limit,
                         extra={"n_prompt_tokens": err.required, "n_ctx": err.maximum})
-    if isinstance(err, ImageTokensError):   # an image whose vision tower would cost more than this server allows
+    if isinstance(err, (ImageTokensError, PromptTokensError)):   # more device time than this server allows
         return ApiError(413, err.message, err.type, cf_code=CF_TOO_LARGE, field=err.field, limit=err.limit)
     field = err.field or ""
     if (field in ("model", "state", "questions") and "required" in err.message) or field.endswith(".type"):

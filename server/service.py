@@ -36,10 +36,11 @@ from typing import Any, TypeVar
 
 from clefcore import hub
 from clefcore.checkpoint import Checkpoint
-from clefcore.engine import EngineStatus
+from clefcore.engine import EngineStatus, padded
+from clefcore.example_request import support_ticket
 from clefcore.errors import ClefError
 from clefcore.options import ServiceConfig
-from clefcore.preparer import ImageLimits, Preparer, pixel_bounds
+from clefcore.preparer import ImageLimits, Prepared, Preparer, pixel_bounds
 
 from . import admission, gpus
 from .admission import Budgets, Refusal
@@ -52,6 +53,7 @@ from .lifecycle import DRAINING, FAILED, LOADING, READY, Lifecycle
 from .logs import log
 from .metrics import Metrics
 from .prepare import PrepareGate
+from .prompt_cost import CONTEXT_CHUNKS, PROMPT_RUNS, PromptCost, PromptLimit
 from .steps import StepSize
 from .testhooks import TestHooks
 
@@ -140,8 +142,9 @@ class Service:
         self.metrics.devices.set(len(self.devices))
         self.watch = DeviceWatch(self.metrics, config.stall_timeout, config.device_grace,
                                  on_change=self._device_trouble, on_expired=self._device_expired)
-        self.preparer: Preparer | None = None   # both set once the model is loaded and self-checked
+        self.preparer: Preparer | None = None   # all three set once the model is loaded and self-checked
         self.batcher: Batcher | None = None
+        self.prompt_limit: PromptLimit | None = None
         self._loop_lag: asyncio.Task | None = None   # metrics.watch_loop_lag, from ready to stop
         # Validation + tokenization of incoming bodies; a pool so one long state does not hold up the rest, and a
         # gate in front of it that hands it the smallest bodies first (server/prepare.py).
@@ -189,6 +192,7 @@ class Service:
             # the host side of requests (validation, images, tokenizer) lives here, beside the event loop
             preparer = await loop.run_in_executor(self.executor, _preparer, cfg, where.commit, engine.images_refused,
                                                   tower, rate)
+            self.prompt_limit = await self._measure_prompts(preparer, rate)
         except Exception as error:
             self.lifecycle.set(FAILED, f"{type(error).__name__}: {error}")
             log("load_failed", level="error", error=str(error), error_type=type(error).__name__)
@@ -215,7 +219,46 @@ class Service:
             tower_tokens_per_patch=round(tower.per_patch, 4),
             tower_tokens_per_patch_squared=float(f"{tower.per_patch_squared:.4g}"),
             max_image_tokens=preparer.image_limits.per_image,
-            max_request_image_tokens=preparer.image_limits.per_request)
+            max_request_image_tokens=preparer.image_limits.per_request,
+            prompt_seconds_per_token_pair=float(f"{self.prompt_limit.cost.per_token_pair:.4g}"),
+            max_prompt_tokens=self.prompt_limit.tokens)
+
+    async def _measure_prompts(self, preparer: Preparer, rate: float) -> PromptLimit:
+        """How a prompt's time grows with its length on the first device (server/prompt_cost.py): a synthetic
+        prompt run chunked as a long request runs, and the longest prompt taken. Where that limit bites, the run
+        is repeated and each chunk counted at its faster time (noise only adds time, and a late chunk slowed by
+        something else would refuse prompts the device runs in time). With chunking off (--chunk-tokens 0)
+        nothing is measured, and the limit follows the rate alone."""
+        cfg = self.config
+        context = cfg.engine.context_length
+        chunk = min(StepSize(cfg.chunk_tokens, cfg.step_budget).at(rate), cfg.reserve_limits["chunk_tokens"])
+        limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost(rate, 0.0), cfg.wait_budget, context)
+        if chunk <= 0:
+            return limit
+        prompt = padded(preparer.prepare(support_ticket()), min(CONTEXT_CHUNKS * chunk + 1, context))
+        fastest: list[tuple[int, int, float]] = []
+        for _ in range(PROMPT_RUNS):
+            samples = await self._chunked_run(prompt, chunk)
+            fastest = [min(pair, key=lambda sample: sample[2]) for pair in zip(fastest, samples)] or samples
+            # the first chunk pays for its warm-up, the last is one token and the head
+            warm = [sample for sample in fastest[1:-1] if sample[1] == chunk]
+            if len(warm) >= 2:
+                limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost.fit(warm, rate), cfg.wait_budget, context)
+            if limit.tokens >= context:
+                break
+        return limit
+
+    async def _chunked_run(self, prompt: Prepared, chunk: int) -> list[tuple[int, int, float]]:
+        """``prompt`` run chunked on the first device as a long request runs: (offset, tokens, seconds) a step."""
+        samples, offset = [], 0
+        while True:
+            step = await self.devices[0].step(prompt if not samples else None, chunk)
+            if step.error is not None:
+                raise step.error
+            samples.append((offset, step.tokens, step.seconds))
+            offset += step.tokens
+            if step.done:
+                return samples
 
     def health(self) -> Health:
         """What /health and /live answer now (see the module doc)."""
@@ -361,6 +404,7 @@ class Service:
         prepared = await self.on_threads(read_bytes, lambda: self.preparer.prepare(read(),
                                                                                    on_overflow=cfg.on_overflow))
         trace["prompt_tokens"] = prepared.num_tokens
+        self.prompt_limit.check(prepared.num_tokens)
         batcher = self.batcher
         batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between
         batcher.sizer.observe(body_bytes, batcher.cost(prepared))

@@ -1,7 +1,7 @@
-"""Both backends implement ``clefcore.backends.interface.Backend`` (checked without a GPU: a CpuOps, and CudaOps's
-class), and the engine, the model and the vision tower ask a backend for nothing else: run end to end on a backend
-that answers only the interface's members, they ask for no other name (a private helper, a probe for an optional
-attribute) and answer as the plain numpy backend does."""
+"""Both backends implement ``clefcore.backends.interface.Backend`` (checked without a GPU: a CpuOps, and
+CudaOps's class), and the engine, the model and the vision tower ask a backend for nothing else: run end to
+end on a backend that answers only the interface's members, they ask for no other name (a private helper, a
+probe for an optional attribute) and answer as the plain numpy backend does."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def _class_members(cls) -> set[str]:
 
 class InterfaceOnly:
     """A CpuOps behind the interface: a member of ``Backend`` is the CpuOps's; any other name is recorded in
-    ``outside`` and missing (an AttributeError, as from a backend without it), so a getattr/hasattr probe with a
-    default is caught too."""
+    ``outside`` and missing (an AttributeError, as from a backend without it), so a getattr/hasattr probe with
+    a default is caught too."""
 
     def __init__(self, ops: CpuOps):
         object.__setattr__(self, "_ops", ops)

@@ -158,8 +158,8 @@ def test_exact_never_fuses_the_mlp():
 
 
 def test_every_mma_tile_has_its_fused_twin():
-    """Each plain mma/wgmma tile's fused gate/up + SwiGLU kernel is built in the plain one's file: both are entry
-    points of its PTX (gemm_wgmma.cu's for compute_90a, the only target it has bodies for)."""
+    """Each plain mma/wgmma tile's fused gate/up + SwiGLU kernel is built in the plain one's file: both are
+    entry points of its PTX (gemm_wgmma.cu's for compute_90a, the only target it has bodies for)."""
     from clefcore.backends.cuda import compile as C
     assert set(MMA_SWIGLU) == {name for name, *_ in MMA_TILES} | {WGMMA_TILE[0]}
     try:

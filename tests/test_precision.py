@@ -1,11 +1,10 @@
 """The precision names users can give (clefcore/precision.py): fast and exact, the kernel-path aliases, what each
 resolves to, and that every command and clefcore.load accept them (and refuse anything else, or any of them on the
 CPU, where they would be silently ignored). The precision table: a row for every kernel path, what each op family
-runs on it, unknown paths refused, and no other module comparing a mode's or a path's name."""
+runs on it, and unknown paths refused."""
 
 from __future__ import annotations
 
-import re
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -146,29 +145,3 @@ def test_the_delta_rules_kernels_follow_the_row(path):
     fast = TABLE[path].mode == "fast"
     assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)
     assert TABLE[path].fused_elementwise is fast
-
-
-# A comparison of a mode's or a kernel path's name: `precision == "split8"`, `plan.path in ("split", "split8")`,
-# `"fp16" == mode`. (The GEMM routes share two of these names; a route is compared as `route == "split"`.)
-_NAMES = r"[\"'](?:fast|exact|fp16|split|split8|fp32)[\"']"
-_SUBJECT = r"(?<!for )\b[\w.]*(?:path|mode|precision)\b"      # a for loop's target is no check
-_OP = r"(?:==|!=|\bnot in\b|\bin\b)"
-NAME_CHECK = re.compile(rf"{_SUBJECT}\s*{_OP}\s*[(\[{{]?\s*{_NAMES}|{_NAMES}\s*{_OP}\s*{_SUBJECT}")
-
-
-def test_the_name_check_pattern_matches_the_old_checks():
-    for line in ('if precision == "split8" and not fp8:', 'return self.path in ("split", "split8")',
-                 'return "fast" if path == "fp16" else "exact"', 'TOL_FP16 if path == "fp16" else tol',
-                 "if self.mode != 'exact':", 'if "fp16" == ops.plan.path:', 'if p.mode not in ("fast",)'):
-        assert NAME_CHECK.search(line), line
-    for line in ('elif route == "split":', 'ops.plan = replace(plan, path=path)', 'Plan("fp16")',
-                 'if im.mode not in MODES', 'for path in ("fp16", "split"):'):
-        assert not NAME_CHECK.search(line), line
-
-
-@pytest.mark.parametrize("tree", ["clefcore", "server"])
-def test_no_module_but_precision_compares_a_mode_or_path_name(tree):
-    found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted((ROOT / tree).rglob("*.py"))
-             if path != ROOT / "clefcore" / "precision.py"
-             for i, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]
-    assert found == []

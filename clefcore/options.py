@@ -222,7 +222,7 @@ class ServiceConfig:
     max_request_image_tokens: int | None = None   # a request's images together; None: auto (MAX_IMAGES images at
                                                   # max_image_tokens)
     max_prompt_tokens: int | None = None    # prompt tokens at most, 413 above; None: auto (the longest prompt whose
-                                            # run fits wait_budget at the cost measured at start)
+                                            # run fits the longest wait budget at the cost measured at start)
     stall_timeout: float = 30.0             # a device call past max(this, 4x its expected time) is stalled
     device_grace: float = 60.0              # a device stalled or faulted this long is given up: the service fails
     first_lane: int = 0                     # the busy counter's lane of the first device: a --spread workers
@@ -415,7 +415,8 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "(four images at --max-image-tokens)")
     parser.add_argument("--max-prompt-tokens", type=_or_auto(_positive(int)), default="auto",
                         help="prompt tokens a request may have once cut to --context-length, 413 above: a number, "
-                             "or auto: the longest prompt the device runs within --max-queue-wait at the cost "
+                             "or auto: the longest prompt the device runs within --max-queue-wait (or "
+                             "--min-queue-wait if larger) at the cost "
                              "measured at start (attention's time grows with the square of a prompt's length)")
     parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
                         help="seconds a call on the device may run, or 4x its expected time (its tokens and its "

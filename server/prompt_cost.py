@@ -11,9 +11,9 @@ limit below bites, the run is repeated and each chunk counted at its faster time
 else would otherwise refuse prompts the device runs in time. A prompt of T tokens then takes about
 T / rate + per_token_pair * T^2 / 2 seconds, however it is chunked.
 
-The longest prompt the server takes (``--max-prompt-tokens``, auto) is the longest whose own run fits the wait
-that a prompt of the whole context tolerates (``--max-queue-wait``): a longer one would time out or hold the
-device past every budget even alone, so it is refused with 413 at once instead. Where the device runs the whole
+The longest prompt the server takes (``--max-prompt-tokens``, auto) is the longest whose own run fits the longest
+wait any prompt tolerates (``--max-queue-wait``, or ``--min-queue-wait`` if larger): a longer one would hold the
+device past every budget even alone, and time out, so it is refused with 413 at once instead. Where the device runs the whole
 context within that wait (a GPU, by far), the context length is the only bound.
 """
 

@@ -227,14 +227,16 @@ class Service:
         """How a prompt's time grows with its length on the first device (server/prompt_cost.py): a synthetic
         prompt run chunked as a long request runs, and the longest prompt taken. Where that limit bites, the run
         is repeated and each chunk counted at its faster time (noise only adds time, and a late chunk slowed by
-        something else would refuse prompts the device runs in time). With chunking off (--chunk-tokens 0)
-        nothing is measured, and the limit follows the rate alone."""
+        something else would refuse prompts the device runs in time). The wait is the longest any prompt is
+        allowed (--max-queue-wait, or --min-queue-wait if larger). With chunking off (--chunk-tokens 0) nothing
+        is measured, and only the context length (or a configured limit) bounds a prompt."""
         cfg = self.config
         context = cfg.engine.context_length
+        budget = max(cfg.wait_budget, cfg.min_wait_budget)
         chunk = min(StepSize(cfg.chunk_tokens, cfg.step_budget).at(rate), cfg.reserve_limits["chunk_tokens"])
-        limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost(rate, 0.0), cfg.wait_budget, context)
         if chunk <= 0:
-            return limit
+            return PromptLimit.sized(cfg.max_prompt_tokens or context, PromptCost(rate, 0.0), budget, context)
+        limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost(rate, 0.0), budget, context)
         prompt = padded(preparer.prepare(support_ticket()), min(CONTEXT_CHUNKS * chunk + 1, context))
         fastest: list[tuple[int, int, float]] = []
         for _ in range(PROMPT_RUNS):
@@ -243,7 +245,7 @@ class Service:
             # the first chunk pays for its warm-up, the last is one token and the head
             warm = [sample for sample in fastest[1:-1] if sample[1] == chunk]
             if len(warm) >= 2:
-                limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost.fit(warm, rate), cfg.wait_budget, context)
+                limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost.fit(warm, rate), budget, context)
             if limit.tokens >= context:
                 break
         return limit

@@ -16,6 +16,7 @@ import clefcore
 from clefcore import cli, precision
 from clefcore.backends.cuda.delta_rule import DeltaRuleOps
 from clefcore.errors import ClefError
+from clefcore.kernel_select import Device, Setting
 from clefcore.precision import FP32, TABLE, GemmOperands, Plan
 
 MODEL = Path(__file__).parent / "golden" / "model"
@@ -141,7 +142,8 @@ def test_the_rows_are_consistent():
 def test_the_delta_rules_kernels_follow_the_row(path):
     """fast runs the WY form with the output's products in one pass, the exact plans with every product split;
     fused producers only where the GEMMs round their operand once to fp16 (fast)."""
-    ops = types.SimpleNamespace(plan=Plan(path))
+    device = Device((9, 0), True, 232448, True)
+    ops = types.SimpleNamespace(setting=Setting(Plan(path).row, frozenset(), device))
     rule = DeltaRuleOps.gdn_kernels(ops)
     fast = TABLE[path].mode == "fast"
     assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)
@@ -149,7 +151,7 @@ def test_the_delta_rules_kernels_follow_the_row(path):
 
 
 # A comparison of a mode's or a kernel path's name: `precision == "split8"`, `plan.path in ("split", "split8")`,
-# `"fp16" == mode`. (The GEMM routes share two of these names; a route is compared as `route == "split"`.)
+# `"fp16" == mode`. (GemmRoute's values share two of these names; a route is compared as a GemmRoute.)
 _NAMES = r"[\"'](?:fast|exact|fp16|split|split8|fp32)[\"']"
 _SUBJECT = r"(?<!for )\b[\w.]*(?:path|mode|precision)\b"      # a for loop's target is no check
 _OP = r"(?:==|!=|\bnot in\b|\bin\b)"

@@ -151,7 +151,7 @@ def test_the_delta_rules_kernels_follow_the_row(path):
 
 
 # A comparison of a mode's or a kernel path's name: `precision == "split8"`, `plan.path in ("split", "split8")`,
-# `"fp16" == mode`. (GemmRoute's values share two of these names; a route is compared as a GemmRoute.)
+# `"fp16" == mode`. (The GEMM routes share two of these names; a route is compared as `route == "split"`.)
 _NAMES = r"[\"'](?:fast|exact|fp16|split|split8|fp32)[\"']"
 _SUBJECT = r"(?<!for )\b[\w.]*(?:path|mode|precision)\b"      # a for loop's target is no check
 _OP = r"(?:==|!=|\bnot in\b|\bin\b)"

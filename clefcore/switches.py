@@ -26,9 +26,10 @@ class Switch:
         return "CLEFCORE_" + self.name.upper()
 
 
-# None at present: attention_wgmma.cu (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and
-# the WY-form delta rule ran correct and faster on an H100 (2b7717a) and are what the backend runs, each where it
-# applies (clefcore/precision.py, backends/cuda/attention.py::causal_kernels).
+# Each switch is a module constant here (``SOME_KERNEL = Switch(...)``), listed in SWITCHES. None at present:
+# attention_wgmma.cu (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and the WY-form delta
+# rule ran correct and faster on an H100 (2b7717a) and are what the backend runs, each where it applies
+# (clefcore/kernel_select.py).
 SWITCHES: tuple[Switch, ...] = ()
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
@@ -57,9 +58,9 @@ def parse(spec: str) -> dict[str, bool]:
     return out
 
 
-def resolve(spec: str | None = None, environ=None) -> frozenset[str]:
-    """The names of the switches that are on: ``spec`` (the kernels option), else each switch's environment
-    variable, else its default."""
+def resolve(spec: str | None = None, environ=None) -> frozenset[Switch]:
+    """The switches that are on: ``spec`` (the kernels option), else each switch's environment variable, else its
+    default. A choice asks ``SOME_SWITCH in on`` of a module constant (clefcore/kernel_select.py), never a name."""
     environ = os.environ if environ is None else environ
     given = parse(spec) if spec else {}
     on = set()
@@ -71,7 +72,7 @@ def resolve(spec: str | None = None, environ=None) -> frozenset[str]:
         else:
             value = s.default
         if value:
-            on.add(s.name)
+            on.add(s)
     return frozenset(on)
 
 

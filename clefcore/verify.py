@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import precision
+from . import gpu_settings, precision
 from .checkpoint import to_float32
 from .example_request import support_ticket
 from .options import EngineOptions, HelpFormatter, model_options
@@ -183,7 +183,8 @@ def run(args) -> int:
     layer_bound, prob_bound = precision.VERIFY_BOUND[gpu.mode]
     layer_tol = layer_bound if args.layer_tol is None else args.layer_tol
     prob_tol = prob_bound if args.prob_tol is None else args.prob_tol
-    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.plan.path}), gemm {gpu.gemm.pin}"
+    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.plan.path}), "
+          f"gemm {gpu.gemm.pin or gpu_settings.GEMM_AUTO}"
           + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
           + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")
     return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol, vision_params=vp) else 1

@@ -1,5 +1,5 @@
 """The Hopper attention kernel (cuda/attention_wgmma.cu) on the CPU: the routing decision
-(attention.causal_kernels and its one caller) and a numpy model of the kernel
+(kernel_select.causal_attention and its one caller) and a numpy model of the kernel
 (tests/attn_wgmma_model.py: its shared-memory layouts and descriptors, its tiling, masking and roundings)
 against the numpy attention. The kernel itself runs in test_attention_wgmma_gpu.py."""
 
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
-from clefcore.backends.cuda.attention import ATTN, ATTN_WGMMA, WGMMA_DIMS, AttentionOps, causal_kernels
+from clefcore.backends.cuda.attention import AttentionOps
+from clefcore.kernel_select import ATTN, ATTN_WGMMA, WGMMA_DIMS, Device, Setting, causal_attention
+from clefcore.precision import TABLE
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attn_wgmma_model as model  # noqa: E402
@@ -26,6 +28,10 @@ def _seeded(request):
 
 
 # ------------------------------------------------------------------------------------------------ routing
+
+def causal_kernels(cc, native, D, kv_fp16):
+    return causal_attention(Setting(TABLE["fp16"], frozenset(), Device(cc, native, 232448, True)), D, kv_fp16)
+
 
 def test_causal_kernels_needs_every_condition():
     assert causal_kernels((9, 0), True, 256, True) is ATTN_WGMMA
@@ -45,7 +51,8 @@ def _routed(cc=(9, 0), ptx70=False, D=256, kv=np.float16):
     def run(q, k, v, cu, scale, t0, causal, kernels):
         seen.update(kernels=kernels, causal=causal, t0=t0, rows=k.shape[0])
 
-    ops = types.SimpleNamespace(cc=cc, ptx70=ptx70, _attn_run=run)
+    ops = types.SimpleNamespace(setting=Setting(TABLE["fp16"], frozenset(), Device(cc, not ptx70, 232448, True)),
+                                _attn_run=run)
     q = np.zeros((5, 4, D), np.float32)
     k = np.zeros((12, 1, D), kv)
     AttentionOps.attention(ops, q, k, k.copy(), np.array([0, 12]), 0.1, q_offset=3)

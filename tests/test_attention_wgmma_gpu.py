@@ -1,8 +1,8 @@
-"""The Hopper causal attention (cuda/attention_wgmma.cu, what causal_kernels picks on compute capability 9.0) on the
-GPU, under the fast and the exact plans: against the numpy attention (clefcore/backends/cpu.py::attention) on
+"""The Hopper causal attention (cuda/attention_wgmma.cu, what kernel_select.causal_attention picks on compute
+capability 9.0) on the GPU, under the fast and the exact plans: against the numpy attention (clefcore/backends/cpu.py::attention) on
 awkward lengths, packed sequences, token-blocked prefill (q_offset, an fp16 cache whose later rows are NaN) and
 clef-flash's GQA ratio (16 query heads on 4 K/V heads, head dim 256); against attention.cu's kernel (what every
-other GPU runs) on the same inputs, whose error it must not exceed; and the cases causal_kernels leaves on
+other GPU runs) on the same inputs, whose error it must not exceed; and the cases causal_attention leaves on
 attention.cu (bit-identical to it).
 Needs compute capability 9.0 running native code (the kernel's body is built for sm_90a only).
 
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
-from clefcore.backends.cuda import attention as attention_module
-from clefcore.backends.cuda.attention import ATTN, ATTN_WGMMA, causal_kernels
+from clefcore import kernel_select
+from clefcore.kernel_select import ATTN, ATTN_WGMMA, causal_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import MARKS, reseed  # noqa: E402
@@ -42,7 +42,7 @@ def _seeded(request):
 
 
 class AttentionCu:
-    """A backend whose causal attention runs attention.cu's kernel (causal_kernels' other answer, every other GPU's
+    """A backend whose causal attention runs attention.cu's kernel (causal_attention's other answer, every other GPU's
     kernel): its attention calls run with the selector answering ATTN; everything else is the backend's."""
 
     def __init__(self, ops):
@@ -53,7 +53,7 @@ class AttentionCu:
 
     def attention(self, *args, **kwargs):
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(attention_module, "causal_kernels", lambda *a: ATTN)
+            m.setattr(kernel_select, "causal_attention", lambda *a: ATTN)
             return self.ops.attention(*args, **kwargs)
 
 
@@ -62,7 +62,7 @@ def pair(request):
     """(attention_wgmma.cu, attention.cu) backends under one precision mode."""
     from clefcore.backends.cuda import CudaOps
     on = CudaOps(0, precision=request.param)
-    if causal_kernels(on.cc, not on.ptx70, D, True) is not ATTN_WGMMA:
+    if causal_attention(on.setting, D, True) is not ATTN_WGMMA:
         pytest.skip(f"attention_wgmma.cu runs on compute capability 9.0 only ({on.device_name} is "
                     f"{on.cc[0]}.{on.cc[1]})")
     return on, AttentionCu(CudaOps(0, precision=request.param))
@@ -172,7 +172,7 @@ def test_more_tiles_than_grid_y(pair):
 
 @pytest.mark.parametrize("case", ["fp32 K/V", "head dim 128"])
 def test_unrouted_cases_are_bit_identical(pair, case):
-    """Where causal_kernels keeps attention.cu (K/V not fp16, a head dim without a wgmma kernel) the result is
+    """Where causal_attention keeps attention.cu (K/V not fp16, a head dim without a wgmma kernel) the result is
     attention.cu's, bit for bit."""
     on, off = pair
     cu = np.array([0, 65, 200])

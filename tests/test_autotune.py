@@ -8,7 +8,10 @@ import pytest
 
 from clefcore.backends.cuda.ops import CudaOps
 from clefcore.backends.cuda.state import GemmChoices
+from clefcore.kernel_select import Device, GemmRoute, Setting
 from clefcore.precision import Plan
+
+C, W, R = GemmRoute.CUBLAS, GemmRoute.WMMA, GemmRoute.ROWS
 
 
 class _Clock:
@@ -25,8 +28,8 @@ class _Clock:
         self.cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: b.t - a.t)
 
 
-def _ops(mode="auto"):
-    return types.SimpleNamespace(gemm=GemmChoices(mode), plan=Plan("split"), cp=_Clock(), cublas_missing=None)
+def _ops(pin=None):
+    return types.SimpleNamespace(gemm=GemmChoices(pin), plan=Plan("split"), cp=_Clock())
 
 
 def _route(ops, calls, name, cost, hiccup_on=None):
@@ -38,44 +41,35 @@ def _route(ops, calls, name, cost, hiccup_on=None):
 
 def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_route():
     ops, calls = _ops(), {}
-    routes = {"cublas": _route(ops, calls, "cublas", 1.0, hiccup_on=2), "wmma": _route(ops, calls, "wmma", 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "cublas"
-    assert calls == {"cublas": 6, "wmma": 6}                  # one warm-up run + 5 timed runs each
-    assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): "cublas"}
+    routes = {C: _route(ops, calls, C, 1.0, hiccup_on=2), W: _route(ops, calls, W, 2.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") is C
+    assert calls == {C: 6, W: 6}                  # one warm-up run + 5 timed runs each
+    assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): C}
 
 
 def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
     ops, calls = _ops(), {}
-    routes = {"cublas": _route(ops, calls, "cublas", 3.0), "wmma": _route(ops, calls, "wmma", 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "wmma"
+    routes = {C: _route(ops, calls, C, 3.0), W: _route(ops, calls, W, 2.0)}
+    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") is W
     n = dict(calls)
-    assert CudaOps._choose(ops, 512, 64, 64, routes, "t") == "wmma" and calls == n     # same bucket: not re-timed
-    assert CudaOps._choose(ops, 513, 64, 64, routes, "t") == "wmma" and calls != n     # next bucket: timed
-    assert CudaOps._choose(_ops("cublas"), 300, 64, 64, routes, "t") == "cublas"
-
-
-def test_without_cublas_its_route_is_never_run_or_chosen():
-    ops, calls = _ops(), {}
-    ops.cublas_missing = "libcublasLt.so.12: cannot open shared object file"
-    routes = {"cublas": _route(ops, calls, "cublas", 1.0), "wmma": _route(ops, calls, "wmma", 2.0),
-              "rows": _route(ops, calls, "rows", 3.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") == "wmma"
-    assert "cublas" not in calls and calls["rows"] == 6
+    assert CudaOps._choose(ops, 512, 64, 64, routes, "t") is W and calls == n     # same bucket: not re-timed
+    assert CudaOps._choose(ops, 513, 64, 64, routes, "t") is W and calls != n     # next bucket: timed
+    assert CudaOps._choose(_ops(C), 300, 64, 64, routes, "t") is C
 
 
 def test_gemm_routes_records_each_choice_inside_its_block_only():
     """CudaOps.gemm_routes: every _choose inside the block is recorded under the autotune's key, a pinned mode's
     too; nothing is recorded before or after it."""
     ops, calls = _ops(), {}
-    routes = {"cublas": _route(ops, calls, "cublas", 1.0), "wmma": _route(ops, calls, "wmma", 2.0)}
+    routes = {C: _route(ops, calls, C, 1.0), W: _route(ops, calls, W, 2.0)}
     CudaOps._choose(ops, 300, 64, 64, routes, "before")
     with CudaOps.gemm_routes(ops) as seen:
         CudaOps._choose(ops, 300, 64, 64, routes, "t")
-        ops.gemm.pin = "wmma"
+        ops.gemm.pin = W
         CudaOps._choose(ops, 20, 128, 64, routes, "t")
-    ops.gemm.pin = "auto"
+    ops.gemm.pin = None
     CudaOps._choose(ops, 300, 64, 64, routes, "after")
-    assert seen == {(64, 64, 512, "t", "split"): "cublas", (128, 64, 32, "t", "split"): "wmma"}
+    assert seen == {(64, 64, 512, "t", "split"): C, (128, 64, 32, "t", "split"): W}
     assert ops.gemm.seen is None
 
 
@@ -84,16 +78,18 @@ class _Routes:
     gemm_with run for a plan and an operand dtype."""
 
     gemm_with = CudaOps.gemm_with
-    _mma_runs = CudaOps._mma_runs
 
-    def __init__(self, path, twinned=False, pick="cublas", mma=False):
+    def __init__(self, path, twinned=False, pick=C, mma=False):
         self.plan, self.twinned, self.pick, self.calls = Plan(path), twinned, pick, []
-        self.gemm = GemmChoices(mma=mma)
+        self.gemm = GemmChoices()
         self.cp = types.SimpleNamespace(float32=np.float32, float16=np.float16)
+        # an sm_80 GPU where the mma route runs, else a Turing one
+        self.setting = Setting(self.plan.row, frozenset(), Device((8, 0) if mma else (7, 5), True, 166912, True))
 
     def _choose(self, M, N, K, routes, tag):
-        want = {"wmma", "cublas"} | ({"rows"} if tag == "float32" and M <= 64 else set())
-        want |= {"mma"} if self.gemm.mma and self.plan.row.gemm.fp16 and K % 8 == 0 else set()
+        want = {W, C} | ({R} if tag == "float32" and M <= 64 else set())
+        want |= {GemmRoute.MMA} if self.setting.device.cc >= (8, 0) and self.plan.row.gemm.fp16 and K % 8 == 0 \
+            else set()
         assert set(routes) == want
         return self.pick
 
@@ -146,24 +142,25 @@ def test_the_cublas_candidate_follows_the_plan(path, twinned, dtype, want):
     np.testing.assert_array_equal(out, 1.0)                       # the bias added once, after the product
 
 
-@pytest.mark.parametrize("pick", ["wmma", "rows"])
+@pytest.mark.parametrize("pick", [W, R])
 def test_own_kernels_take_the_bias_themselves(pick):
     ops = _Routes("split", pick=pick)
     out = np.zeros((8, 16), np.float32)
     CudaOps._gemm(ops, np.ones((8, 32), np.float32), np.ones((16, 32)), out, np.ones(16))
-    assert ops.calls == [(pick, True)] and not out.any()
+    assert ops.calls == [(pick.value, True)] and not out.any()
 
 
 @pytest.mark.parametrize("path, K, offered", [("fp16", 32, True), ("fp16", 36, False), ("split", 32, False)])
 def test_gemm_mma_is_a_candidate_of_the_fast_plan_where_it_runs(path, K, offered):
     """gemm_mma.cu (sm_80+, native code: GemmChoices.mma) is timed against the others for fp16 operands with
     K % 8 == 0 (its 16-byte copies), converts an fp32 operand once, and adds the bias in its epilogue."""
-    ops = _Routes(path, pick="mma" if offered else "wmma", mma=True)
+    ops = _Routes(path, pick=GemmRoute.MMA if offered else W, mma=True)
     out = np.zeros((100, 16), np.float32)
     CudaOps._gemm(ops, np.ones((100, K), np.float32), np.ones((16, K)), out, np.ones(16))
     assert ops.calls == (["half", ("mma", True)] if offered else [("wmma", True)]) and not out.any()
 
 
 def test_an_unknown_route_is_refused():
-    with pytest.raises(ValueError, match="gemm route 'fp32'"):
-        _Routes("split").gemm_with("fp32", np.ones((1, 1)), np.ones((1, 1)), np.zeros((1, 1)))
+    """A route's name is not a route: only GemmRoute members run."""
+    with pytest.raises(ValueError, match="gemm route 'wmma'"):
+        _Routes("split").gemm_with("wmma", np.ones((1, 1)), np.ones((1, 1)), np.zeros((1, 1)))

@@ -21,6 +21,7 @@ from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_MMA, MARKS  # noqa: E402
 from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights  # noqa: E402
 from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
+from clefcore.kernel_select import GemmRoute  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
 
@@ -62,10 +63,10 @@ def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
 def test_route_counts_per_case():
     """A case's {shape key: route} (as CudaOps.gemm_routes records it) as the report gives it: shapes per route,
     most used first."""
-    seen = {shape_key(346, 12288, 4096, "float32", "fp16"): "wmma",
-            shape_key(346, 4096, 12288, "float32", "fp16"): "cublas",
-            shape_key(346, 24576, 4096, "swiglu", "fp16"): "wmma",
-            shape_key(11, 1024, 4096, "float32", "fp16"): "rows"}
+    seen = {shape_key(346, 12288, 4096, "float32", "fp16"): GemmRoute.WMMA,
+            shape_key(346, 4096, 12288, "float32", "fp16"): GemmRoute.CUBLAS,
+            shape_key(346, 24576, 4096, "swiglu", "fp16"): GemmRoute.WMMA,
+            shape_key(11, 1024, 4096, "float32", "fp16"): GemmRoute.ROWS}
     assert list(end_to_end.route_counts(seen).items()) == [("wmma", 2), ("cublas", 1), ("rows", 1)]
     assert end_to_end._routes_text(end_to_end.route_counts(seen)) == "GEMM wmma 2, cublas 1, rows 1 shapes"
     assert end_to_end.route_counts({}) == {}
@@ -174,7 +175,8 @@ def test_gemm_routes_records_each_shapes_route_within_the_block(ops):
         ops.linear(x1[:280], w)                          # the same bucket as 300 rows: one key
     keys = [shape_key(300, 192, 256, "float32", ops.plan.path), shape_key(5, 192, 256, "float32", ops.plan.path)]
     assert list(seen) == keys and seen == {k: ops.gemm.chosen[k] for k in keys}
-    assert set(seen.values()) <= ({"wmma", "cublas", "rows"} if HAVE_CUBLAS else {"wmma", "rows"})
+    own = {GemmRoute.WMMA, GemmRoute.ROWS}
+    assert set(seen.values()) <= (own | {GemmRoute.CUBLAS} if HAVE_CUBLAS else own)
     assert "_choose" not in vars(ops)
     ops.linear(cupy.random.standard_normal((1000, 256), dtype=cupy.float32), w)
     assert list(seen) == keys

@@ -93,6 +93,6 @@ def test_attention_entry_points_match_the_host():
     want = ({f"attn_fwd_d{d}" for d in CAUSAL_DIMS} | {f"attn_bidir_d{d}" for d in BIDIR_DIMS}
             | {f"attn_launch_d{d}" for d in set(CAUSAL_DIMS) | set(BIDIR_DIMS)})
     assert entries == want
-    from clefcore.backends.cuda.attention import ATTN_WGMMA, WGMMA_DIMS
+    from clefcore.kernel_select import ATTN_WGMMA, WGMMA_DIMS
     entries = set(re.findall(r"\.entry (\w+)\(", C.ptx70_path(ATTN_WGMMA.file).read_text()))
     assert entries == {ATTN_WGMMA.name(kind, d) for d in WGMMA_DIMS for kind in ("fwd", "launch")}

@@ -17,10 +17,10 @@ from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import attention
 from clefcore.backends.cuda.attention import AttentionOps
-from clefcore.backends.cuda.matmul import MMA_SWIGLU, MMA_TILES, WGMMA_TILE, MatmulOps, swiglu_paired_rows
+from clefcore.backends.cuda.matmul import MMA_SWIGLU, MatmulOps, swiglu_paired_rows
 from clefcore.backends.cuda.norms import NormOps
 from clefcore.backends.cuda.ops import CudaOps
-from clefcore.backends.cuda.state import GemmChoices
+from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, Device, GemmRoute, Setting
 from clefcore.precision import RANGE_SAFE, TABLE, Plan
 
 GOLD = Path(__file__).parent / "golden"
@@ -38,9 +38,7 @@ def test_only_the_fast_row_fuses(path):
 class _Fake:
     """CudaOps's routing with numpy arrays and every kernel recorded instead of launched."""
 
-    _fused = MatmulOps._fused
     _operand_dtype = MatmulOps._operand_dtype
-    _mma_runs = MatmulOps._mma_runs
     _norm_out = NormOps._norm_out
     _row_launch = NormOps._row_launch
     _row_map = CudaOps._row_map
@@ -50,9 +48,10 @@ class _Fake:
     sigmoid_gate = AttentionOps.sigmoid_gate
     mlp = MatmulOps.mlp
 
-    def __init__(self, path="fp16", pick="mma", mma=True):
+    def __init__(self, path="fp16", pick=GemmRoute.MMA, mma=True):
         self.plan, self.pick = Plan(path), pick
-        self.gemm = GemmChoices(mma=mma)
+        # an sm_80 GPU where the mma route runs, else a Turing one
+        self.setting = Setting(self.plan.row, frozenset(), Device((8, 0) if mma else (7, 5), True, 166912, True))
         self.token_block = 0
         self.cp = np
         self.calls, self.offered = [], []
@@ -134,27 +133,27 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
 # ---------------------------------------------------------------------------------------------------- the MLP
 
 @pytest.mark.parametrize("pick,dtype,want", [
-    ("mma", np.float16, ["mma_swiglu", "gemm float16"]),
-    ("mma", np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
-    ("wmma", np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
-    ("wmma", np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
-    ("cublas", np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
-    ("cublas", np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
+    (GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
+    (GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
+    (GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
+    (GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
+    (GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
+    (GemmRoute.CUBLAS, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
 ])
 def test_the_mlp_routes(pick, dtype, want):
     ops = _Fake("fp16", pick)
     x = np.ones((100, 64), dtype)
     w = np.ones((160, 64), np.float16)
     ops.mlp(x, w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == want and ops.offered == [{"wmma", "cublas", "mma"}]
+    assert ops.calls == want and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS, GemmRoute.MMA}]
 
 
 def test_exact_never_fuses_the_mlp():
     """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
-    ops = _Fake("split", "wmma")
+    ops = _Fake("split", GemmRoute.WMMA)
     w = np.ones((160, 64), np.float16)
     ops.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{"wmma", "cublas"}]
+    assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS}]
 
 
 def test_every_mma_tile_has_its_fused_twin():

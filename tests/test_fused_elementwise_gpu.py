@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
-from clefcore.backends.cuda.matmul import MMA_TILES
+from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute, mma_tile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_MMA, MARKS, reseed  # noqa: E402
@@ -168,7 +168,7 @@ def test_sigmoid_gate_writes_the_rounding_of_its_fp32_result(fused, monkeypatch,
 # ------------------------------------------------------------------------------------ GEMMs on fp16 operands
 
 def _routes():
-    return ["wmma"] + (["cublas"] if HAVE_CUBLAS else []) + (["mma"] if HAVE_MMA else [])
+    return [GemmRoute.WMMA] + ([GemmRoute.CUBLAS] if HAVE_CUBLAS else []) + ([GemmRoute.MMA] if HAVE_MMA else [])
 
 
 @pytest.mark.parametrize("route", _routes())
@@ -178,7 +178,7 @@ def test_every_route_takes_the_fp16_operand_as_its_own_rounding(fused, route, M,
     """An operand its producer rounded gives each route's result on the fp32 operand bit for bit (wmma:
     gemm_f16a against gemm_f32a's staging cvt; cuBLAS and mma: the cast pass skipped)."""
     o = fused
-    if route == "mma" and K % 8:
+    if route is GemmRoute.MMA and K % 8:
         pytest.skip("gemm_mma.cu takes K % 8 == 0")
     cp = o.cp
     x, w = r(M, K), h16(r(N, K, scale=K ** -0.5))
@@ -192,8 +192,9 @@ def test_every_route_takes_the_fp16_operand_as_its_own_rounding(fused, route, M,
 
 def _mma_kernels(o):
     """The "mma" route's kernels this GPU runs: gemm_wgmma.cu on Hopper, and every gemm_mma.cu tile it has the
-    shared memory for (test_kernels.py's test_gemm_mma lowers max_smem_optin the same way)."""
-    return (([("gemm_wgmma", None)] if o.gemm.wgmma else [])
+    shared memory for (test_kernels.py's test_gemm_mma lowers max_smem_optin the same way): (tile, the shared
+    memory to report for it, None: as it is)."""
+    return (([(WGMMA_TILE[0], None)] if mma_tile(o.caps) == ("gemm_wgmma.cu", WGMMA_TILE) else [])
             + [(name, smem) for name, _, _, smem in MMA_TILES if smem <= o.max_smem_optin])
 
 
@@ -205,7 +206,7 @@ def test_gate_up_swiglu_kernel_is_two_gemms_and_swiglu_half(fused, monkeypatch, 
     (the last group of 8 pairs padding rows), I = 1, I past one tile; rows past a tile; against numpy within
     the fast MLP's hidden rounding."""
     o = fused
-    if not o.gemm.mma:
+    if mma_tile(o.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     cp = o.cp
     x = r(M, H)
@@ -213,8 +214,8 @@ def test_gate_up_swiglu_kernel_is_two_gemms_and_swiglu_half(fused, monkeypatch, 
     a16, Wg, Wu = o._half(o.asarray(x)), cp.asarray(wg.astype(np.float16)), cp.asarray(wu.astype(np.float16))
     for name, smem in _mma_kernels(o):
         if smem is not None:
-            monkeypatch.setattr(o, "max_smem_optin", smem)
-            monkeypatch.setattr(o.gemm, "wgmma", False)
+            monkeypatch.setattr(o, "max_smem_optin", smem)     # the largest tile that fits is this one
+        assert o._mma_tile()[1][0] == name
         g = o._mma(a16, Wg, cp.empty((M, I), cp.float32))
         u = o._mma(a16, Wu, cp.empty((M, I), cp.float32))
         want = cp.empty((M, I), cp.float16)
@@ -232,13 +233,13 @@ def _prefer(o, route):
     choose = o._choose
 
     def seeded(M, N, K, routes, tag=""):
-        o.gemm.chosen[shape_key(M, N, K, tag, o.plan.path)] = route if route in routes else "wmma"
+        o.gemm.chosen[shape_key(M, N, K, tag, o.plan.path)] = route if route in routes else GemmRoute.WMMA
         return choose(M, N, K, routes, tag)
 
     o._choose = seeded
 
 
-@pytest.mark.parametrize("route", [r for r in _routes() if r != "mma"])
+@pytest.mark.parametrize("route", [r for r in _routes() if r is not GemmRoute.MMA])
 @pytest.mark.parametrize("M", [1, 65, 300])
 @pytest.mark.parametrize("H,I", [(64, 160), (96, 200)])
 def test_mlp_is_bit_equal_whoever_rounds_its_input(route, M, H, I):
@@ -247,7 +248,7 @@ def test_mlp_is_bit_equal_whoever_rounds_its_input(route, M, H, I):
     300-row call runs 128, 128, 44). The mma route casts an fp32 x and runs the very same fused kernel, so it has
     no second path here: test_gate_up_swiglu_kernel_is_two_gemms_and_swiglu_half holds that kernel to the
     unfused composition."""
-    o = _ops(route)
+    o = _ops(route.value)
     o.token_block = 128
     x = o.asarray(np.random.default_rng(M * 7 + I).standard_normal((M, H)).astype(np.float32))
     wts = [o.weight(h16(np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.1))
@@ -285,7 +286,7 @@ def _golden_run(config):
     from clefcore.model.params import load_params
     o = _ops({"mma": "auto"}.get(config, config.split("-")[-1]), ptx70=config.startswith("ptx70"))
     if config == "mma":
-        _prefer(o, "mma")
+        _prefer(o, GemmRoute.MMA)
     p = load_params(Checkpoint(GOLD / "model"), o)
     recs = _records()
     logits = []

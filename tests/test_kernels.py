@@ -18,7 +18,7 @@ import pytest
 
 from clefcore.bench import kernels as bench_kernels
 from clefcore.backends import cpu
-from clefcore.backends.cuda.matmul import MMA_TILES
+from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute, mma_tile
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -181,13 +181,13 @@ def test_gemm_mma(ops_fast, monkeypatch, M, N, K, tile):
     the other fp16 paths; rows and columns past a tile, K past a k-tile (the cp.async zero fill, K % 8 == 0), an
     odd N (the scalar stores), with bias and a residual; every output is written (it starts as NaN)."""
     o = ops_fast["wmma16"]
-    if not o.gemm.mma:
+    if mma_tile(o.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     name, _, _, smem = tile
     if smem > o.max_smem_optin:
         pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
-    monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one
-    monkeypatch.setattr(o.gemm, "wgmma", False)      # gemm_mma.cu itself on Hopper too
+    monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one (gemm_mma.cu on
+    assert o._mma_tile() == ("gemm_mma.cu", tile)     # Hopper too: no shared memory for gemm_wgmma.cu's)
     check_mma_route(o, "gemm_mma", M, N, K)
 
 
@@ -202,7 +202,7 @@ def check_mma_route(o, name, M, N, K):
     out[...] = np.nan
     check(f"{name}+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
           cpu.linear(x, w, b) + res, 4e-3, o)
-    check(f"{name} gemm_with {M}x{N}x{K}", o.gemm_with("mma", o.asarray(x), W, cp.empty((M, N), cp.float32)),
+    check(f"{name} gemm_with {M}x{N}x{K}", o.gemm_with(GemmRoute.MMA, o.asarray(x), W, cp.empty((M, N), cp.float32)),
           cpu.linear(x, w), 4e-3, o)
 
 
@@ -213,7 +213,7 @@ def test_gemm_wgmma(ops_fast, M, N, K):
     past its 128 x 256 tile, K past a 64-deep k-tile (zero-filled copies into the swizzled stages), an odd N,
     bias and a residual, every output written."""
     o = ops_fast["wmma16"]
-    if not o.gemm.wgmma:
+    if mma_tile(o.caps) != ("gemm_wgmma.cu", WGMMA_TILE):
         pytest.skip("gemm_wgmma.cu runs on compute capability 9.0 (native code) only")
     check_mma_route(o, "gemm_wgmma", M, N, K)
 
@@ -298,16 +298,16 @@ def test_mlp_mma(M):
     from clefcore.backends.cuda import CudaOps
     from clefcore.backends.cuda.matmul import shape_key
     o = CudaOps(0, gemm="auto", precision="fp16")
-    if not o.gemm.mma:
+    if mma_tile(o.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     H, I = 96, 200
-    o.gemm.chosen[shape_key(M, 2 * I, H, "swiglu", o.plan.path)] = "mma"
-    o.gemm.chosen[shape_key(M, H, I, "float16", o.plan.path)] = "mma"
+    o.gemm.chosen[shape_key(M, 2 * I, H, "swiglu", o.plan.path)] = GemmRoute.MMA
+    o.gemm.chosen[shape_key(M, H, I, "float16", o.plan.path)] = GemmRoute.MMA
     x = r(M, H)
     wg, wu, wd = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5)), h16(r(H, I, scale=I ** -0.5))
     with o.gemm_routes() as seen:
         got = o.mlp(o.asarray(x), o.weight(wg), o.weight(wu), o.weight(wd))
-    assert set(seen.values()) == {"mma"}
+    assert set(seen.values()) == {GemmRoute.MMA}
     check(f"mlp mma M{M}", got, cpu.mlp(x, wg, wu, wd), 6e-3, o)
 
 

@@ -15,6 +15,7 @@ import clefcore
 from clefcore import cli, precision
 from clefcore.backends.cuda.delta_rule import DeltaRuleOps
 from clefcore.errors import ClefError
+from clefcore.kernel_select import Device, Setting
 from clefcore.precision import FP32, TABLE, GemmOperands, Plan
 
 MODEL = Path(__file__).parent / "golden" / "model"
@@ -140,7 +141,8 @@ def test_the_rows_are_consistent():
 def test_the_delta_rules_kernels_follow_the_row(path):
     """fast runs the WY form with the output's products in one pass, the exact plans with every product split;
     fused producers only where the GEMMs round their operand once to fp16 (fast)."""
-    ops = types.SimpleNamespace(plan=Plan(path))
+    device = Device((9, 0), True, 232448, True)
+    ops = types.SimpleNamespace(setting=Setting(Plan(path).row, frozenset(), device))
     rule = DeltaRuleOps.gdn_kernels(ops)
     fast = TABLE[path].mode == "fast"
     assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)

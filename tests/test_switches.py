@@ -13,13 +13,20 @@ NAME, ENV = "some_kernel", "CLEFCORE_SOME_KERNEL"
 pytestmark = pytest.mark.usefixtures("switch_registry")
 
 
+def _on(spec, environ) -> set[str]:
+    """The names of the switches resolve turns on (it gives the registry's Switch objects)."""
+    on = switches.resolve(spec, environ=environ)
+    assert all(s is switches.BY_NAME[s.name] for s in on)
+    return {s.name for s in on}
+
+
 def test_defaults_env_and_option_in_order():
-    assert switches.resolve(None, environ={}) == {"other_kernel"}
-    assert switches.resolve("other_kernel=off", environ={}) == set()
-    assert NAME in switches.resolve(None, environ={ENV: "1"})
-    assert NAME not in switches.resolve(None, environ={ENV: "off"})
-    assert NAME in switches.resolve(NAME, environ={ENV: "0"})               # the option beats the environment
-    assert NAME not in switches.resolve(f"{NAME}=off", environ={ENV: "1"})
+    assert _on(None, {}) == {"other_kernel"}
+    assert _on("other_kernel=off", {}) == set()
+    assert NAME in _on(None, {ENV: "1"})
+    assert NAME not in _on(None, {ENV: "off"})
+    assert NAME in _on(NAME, {ENV: "0"})               # the option beats the environment
+    assert NAME not in _on(f"{NAME}=off", {ENV: "1"})
 
 
 def test_every_switch_has_an_env_name_and_help():

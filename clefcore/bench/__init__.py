@@ -109,7 +109,7 @@ def run(args) -> int:
     for i, prec in enumerate(precisions):
         ops = CudaOps(dev, tables="device", **dict(options.gpu(), precision=prec))
         out.update(device=ops.device_name, token_block=ops.token_block, graph_tokens=ops.graphs.max_tokens)
-        out["kernel_switches"] = sorted(ops.switches)
+        out["kernel_switches"] = sorted(s.name for s in ops.switches)
         out["paths"][prec] = ops.plan.path
         print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
               f"{out['sources']}, commit {out['commit']}; precision {prec} ({ops.plan.path}), token block "
@@ -149,7 +149,8 @@ def run(args) -> int:
             out["image"][prec] = image.case(cp, ops, params, vp, image_size, args.reps)
             section = params.mrope_section
             del vp
-        out["gemm_choice"][prec] = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v for k, v in ops.gemm.chosen.items()}
+        out["gemm_choice"][prec] = {f"N={k[0]} K={k[1]} M~{k[2]} {k[3]}": v.value
+                                    for k, v in ops.gemm.chosen.items()}
         print("gemm autotune choices:", json.dumps(out["gemm_choice"][prec]))
         del params, ops
         cp.get_default_memory_pool().free_all_blocks()

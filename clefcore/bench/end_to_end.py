@@ -146,7 +146,7 @@ def breakdown(cp, ops, params, lens, reps, rng) -> dict:
 def route_counts(seen: dict) -> dict:
     """{route: GEMM shapes that took it} from ``CudaOps.gemm_routes``'s {shape key: route}, most used first: what
     the JSON and the report say of one case's GEMMs (e.g. {"wmma": 9, "rows": 4}: no cuBLAS)."""
-    counts = Counter(seen.values())
+    counts = Counter(route.value for route in seen.values())
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 

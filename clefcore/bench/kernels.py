@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..kernel_select import GemmRoute, mma_tile
 from .timing import gpu_ms, graph_ms
 
 GEMM_SHAPES = ((2048, 12288, 4096), (2048, 4096, 12288), (346, 12288, 4096), (8192, 8192, 4096))
@@ -104,14 +105,15 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
         ref = gemm_ref(x, w)
         tc = None                                             # the cuBLAS fp16 ceiling, where cuBLAS loads
         if cublas:
-            tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", "cublas", x16, w, o, ref, TOL_FP16, inner=10)
+            tc = gemm(f"cuBLAS fp16 {M}x{N}x{K}", GemmRoute.CUBLAS, x16, w, o, ref, TOL_FP16, inner=10)
             rows.append((f"cuBLAS fp16 GEMM {M}x{N}x{K} (ceiling)", tc, f"{fl / tc / 1e9:.0f} TFLOP/s"))
-            ts = gemm(f"cuBLAS split {M}x{N}x{K}", "split", x, w, o, ref, tol_k(TOL_SPLIT, K), inner=10)
+            ts = gemm(f"cuBLAS split {M}x{N}x{K}", GemmRoute.SPLIT, x, w, o, ref, tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"cuBLAS split GEMM {M}x{N}x{K} (2 passes, incl. split)", ts,
                          f"{tc / ts:.0%} of one fp16 pass"))
             ops.plan = plan
             if plan.row.gemm.fp8_lo and ops.twins.cover(M, ops.twin(w)):
-                t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", "split8", x, w, o, ref, tol_k(TOL_SPLIT8, K), inner=10)
+                t8 = gemm(f"cuBLAS(Lt) split8 {M}x{N}x{K}", GemmRoute.SPLIT8, x, w, o, ref, tol_k(TOL_SPLIT8, K),
+                          inner=10)
                 rows.append((f"cuBLAS(Lt) split8 GEMM {M}x{N}x{K} (incl. split)", t8,
                              f"{tc / t8:.0%} of one fp16 pass, {ts / t8:.2f}x split"))
             ops.twins.drop(w)
@@ -120,25 +122,25 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
             return f"{fl / t / 1e9:.0f} TFLOP/s" + ("" if tc is None else f" ({tc / t:.0%} of cuBLAS)")
         for path in ("fp16", "split"):
             ops.plan = replace(plan, path=path)
-            tw = gemm(f"wmma {path} {M}x{N}x{K}", "wmma", x, w, o, ref,
+            tw = gemm(f"wmma {path} {M}x{N}x{K}", GemmRoute.WMMA, x, w, o, ref,
                       TOL_FP16 if ops.plan.row.gemm.fp16 else tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"wmma GEMM {path} {M}x{N}x{K}", tw, rate(tw)))
         ops.plan = plan
-        if ops.gemm.mma and K % 8 == 0:      # sm_80+: on the fp16 operand, as the cuBLAS ceiling above
-            tm = gemm(f"mma fp16 {M}x{N}x{K}", "mma", x16, w, o, ref, TOL_FP16, inner=10)
+        if mma_tile(ops.caps) is not None and K % 8 == 0:   # sm_80+: on the fp16 operand, as cuBLAS's ceiling
+            tm = gemm(f"mma fp16 {M}x{N}x{K}", GemmRoute.MMA, x16, w, o, ref, TOL_FP16, inner=10)
             rows.append((f"mma GEMM fp16 {M}x{N}x{K} (fp16 operand)", tm, rate(tm)))
     M, N, K = head_gemm
     x = cp.random.standard_normal((M, K), dtype=cp.float32)
     w = (cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02).astype(cp.float16)
     o = cp.empty((M, N), cp.float32)
     ref = gemm_ref(x, w)
-    tr = gemm(f"gemm_rows {M}x{N}x{K}", "rows", x, w, o, ref, TOL_FP32, timer=graph_ms)
-    tw = gemm(f"wmma {plan.path} {M}x{N}x{K}", "wmma", x, w, o, ref,
+    tr = gemm(f"gemm_rows {M}x{N}x{K}", GemmRoute.ROWS, x, w, o, ref, TOL_FP32, timer=graph_ms)
+    tw = gemm(f"wmma {plan.path} {M}x{N}x{K}", GemmRoute.WMMA, x, w, o, ref,
               TOL_FP16 if plan.row.gemm.fp16 else tol_k(TOL_SPLIT, K), timer=graph_ms)
     rows.append((f"gemm_rows {M}x{N}x{K} (fp32 CUDA cores; CUDA graph)", tr,
                  f"{w.nbytes / tr / 1e6:.0f} GB/s of weight ({w.nbytes / tr / 1e6 / copy_gbs:.0%} of copy)"))
     if cublas:
-        ts = gemm(f"cuBLAS split {M}x{N}x{K}", "split", x, w, o, ref, tol_k(TOL_SPLIT, K), inner=10)
+        ts = gemm(f"cuBLAS split {M}x{N}x{K}", GemmRoute.SPLIT, x, w, o, ref, tol_k(TOL_SPLIT, K), inner=10)
         # cuBLAS via CuPy: not capturable
         rows.append((f"wmma {plan.path}, same shape (graph) / cuBLAS split (queued)", tw,
                      f"cuBLAS split {ts:.3f} ms; gemm_rows {tw / tr:.1f}x / {ts / tr:.1f}x faster"))

@@ -1,15 +1,14 @@
 """The full-attention path of the CUDA backend: rotary, the K/V cache, causal GQA attention and the vision tower's
 bidirectional attention (cuda/attention.cu, cuda/rotary.cu; on Hopper the causal attention of
-cuda/attention_wgmma.cu, chosen in ``causal_kernels``), with their host-side work list. A mixin of
+cuda/attention_wgmma.cu, as clefcore/kernel_select.py chooses), with their host-side work list. A mixin of
 ``CudaOps``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ... import errors
+from ... import errors, kernel_select
+from ...kernel_select import ATTN, AttnKernels, Products
 from ..cpu import vision_query_rows
 from ..cpu import rope_tables as _rope_tables_host
 from .elementwise import ELEM_THREADS, sigmoid_gate_k
@@ -17,34 +16,6 @@ from .elementwise import ELEM_THREADS, sigmoid_gate_k
 # head dims with a kernel in attention.cu: attn_fwd_d{D} (causal), attn_bidir_d{D} (bidirectional)
 CAUSAL_DIMS = (16, 32, 64, 128, 256)
 BIDIR_DIMS = (16, 32, 64, 72, 128, 256)
-# head dims with a causal kernel in attention_wgmma.cu (sm_90a): attn_wgmma_fwd_d{D}
-WGMMA_DIMS = (256,)
-
-
-@dataclass(frozen=True)
-class AttnKernels:
-    """One kernel file's attention kernels: ``{prefix}_fwd_d{D}`` (causal), ``{prefix}_bidir_d{D}``
-    (bidirectional) and ``{prefix}_launch_d{D}``, which reports the launch shape as compiled for the device."""
-
-    file: str
-    prefix: str
-
-    def name(self, kind: str, D: int) -> str:
-        return f"{self.prefix}_{kind}_d{D}"
-
-
-ATTN = AttnKernels("attention.cu", "attn")                 # every GPU; mma.sync on sm_80+, wmma before
-ATTN_WGMMA = AttnKernels("attention_wgmma.cu", "attn_wgmma")   # causal, WGMMA_DIMS, sm_90a only
-
-
-def causal_kernels(cc, native: bool, D: int, kv_fp16: bool) -> AttnKernels:
-    """The one place that picks the causal attention's kernels: attention_wgmma.cu (Hopper's warpgroup MMAs) when
-    the GPU's compute capability ``cc`` is 9.0 and runs ``native`` code (the file's body is built for sm_90a only;
-    the compute_70 PTX has an empty kernel), the head dim is one of WGMMA_DIMS and K and V come as fp16 (the K/V
-    cache, which the kernel reads as it is); attention.cu otherwise."""
-    if native and tuple(cc) == (9, 0) and D in WGMMA_DIMS and kv_fp16:
-        return ATTN_WGMMA
-    return ATTN
 
 
 def attention_tiles(cu, t0: int, t1: int, rows: int, causal: bool = True) -> np.ndarray:
@@ -100,8 +71,7 @@ class AttentionOps:
             raise errors.DeviceError(f"attention head dim {D} (value dim {v.shape[2]}) has no CUDA kernel")
         t0 = int(q_offset)
         t1 = t0 + n
-        kernels = causal_kernels(self.cc, not self.ptx70, D,
-                                 k.dtype == np.float16 and v.dtype == np.float16)
+        kernels = kernel_select.causal_attention(self.setting, D, k.dtype == np.float16 and v.dtype == np.float16)
         return self._attn_run(q, k[:t1], v[:t1], cu_seqlens, scale, t0, causal=True, kernels=kernels)
 
     def bidirectional_attention(self, q, k, v, cu_seqlens, scale):
@@ -112,7 +82,7 @@ class AttentionOps:
         if not q.shape == k.shape == v.shape:
             raise errors.DeviceError(f"bidirectional attention needs one shape for q, k and v: q {tuple(q.shape)}, "
                                      f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if not self.plan.row.attention_fp16:
+        if kernel_select.bidirectional_attention(self.setting) is not Products.FP16_KERNEL:
             return self._bidirectional_fp32(q, k, v, cu_seqlens, scale)
         return self._attn_run(q, k, v, cu_seqlens, scale, 0, causal=False)
 
@@ -123,7 +93,8 @@ class AttentionOps:
                                      f"(head dims with one: {', '.join(map(str, BIDIR_DIMS))})")
 
     def _bidirectional_fp32(self, q, k, v, cu_seqlens, scale):
-        """The vision attention of the paths without ``attention_fp16`` (the exact ones): fp32 products, as
+        """The vision attention of the paths without ``attention_fp16`` (the exact ones; kernel_select's
+        FP32_CUBLAS): fp32 products, as
         cpu.bidirectional_attention. The fp16 kernel's roundings of q, k, v and the probabilities (~2e-4 of the
         tower's output on the golden images) reach the backbone through every image token and grew there to
         2.3e-3 per layer on the H200 (text: 2.8e-4); the tower's attention is a small part of an image request,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import errors
+from ... import errors, kernel_select
 from ...precision import DeltaRule
 from ..cpu import GDN_CHUNK
 from .elementwise import NULL, gdn_gates_k
@@ -141,8 +141,8 @@ class DeltaRuleOps:
         return np.array(seqs, dtype=np.int32)
 
     def gdn_kernels(self) -> DeltaRule:
-        """The delta rule's kernels this backend runs now: its plan's row's."""
-        return self.plan.row.delta_rule
+        """The delta rule's kernels this backend runs now (kernel_select.delta_rule)."""
+        return kernel_select.delta_rule(self.setting)
 
     def _gdn_bv(self, hv, dv, nseq):
         """State columns per gdn_wy_scan block (one block per SM: its latency, not its work, sets the time):

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ... import kernel_select
+from ...kernel_select import Products
 from ..cpu import check_groups, group_keys
 from . import cublas
 from .elementwise import gelu_k, rowdot_k, segment_softmax_sum_k
@@ -62,9 +64,9 @@ class HeadOps:
     def _bmm(self, a, b):
         """fp32 batched a [h, n, k] @ b [h, k, m] (the head's attention scores and mix): CuPy's matmul's cuBLAS
         call made through ctypes, or where cuBLAS cannot be loaded a reduction over broadcast views (nothing
-        [h, n, m, k] is materialised)."""
+        [h, n, m, k] is materialised): kernel_select.head_products."""
         cp = self.cp
-        if self.cublas_missing is not None:
+        if kernel_select.head_products(self.setting) is Products.FP32_REDUCTION:
             return rowdot_k()(a[:, :, None, :], b.transpose(0, 2, 1)[:, None, :, :], axis=3)
         # what CuPy's matmul does with these operands: C-contiguous copies where they are views, a fresh output
         a, b = cp.ascontiguousarray(a, dtype=cp.float32), cp.ascontiguousarray(b, dtype=cp.float32)

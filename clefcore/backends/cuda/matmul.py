@@ -1,8 +1,9 @@
 """The GEMMs of the CUDA backend: their operands as the precision plan's row says (``CudaOps.plan.row.gemm``:
 rounded once to fp16; split hi + lo; split8 with fp8 twins, ``CudaOps.twins``; and the range-safe fallback's
 scaling), their routes (clefcore's own kernels, cuda/gemm.cu, cuda/gemm_rows.cu, cuda/gemm_mma.cu, against
-cuBLAS(Lt)), chosen per shape by a timed trial (``CudaOps.gemm``), and the SwiGLU MLP. A mixin of ``CudaOps``.
-A new GEMM kernel is a route of ``gemm_with`` and a candidate of ``_gemm``'s autotune."""
+cuBLAS(Lt)), chosen per shape by a timed trial (``CudaOps.gemm``) among the candidates clefcore/kernel_select.py
+names, and the SwiGLU MLP. A mixin of ``CudaOps``. A new GEMM kernel is a ``GemmRoute``, a branch of
+``gemm_with`` and a candidate in kernel_select.py."""
 
 from __future__ import annotations
 
@@ -12,33 +13,19 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ... import errors
+from ... import errors, kernel_select
+from ...kernel_select import GemmRoute
 from . import cublas
 from .elementwise import ELEM_THREADS, NULL, rowdot_k
 
 log = logging.getLogger("clefcore.cuda")
 
-_ROWS_MAX_M = 64         # GEMMs of up to this many rows may run gemm_rows.cu (autotuned against the tile routes)
-# gemm_mma.cu's tiles, the larger first: (kernel, block rows, block columns, dynamic shared memory = 3 stages x
-# (A + W tile rows) x padded row x 2 bytes). A GPU takes the first whose shared memory it has per block.
-MMA_TILES = (("gemm_mma_f16a_big", 256, 128, 3 * (256 + 128) * 72 * 2),
-             ("gemm_mma_f16a", 128, 128, 3 * (128 + 128) * 40 * 2))
-# The same route on Hopper (sm_90): gemm_wgmma.cu, 1.8-2.0x gemm_mma.cu's big tile on the H100 (0.70-0.89 of
-# cuBLAS from 512 rows up; docs/bench/2026-12-05-h100-wgmma-gemm/). Dynamic shared memory = 4 stages x
-# (A + W tile rows) x 128-byte rows, + 1024 to align the swizzle atoms.
-WGMMA_TILE = ("gemm_wgmma_f16a", 128, 256, 4 * (128 + 256) * 128 + 1024)
-# Each tile's twin for the fast plan's MLP (Row.fused_elementwise): the gate and up projections as one GEMM over
-# their rows paired 8 by 8 (cuda/gemm_swiglu.cuh), SwiGLU in its epilogue, fp16 out; same tile, shared memory
-# and launch as the plain kernel.
+# Each "mma" tile's twin (kernel_select.MMA_TILES, WGMMA_TILE) for the fast plan's MLP (Row.fused_elementwise):
+# the gate and up projections as one GEMM over their rows paired 8 by 8 (cuda/gemm_swiglu.cuh), SwiGLU in its
+# epilogue, fp16 out; same tile, shared memory and launch as the plain kernel.
 MMA_SWIGLU = {"gemm_mma_f16a_big": "gemm_mma_swiglu_big", "gemm_mma_f16a": "gemm_mma_swiglu",
               "gemm_wgmma_f16a": "gemm_wgmma_swiglu"}
 
-
-# gemm_with's routes: cuBLAS with an fp16 operand (fp32 activations rounded once), cuBLAS over split's
-# hi + lo halves, split8 (lo in fp8 against the weight's fp8 twin, cuBLASLt), gemm.cu's WMMA kernels (fp16 or
-# split as the plan's row says), gemm_rows.cu's few-row kernel, gemm_mma.cu's sm_80+ kernel (fp16 operands; on
-# sm_90 gemm_wgmma.cu's)
-ROUTES = ("cublas", "split", "split8", "wmma", "rows", "mma")
 
 
 def shape_key(M, N, K, tag, path) -> tuple:
@@ -53,17 +40,11 @@ def swiglu_paired_rows(N: int) -> int:
 
 
 class MatmulOps:
-    def _fused(self) -> bool:
-        """Producers write the next GEMM's fp16 operand (where the plan's row says so: clefcore/precision.py
-        ``Row.fused_elementwise``). Every fused path asks here."""
-        return self.plan.row.fused_elementwise
-
     def _operand_dtype(self, rows: int):
         """The dtype an op asked for a GEMM's activation (``gemm_input``) writes it in, for a GEMM of ``rows``
-        rows: fp16 where fused, the rounding every route but gemm_rows.cu would make; fp32 otherwise, and for up to
-        _ROWS_MAX_M rows, which may take gemm_rows.cu (fp32 products: an fp16 operand would change its result,
-        and a cast of so few rows costs nothing)."""
-        return self.cp.float16 if self._fused() and rows > _ROWS_MAX_M else self.cp.float32
+        rows (kernel_select.gemm_operand)."""
+        op = kernel_select.gemm_operand(self.setting, rows)
+        return self.cp.float16 if op is kernel_select.Operand.FP16 else self.cp.float32
 
     def _half(self, x):
         """fp16, C-contiguous, 16-byte aligned; an fp16 array already so is returned as it is."""
@@ -146,24 +127,24 @@ class MatmulOps:
         shape."""
         return self.plan.row.gemm.fp8_lo and self.twins.cover(M, *ws)
 
-    def gemm_with(self, route, x, w, out, bias=None):
-        """out = x @ w^T (+ bias) by one named route (``ROUTES``), whatever the autotune would pick: x fp32
-        [M, K] contiguous (fp16 for cublas and wmma too), w fp16 [N, K]; split8 needs w's fp8 twin (``twin``).
-        "wmma" runs fp16 or split operands as the plan's row says."""
-        if route == "wmma":
+    def gemm_with(self, route: GemmRoute, x, w, out, bias=None):
+        """out = x @ w^T (+ bias) by one ``route``, whatever the autotune would pick: x fp32 [M, K] contiguous
+        (fp16 for cublas and wmma too), w fp16 [N, K]; split8 needs w's fp8 twin (``twin``). wmma runs fp16 or
+        split operands as the plan's row says."""
+        if route is GemmRoute.WMMA:
             return self._wmma(x, w, out, bias)
-        if route == "rows":
+        if route is GemmRoute.ROWS:
             return self._gemm_rows(x, w, out, bias)
-        if route == "mma":
+        if route is GemmRoute.MMA:
             return self._mma(self._half(x), w, out, bias)
-        if route == "cublas":
+        if route is GemmRoute.CUBLAS:
             self._cublas(self._half(x), w, out)
-        elif route == "split":
+        elif route is GemmRoute.SPLIT:
             self._split_gemm(self._split(x), w, out)
-        elif route == "split8":
+        elif route is GemmRoute.SPLIT8:
             self._split8_gemm(self._split8(x), w, out)
         else:
-            raise ValueError(f"gemm route {route!r}: expected one of {', '.join(ROUTES)}")
+            raise ValueError(f"gemm route {route!r}: expected one of {', '.join(r.value for r in GemmRoute)}")
         if bias is not None:
             out.__iadd__(bias)
         return out
@@ -174,17 +155,15 @@ class MatmulOps:
         twin)."""
         M, K = x.shape
         N = w.shape[0]
-        split = self.plan.row.gemm.split and x.dtype == self.cp.float32
+        s, x16 = self.setting, x.dtype == self.cp.float16
 
-        def cublas():
-            route = ("split8" if self._has_twin(M, w) else "split") if split else "cublas"
-            self.gemm_with(route, x, w, out, bias)
+        def run(route):
+            if route is GemmRoute.CUBLAS:     # which of cuBLAS's routes: asked when it runs, as _has_twin costs
+                return lambda: self.gemm_with(kernel_select.cublas_route(s, x16, lambda: self._has_twin(M, w)),
+                                              x, w, out, bias)
+            return lambda: self.gemm_with(route, x, w, out, bias)
 
-        routes = {"wmma": lambda: self.gemm_with("wmma", x, w, out, bias), "cublas": cublas}
-        if M <= _ROWS_MAX_M and x.dtype == self.cp.float32:
-            routes["rows"] = lambda: self.gemm_with("rows", x, w, out, bias)
-        if self._mma_runs(K) and not split:
-            routes["mma"] = lambda: self.gemm_with("mma", x, w, out, bias)
+        routes = {route: run(route) for route in kernel_select.gemm_candidates(s, M, K, x16)}
         routes[self._choose(M, N, K, routes, str(x.dtype))]()
         return out
 
@@ -198,17 +177,12 @@ class MatmulOps:
                                                   np.int32(N), np.int32(K)))
         return out
 
-    def _mma_runs(self, K) -> bool:
-        """gemm_mma.cu (gemm_wgmma.cu on sm_90) can take a GEMM over K here: an sm_80+ GPU running native code, K
-        a multiple of 8 (its 16-byte copies never straddle a row's end). Its operands are fp16: only where the
-        plan's row rounds them once."""
-        return self.gemm.mma and K % 8 == 0 and self.plan.row.gemm.fp16
-
     def _mma_tile(self):
         """The "mma" route's kernel here: (module, (name, block rows, block columns, dynamic shared memory))."""
-        if self.gemm.wgmma:
-            return "gemm_wgmma.cu", WGMMA_TILE
-        return "gemm_mma.cu", next(t for t in MMA_TILES if t[3] <= self.max_smem_optin)
+        got = kernel_select.mma_tile(self.caps)
+        if got is None:
+            raise errors.DeviceError(f"the mma GEMM route does not run on {self.device_name}")
+        return got
 
     def _mma(self, a16, w16, out, bias=None, res=None):
         """gemm_mma.cu (gemm_wgmma.cu on sm_90): out[M, N] fp32 = a16[M, K] @ w16[N, K]^T (+ bias) (+ res), both
@@ -255,15 +229,14 @@ class MatmulOps:
         return out
 
     def _choose(self, M, N, K, routes: dict, tag=""):
-        """The fastest of ``routes`` (name -> run) for this shape (M rounded up to a power of two), timed the
-        first time the shape is seen (best of 5 interleaved runs) and logged; ``gemm`` = wmma / cublas forces that
-        route. Inside ``gemm_routes()`` the choice is also recorded."""
+        """The fastest of ``routes`` (GemmRoute -> run: kernel_select's candidates) for this shape (M rounded up
+        to a power of two), timed the first time the shape is seen (best of 5 interleaved runs) and logged; a
+        pinned route (``--gemm`` wmma / cublas) is taken as it is. Inside ``gemm_routes()`` the choice is also
+        recorded."""
         choices = self.gemm
         key = shape_key(M, N, K, tag, self.plan.path)
-        got = choices.pin if choices.pin != "auto" else choices.chosen.get(key)
+        got = choices.pin if choices.pin is not None else choices.chosen.get(key)
         if got is None:
-            if self.cublas_missing is not None:
-                routes = {name: run for name, run in routes.items() if name != "cublas"}
             cp = self.cp
             times = {name: math.inf for name in routes}
             for fn in routes.values():
@@ -286,8 +259,8 @@ class MatmulOps:
 
     @contextmanager
     def gemm_routes(self):
-        """Yields a dict that fills, while the block runs, with the route each GEMM took: {shape_key: "wmma",
-        "cublas", "rows" or "mma"} (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on
+        """Yields a dict that fills, while the block runs, with the route each GEMM took: {shape_key: GemmRoute}
+        (a pinned ``gemm`` mode included), so a caller can say which of its GEMMs ran on
         cuBLAS. Only GEMMs issued from Python are seen: an eager run or a graph's capture, not a graph's replay.
         Not nested."""
         self.gemm.seen = seen = {}
@@ -382,8 +355,7 @@ class MatmulOps:
                 hb = self._mma_swiglu(self._half(xb), w_gate, w_up, cp.empty((M, I), dtype=cp.float16))
                 self._gemm(hb, w_down, ob)            # its own autotune
 
-            routes = {"wmma": run_w, "cublas": run_c}
-            if self._mma_runs(H) and not split:
-                routes["mma"] = run_m
+            runs = {GemmRoute.WMMA: run_w, GemmRoute.CUBLAS: run_c, GemmRoute.MMA: run_m}
+            routes = {route: runs[route] for route in kernel_select.swiglu_candidates(self.setting, H)}
             routes[self._choose(M, 2 * I, H, routes, "swiglu")]()
         return out

@@ -18,8 +18,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ... import errors, gpu_settings, switches
+from ... import errors, gpu_settings, kernel_select, switches
 from ... import precision as precision_modes
+from ...kernel_select import GemmRoute
 from ...precision import RANGE_SAFE, Plan
 from . import cublas
 from .attention import AttentionOps
@@ -28,7 +29,7 @@ from .delta_rule import DeltaRuleOps
 from .elementwise import ELEM_THREADS, sigmoid_k, silu_k
 from .graphs import GraphCache
 from .head import HeadOps
-from .matmul import WGMMA_TILE, MatmulOps
+from .matmul import MatmulOps
 from .norms import NormOps
 from .state import Caches, Fp8Twins, GemmChoices
 from .vision import VisionOps
@@ -120,8 +121,7 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
         self.max_tokens = int(max_tokens)
-        if gemm not in gpu_settings.GEMM_CHOICES:
-            raise ValueError(f"gemm must be one of {', '.join(gpu_settings.GEMM_CHOICES)}, got {gemm!r}")
+        pin = gpu_settings.gemm_pin(gemm)
         if precision not in precision_modes.CHOICES:
             raise ValueError(f"precision must be one of {', '.join(precision_modes.CHOICES)}")
         props = cupy.cuda.runtime.getDeviceProperties(self.device_id)
@@ -133,12 +133,13 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         # clefcore's own kernels; said once here, and shown by the server's /health and /metrics.
         self.cublas_missing = cublas.missing()
         if self.cublas_missing is not None:
-            if gemm == "cublas":
+            if pin is GemmRoute.CUBLAS:
                 raise errors.DeviceError(f"gemm cublas: cuBLAS cannot be loaded ({self.cublas_missing})")
             log.warning("cuBLAS cannot be loaded (%s): every GEMM runs clefcore's own kernels", self.cublas_missing)
-        self.gemm = GemmChoices(gemm)
+        self.gemm = GemmChoices(pin)
+        self.ptx70 = bool(ptx70)
         fp8 = False
-        if self.cublas_missing is None and self.cc >= (8, 9):
+        if kernel_select.fp8_tensor_cores(self.caps):
             from . import cublaslt
             fp8 = cublaslt.available()
         # The kernel path and what each op family runs on it: a row of clefcore/precision.py's table (fp16 = one
@@ -158,11 +159,8 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         # the kernel switches in effect (clefcore/switches.py): the kernels option, else the environment
         self.switches = switches.resolve(kernels)
         if self.switches:
-            log.info("kernel switches on: %s", ", ".join(sorted(self.switches)))
+            log.info("kernel switches on: %s", ", ".join(sorted(s.name for s in self.switches)))
         self.tables = tables
-        self.ptx70 = bool(ptx70)
-        self.gemm.mma = self.cc >= (8, 0) and not self.ptx70   # the compute_70 PTX has no mma.sync m16n8k16
-        self.gemm.wgmma = self.gemm.mma and self.cc == (9, 0) and self.max_smem_optin >= WGMMA_TILE[3]
         # model.backbone runs every layer over blocks of token_block tokens (layer-outer, block-inner), so the
         # activations beyond the residual stream and the K/V cache are [token_block, *]; 0 = whole stream
         self.token_block = int(token_block)
@@ -184,6 +182,16 @@ class CudaOps(NormOps, MatmulOps, AttentionOps, DeltaRuleOps, HeadOps, VisionOps
         self.head_graphs = GraphCache(self, graph_tokens, HEAD_GRAPHS)
 
     # ------------------------------------------------------------------------------------------ plumbing
+    @property
+    def caps(self) -> kernel_select.Device:
+        """What the kernel choices read of this GPU (clefcore/kernel_select.py)."""
+        return kernel_select.Device(self.cc, not self.ptx70, self.max_smem_optin, self.cublas_missing is None)
+
+    @property
+    def setting(self) -> kernel_select.Setting:
+        """What every kernel choice reads: the plan's row now (``fallback`` switches it), the switches, the GPU."""
+        return kernel_select.Setting(self.plan.row, self.switches, self.caps)
+
     def kernel(self, module: str, name: str, smem: int = 0):
         key = (module, name)
         fn = self.caches.functions.get(key)

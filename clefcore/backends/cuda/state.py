@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...kernel_select import GemmRoute
+
 
 @dataclass
 class GemmChoices:
-    """Which GEMM kernels run (``CudaOps.gemm``; matmul.py's ``_choose``)."""
+    """Which GEMM routes ran (``CudaOps.gemm``; matmul.py's ``_choose``); clefcore/kernel_select.py says which
+    may."""
 
-    pin: str = "auto"            # --gemm: auto (timed per shape the first time it is seen), wmma or cublas
-    mma: bool = False            # gemm_mma.cu runs here (sm_80+, compiled for this GPU): a candidate of auto
-    wgmma: bool = False          # ... and the "mma" route takes gemm_wgmma.cu instead (sm_90: Hopper's wgmma)
-    chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> "wmma", "cublas", "rows" or "mma"
-    seen: dict | None = None     # while a gemm_routes() block runs: shape_key -> the route each GEMM took
+    pin: GemmRoute | None = None     # --gemm: None = auto (timed per shape the first time it is seen)
+    chosen: dict = field(default_factory=dict)   # the autotune's shape_key -> its GemmRoute
+    seen: dict | None = None     # while a gemm_routes() block runs: shape_key -> the GemmRoute each GEMM took
 
 
 @dataclass

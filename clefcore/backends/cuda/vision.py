@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from ... import kernel_select
+from ...kernel_select import Products
 from ...preprocess import PATCH, patch_grid
 from .elementwise import ELEM_THREADS, NULL
 
@@ -67,7 +69,7 @@ class VisionOps:
         D = W // heads
         self._check_bidirectional(D, D)
         qkv = self._project(x, qkv_w, cp.empty((n, 3 * W), dtype=cp.float32))
-        fast = self.plan.row.attention_fp16
+        fast = kernel_select.bidirectional_attention(self.setting) is Products.FP16_KERNEL
         q, k, v = cp.empty((3, n, heads, D), dtype=cp.float16 if fast else cp.float32)
         self.kernel("vision.cu", "qkv_rope_half" if fast else "qkv_rope_f32")(
             self._rows_grid(n), (ELEM_THREADS,),

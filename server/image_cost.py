@@ -57,9 +57,9 @@ class TowerCost:
     def ceiling(cls, samples: Sequence[tuple[int, float]], rate: float) -> "TowerCost":
         """A cost that no timing noise brings under the tower's (noise only adds time): each term alone accounts
         for a point's whole time, the small image's for the patches, the large one's for their square. It is
-        never below ``fit``'s and grows faster beyond the measured sizes, where ``fit`` extrapolates: the tower
-        of an image of 7x the large one's patches took 1.7x what ``fit`` said on a CPU (memory, not arithmetic,
-        grows past the caches there), and more after a noisy small point. Its use is the stall limit, which must
+        never below ``fit``'s and grows faster beyond the measured sizes, where ``fit`` extrapolates: on a CPU the
+        tower of an image several times the large one's patches took well over what ``fit`` said (memory, not
+        arithmetic, grows past the caches there), and more after a noisy small point. Its use is the stall limit, which must
         never take a long tower for a hung device. No samples: nothing."""
         if not samples:
             return cls(0.0, 0.0)

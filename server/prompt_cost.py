@@ -2,8 +2,8 @@
 
 Every token of a prompt attends to all the tokens before it in the full-attention layers, so a chunk of a long
 prompt takes longer the further into the prompt it lies. The rate measured at start (a packed forward of short
-prompts) does not see that growth: on a CPU a prompt of 24,576 tokens ran six times longer than its tokens over
-that rate, its last chunks ten times the first. So at start the device also runs one synthetic prompt chunked,
+prompts) does not see that growth: on a CPU a prompt of the whole context ran several times longer than its
+tokens over that rate, its last chunks many times the first. So at start the device also runs one synthetic prompt chunked,
 as a long request runs, in CONTEXT_CHUNKS chunks of the auto chunk size and one token more, and the growth of a
 chunk's time with its offset is fitted through the chunks but the first (its warm-up) and the last (one token
 and the head): ``per_token_pair`` seconds for each of a chunk's tokens times each token before it. Where the

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import answers, vision
+from . import answers
 from .backends.interface import Backend
 from .checkpoint import Checkpoint
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
 from .example_request import support_ticket
+from .model import vision
 from .model.backbone import backbone
 from .model.head import head_rows, heads, heads_from
 from .model.params import load_params

@@ -89,7 +89,7 @@ class Row:
     attention_fp16: the vision tower's bidirectional attention runs attention.cu's fp16 kernel, q/k/v written in
         fp16 by the RoPE pass; otherwise fp32 products (the fp16 roundings, reaching the backbone through every
         image token, would exceed exact's bar). The causal attention reads the fp16 K/V cache on every path.
-    tower_graphs: the vision tower may replay a CUDA graph (clefcore/vision.py); the fp32 attention calls CuPy's
+    tower_graphs: the vision tower may replay a CUDA graph (clefcore/model/vision.py); the fp32 attention calls CuPy's
         cuBLAS matmul, which refuses a capture."""
 
     mode: str

@@ -162,7 +162,7 @@ def _text_shards(preset: str, seed: int, vision: bool = False) -> list[tuple[str
     # the release also ships an MTP block and a vision tower; a text-only loader must skip them
     extras = [("mtp.fc.weight", (text.hidden_size, 2 * text.hidden_size), "matrix")]
     if vision:
-        from .vision import PREFIX, VisionConfig, expected_vision_shapes
+        from .model.vision import PREFIX, VisionConfig, expected_vision_shapes
         extras += [(PREFIX + n, shape, kind_of(n, False))
                    for n, shape in expected_vision_shapes(VisionConfig.from_dict(cfg["vision_config"])).items()]
     else:

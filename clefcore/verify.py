@@ -112,9 +112,9 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
     with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
     too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
     within tolerance and the answers agree."""
-    from . import vision
     from .backends.cpu import CpuOps
     from .engine import image_inputs, packed_positions
+    from .model import vision
     from .model.backbone import backbone
     from .model.head import heads
     recs = records(ck, vision_params is not None)
@@ -165,9 +165,9 @@ def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, ou
 
 
 def run(args) -> int:
-    from . import vision
     from .backends.cuda import CudaOps
     from .checkpoint import Checkpoint
+    from .model import vision
     from .model.params import load_params
     ck = Checkpoint(args.model, args.revision)
     dev = int(args.device.split(":")[1]) if ":" in args.device else 0

@@ -1,4 +1,4 @@
-// The vision tower's memory-bound kernels (clefcore/vision.py): its input rows made on the GPU from the resized
+// The vision tower's memory-bound kernels (clefcore/model/vision.py): its input rows made on the GPU from the resized
 // uint8 image, the q/k/v preparation of its attention, and its MLP's bias + tanh GELU. Each is one read and one
 // write of its data, and replaces two to five separate passes (a 25 MB host array and its upload for the input).
 //

@@ -242,7 +242,7 @@ IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
 
 @pytest.fixture(scope="module")
 def tiny_with_tower():
-    from clefcore import vision
+    from clefcore.model import vision
     from clefcore.backends.cpu import CpuOps
     from clefcore.checkpoint import Checkpoint
     from clefcore.model.params import load_params
@@ -290,7 +290,7 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
     the request is accepted (the pad count matches its processor's grid) and both times are recorded."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from clefcore import vision
+    from clefcore.model import vision
     from clefcore.config import read_json
     ck, params, vp = tiny_with_tower
     cfg = vision.VisionConfig.from_dict(read_json(IMAGES_MODEL / "config.json")["vision_config"])
@@ -304,7 +304,7 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
 @gpu
 def test_image_case_on_the_gpu(tiny_with_tower):
     """image.case at the tiny shapes: both requests measured, the parts timed, the ratio recorded."""
-    from clefcore import vision
+    from clefcore.model import vision
     from clefcore.backends.cuda import CudaOps
     from clefcore.model.params import load_params
     ck = tiny_with_tower[0]
@@ -325,7 +325,7 @@ def test_image_case_on_the_gpu(tiny_with_tower):
 
 @gpu
 def test_random_tower_has_the_release_shapes():
-    from clefcore import vision
+    from clefcore.model import vision
     from clefcore.backends.cuda import CudaOps
     from clefcore.synth import config_json
     cfg = vision.VisionConfig.from_dict(config_json("clef-flash", vision=True)["vision_config"])

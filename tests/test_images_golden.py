@@ -131,10 +131,10 @@ def test_tower_row_blocks_give_the_same_embeddings(engine):
     p = prepared(engine, 3)
     pixels = np.concatenate([px.values for px in p.record.images])
     grids = [px.grid_thw for px in p.record.images]
-    whole = clefcore.vision.tower(engine.ops, engine.vision, pixels, grids)
+    whole = clefcore.model.vision.tower(engine.ops, engine.vision, pixels, grids)
     blocked = types.SimpleNamespace(**{k: getattr(engine.ops, k) for k in dir(engine.ops) if not k.startswith("__")})
     blocked.token_block = 37
-    np.testing.assert_allclose(clefcore.vision.tower(blocked, engine.vision, pixels, grids), whole, rtol=0,
+    np.testing.assert_allclose(clefcore.model.vision.tower(blocked, engine.vision, pixels, grids), whole, rtol=0,
                                atol=1e-6 * np.abs(whole).max())
 
 
@@ -158,7 +158,7 @@ def test_synth_vision_writes_a_complete_tower(tmp_path):
     """synth --vision: the tiny preset's tower answers an image request; clef-flash's plan holds the release's
     tower (333 tensors, 456,010,480 parameters, qwen35-backbone.md §2) and its vision_config."""
     from clefcore import synth
-    from clefcore.vision import PREFIX
+    from clefcore.model.vision import PREFIX
     out = synth.write("tiny", 0, tmp_path / "tiny", jobs=1, vision=True)
     eng = clefcore.load(out)
     assert eng.vision is not None and eng.vision.config.depth == 2

@@ -14,9 +14,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
 
-from clefcore import verify, vision  # noqa: E402
+from clefcore import verify  # noqa: E402
 from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.checkpoint import Checkpoint  # noqa: E402
+from clefcore.model import vision  # noqa: E402
 from clefcore.model.params import load_params  # noqa: E402
 
 MODEL = Path(__file__).parent / "golden" / "model"

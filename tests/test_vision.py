@@ -1,4 +1,4 @@
-"""The vision tower on the numpy backend (clefcore/vision.py) against the reference's per-stage tensors."""
+"""The vision tower on the numpy backend (clefcore/model/vision.py) against the reference's per-stage tensors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from clefcore import vision
 from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.checkpoint import Checkpoint
+from clefcore.model import vision
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))

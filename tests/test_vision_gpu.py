@@ -18,8 +18,8 @@ pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
 
 import clefcore  # noqa: E402
-from clefcore import vision  # noqa: E402
 from clefcore.backends.cpu import CpuOps  # noqa: E402
+from clefcore.model import vision  # noqa: E402
 from golden_images_data import EXPECTED, MODEL  # noqa: E402
 from test_gpu_engine import BOUND, STATES_BOUND, _modes, _softmax, cuda_options  # noqa: E402
 from test_images_golden import OK, prepared  # noqa: E402

@@ -1,7 +1,7 @@
 """``Backend``: what the model, the vision tower and the engine need from a backend, written down once.
 
 Two implementations: ``clefcore.backends.cpu.CpuOps`` (fp32 numpy: ground truth, its ops every kernel's
-reference) and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model``, ``clefcore.vision`` and
+reference) and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model`` (the vision tower included) and
 ``clefcore.engine`` call only what is listed here, under these names and parameter names, and never probe a
 backend for anything else (tests/test_backend_interface.py holds both backends to it). A new op starts here: its
 numpy reference in cpu.py (a function, and ``CpuOps``'s member of that name), then its kernel in cuda/ and its

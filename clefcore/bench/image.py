@@ -29,7 +29,7 @@ def parse_size(text: str) -> tuple[int, int]:
 def tower(cp, ops, params, ck):
     """The image case's tower, attached to ``params``: the checkpoint's with --model, else a random one at the
     release's shapes (clef-flash's vision_config and M-RoPE section, as synth --vision writes them)."""
-    from .. import vision
+    from ..model import vision
     if ck is not None:
         vp, why = vision.attach(ck, ops, params)
         if vp is None:

@@ -48,7 +48,7 @@ def random_params(cp, ops, text_cfg, head_cfg):
 def random_vision_params(cp, ops, cfg):
     """A tower at ``cfg``'s shapes, stored as vision.load_vision stores one: the patch embedding as its
     [hidden, 1536] matrix, the position table fp32."""
-    from ..vision import VisionParams, expected_vision_shapes
+    from ..model.vision import VisionParams, expected_vision_shapes
     rs = cp.random.RandomState(1)
     p = VisionParams(cfg)
     for name, shape in expected_vision_shapes(cfg).items():

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from clefcore import vision
 from clefcore.checkpoint import Checkpoint
 from clefcore.engine import image_inputs, packed_positions
 from clefcore.jsonvalue import parse_body
+from clefcore.model import vision
 from clefcore.model.backbone import backbone
 from clefcore.model.head import heads
 from clefcore.model.params import load_params

@@ -1,5 +1,5 @@
 """The vision tower (Qwen3.5: Qwen3-VL's without deepstack), written once against the backend interface like
-``clefcore.model`` (clef-images.md §8): patch embedding, bilinearly resampled learned positions, 2-D RoPE,
+the backbone and the head (clef-images.md §8): patch embedding, bilinearly resampled learned positions, 2-D RoPE,
 bidirectional per-image attention in LayerNorm / GELU-tanh blocks, and the 2x2 merger to the text width.
 """
 
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .backends.interface import Backend
-from .checkpoint import Checkpoint, to_float32
-from .config import read_json
-from .errors import CheckpointError
+from ..backends.interface import Backend
+from ..checkpoint import Checkpoint, to_float32
+from ..config import read_json
+from ..errors import CheckpointError
 
 log = logging.getLogger("clefcore")
 

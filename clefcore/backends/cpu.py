@@ -1,11 +1,11 @@
 """The fp32 numpy backend: the engine's ground truth and every CUDA kernel's reference.
 
 ``CpuOps`` (at the end) is the ``Backend`` (clefcore/backends/interface.py), with the same member names and
-parameters as ``CudaOps``. Its ops are this module's functions of the same name: pure numpy, no state, so the
-kernels' tests call them directly as references (with the helpers beyond the interface: ``silu``,
-``gelu_tanh``, ``bidirectional_attention``...). Activations are ``[tokens, ...]`` row-major; several sequences
-may be packed into one token stream, described by ``cu_seqlens`` (int array of sequence starts plus the total,
-like ``[0, 300, 512]``).
+parameters as ``CudaOps``. Each of its op methods runs this module's function of the same name: pure numpy, no
+state, so the kernels' tests call the functions directly as references (with the helpers beyond the interface:
+``silu``, ``gelu_tanh``, ``bidirectional_attention``...). Activations are ``[tokens, ...]`` row-major; several
+sequences may be packed into one token stream, described by ``cu_seqlens`` (int array of sequence starts plus
+the total, like ``[0, 300, 512]``).
 """
 
 from __future__ import annotations
@@ -385,8 +385,10 @@ def bidirectional_attention(q, k, v, cu_seqlens, scale):
 # ------------------------------------------------------------------------------------------------ the backend
 
 class CpuOps:
-    """The numpy ``Backend``: the ops are the functions above; the rest is the interface's plumbing, which numpy
-    mostly does not need (no device memory, no deferred guards, no faster path to fall back from)."""
+    """The numpy ``Backend``: an object holding what a caller may set on a backend (plan, token block,
+    graphs), whose op methods run the functions above of the same name (a subclass overrides one to emulate a
+    kernel's rounding); the rest is the interface's plumbing, which numpy mostly does not need (no device
+    memory, no deferred guards, no faster path to fall back from)."""
 
     name = "cpu"
     xp = np
@@ -465,36 +467,86 @@ class CpuOps:
         """Vocabulary tables (embedding, LM head): widened to fp32 like every other weight on the CPU."""
         return to_float32(ref)
 
-    gather_rows = staticmethod(gather_rows)
-    embed = staticmethod(embed)
+    def gather_rows(self, table, ids):
+        return gather_rows(table, ids)
+
+    def embed(self, table, ids):
+        return embed(table, ids)
 
     # ----------------------------------------------------------------------------------------- backbone
-    rmsnorm = staticmethod(rmsnorm)
-    add_rmsnorm = staticmethod(add_rmsnorm)
-    linear = staticmethod(linear)
-    mlp = staticmethod(mlp)
-    rope_tables = staticmethod(rope_tables)
-    rotary = staticmethod(rotary)
-    kv_cache = staticmethod(kv_cache)
-    kv_write = staticmethod(kv_write)
-    attention = staticmethod(attention)
-    sigmoid_gate = staticmethod(sigmoid_gate)
-    conv1d_silu = staticmethod(conv1d_silu)
-    l2norm = staticmethod(l2norm)
-    gdn_gates = staticmethod(gdn_gates)
-    gated_delta_rule = staticmethod(gated_delta_rule)
-    gated_rmsnorm = staticmethod(gated_rmsnorm)
+    def rmsnorm(self, x, w, eps, gemm_input=False):
+        return rmsnorm(x, w, eps, gemm_input)
+
+    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False):
+        return add_rmsnorm(x, delta, w, eps, gemm_input)
+
+    def linear(self, x, w, b=None):
+        return linear(x, w, b)
+
+    def mlp(self, x, w_gate, w_up, w_down):
+        return mlp(x, w_gate, w_up, w_down)
+
+    def rope_tables(self, positions, rotary_dim, theta):
+        return rope_tables(positions, rotary_dim, theta)
+
+    def rotary(self, x, cos, sin):
+        return rotary(x, cos, sin)
+
+    def kv_cache(self, T, heads, D):
+        return kv_cache(T, heads, D)
+
+    def kv_write(self, cache, t0, x):
+        return kv_write(cache, t0, x)
+
+    def attention(self, q, k, v, cu_seqlens, scale, q_offset=0):
+        return attention(q, k, v, cu_seqlens, scale, q_offset)
+
+    def sigmoid_gate(self, o, gate, gemm_input=False):
+        return sigmoid_gate(o, gate, gemm_input)
+
+    def conv1d_silu(self, x, w, cu_seqlens, prev=None):
+        return conv1d_silu(x, w, cu_seqlens, prev)
+
+    def l2norm(self, x, eps, scale=1.0):
+        return l2norm(x, eps, scale)
+
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        return gdn_gates(a, b, a_log, dt_bias)
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, state=None):
+        return gated_delta_rule(q, k, v, g, beta, cu_seqlens, state)
+
+    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False):
+        return gated_rmsnorm(x, z, w, eps, gemm_input)
 
     # --------------------------------------------------------------------------------------------- head
-    layernorm = staticmethod(layernorm)
-    gelu = staticmethod(gelu)
-    sigmoid = staticmethod(sigmoid)
-    mha = staticmethod(mha)
-    span_means = staticmethod(span_means)
-    normalize = staticmethod(normalize)
-    segment_softmax_sum = staticmethod(segment_softmax_sum)
+    def layernorm(self, x, w, b, eps=1e-5):
+        return layernorm(x, w, b, eps)
+
+    def gelu(self, x):
+        return gelu(x)
+
+    def sigmoid(self, x):
+        return sigmoid(x)
+
+    def mha(self, xq, xkv, in_w, in_b, out_w, out_b, heads, groups=None, group_ids=None):
+        return mha(xq, xkv, in_w, in_b, out_w, out_b, heads, groups, group_ids)
+
+    def span_means(self, x, starts, ends):
+        return span_means(x, starts, ends)
+
+    def normalize(self, x, eps):
+        return normalize(x, eps)
+
+    def segment_softmax_sum(self, scores, values, owner, n_groups):
+        return segment_softmax_sum(scores, values, owner, n_groups)
 
     # ------------------------------------------------------------------------------------- vision tower
-    patch_rows = staticmethod(patch_rows)
-    vision_attention = staticmethod(vision_attention)
-    vision_mlp = staticmethod(vision_mlp)
+    def patch_rows(self, images):
+        return patch_rows(images)
+
+    def vision_attention(self, x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens):
+        return vision_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu_seqlens)
+
+    def vision_mlp(self, x, w1, b1, w2, b2):
+        return vision_mlp(x, w1, b1, w2, b2)

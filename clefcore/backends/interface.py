@@ -4,8 +4,8 @@ Two implementations: ``clefcore.backends.cpu.CpuOps`` (fp32 numpy: ground truth,
 reference) and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model`` (the vision tower included) and
 ``clefcore.engine`` call only what is listed here, under these names and parameter names, and never probe a
 backend for anything else (tests/test_backend_interface.py holds both backends to it). A new op starts here: its
-numpy reference in cpu.py (a function, and ``CpuOps``'s member of that name), then its kernel in cuda/ and its
-method in a ``CudaOps`` mixin.
+numpy reference in cpu.py (a function, and the ``CpuOps`` method of that name that runs it), then its kernel
+in cuda/ and its method in a ``CudaOps`` mixin.
 
 Activations are ``[tokens, ...]`` row-major arrays of the backend's array module (``xp``); several sequences may
 be packed into one token stream, described by ``cu_seqlens`` (sequence starts plus the total, like

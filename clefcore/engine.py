@@ -17,6 +17,7 @@ import numpy as np
 from . import answers
 from .backends.interface import Backend
 from .checkpoint import Checkpoint
+from .device import Device
 from .encode import EncodedRecord
 from .errors import ClefError, DeviceError, GuardError, RequestError
 from .example_request import support_ticket
@@ -45,20 +46,15 @@ class EngineStatus:
 def backend_for(device: str, options: EngineOptions) -> Backend:
     """``"cpu"`` -> a CpuOps (numpy); ``"cuda"``/``"cuda:N"`` -> a CudaOps instance on GPU N, with the GPU options
     given."""
+    parsed = Device.parse(device)
     gpu = options.gpu()
-    if device == "cpu":
+    if parsed.kind == "cpu":
         if gpu:
             raise ClefError(f"{', '.join(sorted(gpu))}: GPU-only options (device is 'cpu')")
         from .backends.cpu import CpuOps
         return CpuOps()
-    if device == "cuda" or device.startswith("cuda:"):
-        try:
-            index = int(device.partition(":")[2] or 0)
-        except ValueError:
-            raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
-        from .backends.cuda import CudaOps
-        return CudaOps(index, **gpu)
-    raise ClefError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    from .backends.cuda import CudaOps
+    return CudaOps(parsed.index, **gpu)
 
 
 class Engine:

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import gpu_settings, precision
 from .checkpoint import to_float32
+from .device import Device
 from .example_request import support_ticket
 from .options import EngineOptions, HelpFormatter, model_options
 from .progress import terminal_bar
@@ -170,7 +171,7 @@ def run(args) -> int:
     from .model import vision
     from .model.params import load_params
     ck = Checkpoint(args.model, args.revision)
-    dev = int(args.device.split(":")[1]) if ":" in args.device else 0
+    dev = Device.parse(args.device).index
     options = EngineOptions.from_args(args)
     gpu = CudaOps(dev, **options.gpu())
     bar = terminal_bar(f"loading onto {gpu.device_name}")

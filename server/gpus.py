@@ -12,6 +12,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from clefcore.device import Device
+
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
@@ -30,9 +32,10 @@ def alone(device: str) -> Iterator[str]:
 
 
 def _isolate(device: str, inherited: str | None) -> str:
-    if not device.startswith("cuda"):
+    parsed = Device.parse(device)
+    if parsed.kind != "cuda":
         return device
-    index = int(device.partition(":")[2] or 0)
+    index = parsed.index
     visible = inherited.split(",") if inherited else [str(i) for i in range(index + 1)]
     if index >= len(visible):
         raise ValueError(f"device {device}: {VISIBLE}={inherited} shows only {len(visible)} GPU(s)")

@@ -2,12 +2,14 @@
 their flags, used by every command that loads an engine, by ServiceConfig and by clefcore.load."""
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 
 import clefcore
 from clefcore import cli, gpu_settings, precision
+from clefcore.device import Device
 from clefcore.errors import ClefError
 from clefcore.options import DEFAULT_CONTEXT_LENGTH, SERVE_CONTEXT_LENGTH, EngineOptions, ServiceConfig
 
@@ -106,3 +108,16 @@ def test_load_maps_keywords_onto_the_options():
         clefcore.load(MODEL, "cpu", EngineOptions(gemm="auto"))
     with pytest.raises(TypeError):
         clefcore.load(MODEL, colour="blue")
+
+
+def test_a_device_is_cpu_cuda_or_cuda_n():
+    """One parse for every --device (load, verify, bench, the server's device processes); anything else is
+    refused naming the field and the forms it takes, before a backend is made."""
+    assert [Device.parse(d) for d in ("cpu", "cuda", "cuda:0", "cuda:3")] == [
+        Device("cpu"), Device("cuda", 0), Device("cuda", 0), Device("cuda", 3)]
+    for bad in ("gpu", "CPU", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2", " cuda:1", "cuda:\u0661", "cpu:0"):
+        with pytest.raises(ClefError, match=r"^device must be cpu, cuda or cuda:N \(N a GPU index, 0 or more\), "
+                                            rf"got {re.escape(repr(bad))}$"):
+            Device.parse(bad)
+    with pytest.raises(ClefError, match="^device must be"):
+        clefcore.load(MODEL, "cuda:x")

@@ -31,6 +31,7 @@ import platform
 import time
 
 from .. import precision
+from ..device import Device
 from ..options import EngineOptions, HelpFormatter, model_options
 from . import end_to_end, image, kernels, provenance
 from .peers import transformers_image_side, transformers_side
@@ -93,7 +94,7 @@ def run(args) -> int:
 
     from ..backends.cuda import CudaOps
     from ..config import HeadConfig, TextConfig
-    dev = int(args.device.split(":")[1]) if ":" in args.device else 0
+    dev = Device.parse(args.device).index
     precisions = [p for p in args.precisions.split(",") if p]
     options = EngineOptions.from_args(args)
     for p in precisions:

@@ -8,6 +8,7 @@ logits to answers).
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -285,8 +286,10 @@ def load(path: str | Path, device: str = "cpu", options: EngineOptions | None = 
     """Load a checkpoint onto ``device`` ("cpu", "cuda", "cuda:N"): a directory in the release layout, or a Hub id
     (``Cloudflare/clef-flash``) found in the Hugging Face cache at ``revision=`` (default: the cache's main ref).
     ``options``: an EngineOptions (default: its defaults); keyword arguments named as its fields
-    (``precision="exact"``) replace those fields. ``max_length`` is ``context_length``'s other name."""
+    (``precision="exact"``) replace those fields. ``max_length``: ``context_length``'s old name, deprecated."""
     if max_length is not None:
+        warnings.warn("load(max_length=) is deprecated, use context_length=", DeprecationWarning,
+                      stacklevel=2)
         fields["context_length"] = max_length
     return Engine(path, device, replace(options or EngineOptions(), **fields), progress, revision)
 

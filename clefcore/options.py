@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -130,9 +131,9 @@ class EngineOptions:
         """The flags of the fields ``names`` (default: all), with this instance's values as their defaults."""
         wanted = set(names or (f.name for f in fields(self)))
         flags = {
-            "context_length": (("--context-length", "--max-length"), dict(
+            "context_length": (("--context-length",), dict(
                 type=_positive(int), help="maximum prompt tokens; a longer state is cut to fit, or refused with "
-                                          "serve's --on-overflow reject (--max-length is the same flag)")),
+                                          "serve's --on-overflow reject")),
             "validation": (("--validation",), dict(
                 choices=VALIDATIONS, help="request rules: Cloudflare's limits, or the reference code's lenient ones")),
             "confidence": (("--confidence",), dict(
@@ -177,12 +178,28 @@ class EngineOptions:
             if f.name in wanted:
                 strings, kw = flags[f.name]
                 parser.add_argument(*strings, dest=f.name, default=getattr(self, f.name), **kw)
+        if "context_length" in wanted:   # the flag's old name, still accepted from existing scripts
+            parser.add_argument("--max-length", dest="context_length", type=_positive(int),
+                                action=_Deprecated, new="--context-length", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineOptions":
         """The options in parsed flags; a field whose flag the command does not have keeps its default."""
         given = vars(args)
         return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+class _Deprecated(argparse.Action):
+    """A flag's old name: sets the field as the ``new`` flag does, and says on stderr to use that."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stderr.write(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}\n")
+        setattr(namespace, self.dest, values)
 
 
 def _kernels(text: str) -> str:

@@ -53,7 +53,7 @@ def server():
 @pytest.fixture(scope="module")
 def engine():
     import clefcore
-    return clefcore.load(str(MODEL), device="cpu", max_length=24576)  # the server's default --context-length
+    return clefcore.load(str(MODEL), device="cpu", context_length=24576)  # the server's --context-length
 
 
 def last_request_line(server: Server, path_part: str) -> dict:

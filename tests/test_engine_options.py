@@ -55,15 +55,21 @@ def test_it_crosses_a_pipe_as_it_is():
 @pytest.mark.parametrize("command, default", [("decide", DEFAULT_CONTEXT_LENGTH), ("demo", DEFAULT_CONTEXT_LENGTH),
                                               ("serve", SERVE_CONTEXT_LENGTH)])
 @pytest.mark.usefixtures("switch_registry")
-def test_commands_that_answer_build_it_from_their_flags(command, default):
+def test_commands_that_answer_build_it_from_their_flags(command, default, capsys):
     assert EngineOptions.from_args(parse(command)) == EngineOptions(context_length=default)
     flags = ["--context-length", "900", "--validation", "reference", "--confidence", "reference", "--regex",
              "qwen35", "--no-images", "--precision", "exact", "--gemm", "cublas", "--token-block", "64",
              "--graph-tokens", "0", "--kernels", "some_kernel", "--ptx70"]
     assert EngineOptions.from_args(parse(command, *flags)) == EngineOptions(
         900, "reference", "reference", "qwen35", False, "exact", "cublas", 64, 0, "some_kernel", True)
-    # --max-length is --context-length's other name, not a second option
+    assert capsys.readouterr().err == ""
+    # --max-length, --context-length's old name: the same option, with one line on stderr saying so
     assert EngineOptions.from_args(parse(command, "--max-length", "33")).context_length == 33
+    assert capsys.readouterr().err == (f"clefcore {command}: warning: --max-length is deprecated, "
+                                       f"use --context-length\n")
+    with pytest.raises(SystemExit):
+        parse(command, "--max-length", "0")
+    assert "must be > 0" in capsys.readouterr().err
 
 
 def test_serve_nests_it_in_the_service_config():
@@ -103,7 +109,8 @@ def test_load_maps_keywords_onto_the_options():
                            confidence="reference")
     assert engine.options == EngineOptions(300, "reference", "reference")
     assert engine.host.context_length == 300 and engine.confidence == "reference"
-    assert clefcore.load(MODEL, max_length=600).host.context_length == 600     # the documented other name
+    with pytest.warns(DeprecationWarning, match=r"^load\(max_length=\) is deprecated, use context_length=$"):
+        assert clefcore.load(MODEL, max_length=600).host.context_length == 600     # the old name
     with pytest.raises(ClefError, match=r"^gemm: GPU-only options \(device is 'cpu'\)$"):
         clefcore.load(MODEL, "cpu", EngineOptions(gemm="auto"))
     with pytest.raises(TypeError):

@@ -58,7 +58,7 @@ def check_cli_against_fixture(model, body: bytes, fx: dict, tmp_path, timeout: f
     req.write_bytes(body)
     cmd = clefcore_command() + ["decide", "--model", str(model), "--device", "cpu", "--debug",
                                 "--confidence", "reference", "--validation", "reference",
-                                "--max-length", str(fx["max_length"]), str(req)]
+                                "--context-length", str(fx["max_length"]), str(req)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     out = json.loads(proc.stdout)

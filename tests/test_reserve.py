@@ -26,7 +26,7 @@ LIMITS = dict(batch_tokens=1024, batch_requests=4, chunk_tokens=256)
 
 @pytest.fixture(scope="module")
 def cpu_engine():
-    return clefcore.load(GOLD / "model", "cpu", max_length=2048)
+    return clefcore.load(GOLD / "model", "cpu", context_length=2048)
 
 
 @pytest.mark.parametrize("tokens", [1, 300, 1001])
@@ -78,9 +78,9 @@ def _traffic(engine):
 def test_after_the_reservation_nothing_allocates_and_answers_are_unchanged():
     import cupy
     # one GEMM kernel for both engines (auto would time its own choice per engine)
-    ref = clefcore.load(GOLD / "model", "cuda:0", max_length=2048, gemm="wmma")
+    ref = clefcore.load(GOLD / "model", "cuda:0", context_length=2048, gemm="wmma")
     want = _traffic(ref)
-    engine = clefcore.load(GOLD / "model", "cuda:0", max_length=2048, gemm="wmma")
+    engine = clefcore.load(GOLD / "model", "cuda:0", context_length=2048, gemm="wmma")
     reserved = engine.reserve(**LIMITS)
     assert reserved > 0 and engine.status().backend["reserved_bytes"] == reserved
     assert engine.memory_in_use() >= reserved

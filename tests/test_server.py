@@ -27,7 +27,7 @@ def server():
 @pytest.fixture(scope="module")
 def engine():
     import clefcore
-    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", context_length=24576)
 
 
 def error_of(reply, status: int, kind: str) -> dict:

@@ -23,7 +23,7 @@ from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, s
 @pytest.fixture(scope="module")
 def engine():
     import clefcore
-    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", context_length=24576)
 
 
 # split8 with every GEMM on cuBLAS(Lt): at the golden model's small shapes the autotune would pick wmma and

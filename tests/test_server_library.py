@@ -35,7 +35,7 @@ KEY = "library-test-key"
 @pytest.fixture(scope="module")
 def engine():
     import clefcore
-    return clefcore.load(str(MODEL), device="cpu", max_length=24576)
+    return clefcore.load(str(MODEL), device="cpu", context_length=24576)
 
 
 def _states(n: int) -> list[dict]:

@@ -27,7 +27,7 @@ from server_harness import (GOLDEN, SUPPORT_TICKET, Server, check_client_rules, 
 @pytest.fixture(scope="module")
 def engine():
     import clefcore
-    return clefcore.load(str(GOLDEN / "model"), device="cpu", max_length=24576)
+    return clefcore.load(str(GOLDEN / "model"), device="cpu", context_length=24576)
 
 
 def concurrently(fn, items, workers: int | None = None):

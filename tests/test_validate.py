@@ -580,7 +580,7 @@ def test_fuzz_hypothesis_questions(encoder, questions):
 def test_fuzz_bodies_through_the_engine():
     """The whole engine (tiny golden model): a typed RequestError or a complete answer, never anything else."""
     import clefcore
-    engines = [clefcore.load(TOKENIZER.parent, validation=mode, max_length=600) for mode in MODES]
+    engines = [clefcore.load(TOKENIZER.parent, validation=mode, context_length=600) for mode in MODES]
     answered = 0
     for data in bodies():
         for engine in engines:

@@ -19,7 +19,7 @@ from . import gpu_settings, precision
 from .checkpoint import to_float32
 from .device import Device
 from .example_request import support_ticket
-from .options import EngineOptions, HelpFormatter, model_options
+from .options import DEFAULT_CONTEXT_LENGTH, EngineOptions, HelpFormatter, model_options
 from .progress import terminal_bar
 
 # the image of the second request: resized to 320x224 (a real resize), a 7x10 grid of merged tokens (not square)
@@ -90,9 +90,9 @@ def streamed_reference_params(ck):
     return p
 
 
-def records(ck, with_image: bool) -> list:
-    """The encoded requests verify runs: the example request (clefcore/example_request.py), and with an image the
-    same request with one."""
+def records(ck, with_image: bool, context_length: int = DEFAULT_CONTEXT_LENGTH) -> list:
+    """The encoded requests verify runs, each cut to ``context_length`` as the engine cuts them: the example
+    request (clefcore/example_request.py), and with an image the same request with one."""
     from .encode import Encoder
     from .preparer import request_pixels
     from .tokenize import Tokenizer
@@ -100,7 +100,7 @@ def records(ck, with_image: bool) -> list:
     enc = Encoder(Tokenizer(ck.tokenizer_path))
     bodies = [support_ticket()] + ([image_request()] if with_image else [])
     requests = [validate_request(b, "cloudflare") for b in bodies]
-    return [enc.encode(r, 16384, request_pixels(r)) for r in requests]
+    return [enc.encode(r, context_length, request_pixels(r)) for r in requests]
 
 
 def _rel(a, b) -> tuple[float, float]:
@@ -108,17 +108,19 @@ def _rel(a, b) -> tuple[float, float]:
     return d, d / max(float(np.max(np.abs(b))), 1e-30)
 
 
-def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print, vision_params=None) -> bool:
-    """Run the example request through ``ops``/``params`` and through the streamed fp32 numpy reference of checkpoint ``ck``;
-    with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach) the request with an image
-    too, packed beside it. Print the side-by-side report; True when the tower, every layer and probability are
-    within tolerance and the answers agree."""
+def compare(ck, ops, params, layer_tol: float = 2e-3, prob_tol: float = 2e-3, out=print, vision_params=None,
+            context_length: int = DEFAULT_CONTEXT_LENGTH) -> bool:
+    """Run the example request through ``ops``/``params`` and through the streamed fp32 numpy reference of
+    checkpoint ``ck``; with ``vision_params`` (the tower on ``ops``, attached to ``params``: vision.attach)
+    the request with an image too, packed beside it; both cut to the engine's ``context_length``. Print the
+    side-by-side report; True when the tower, every layer and probability are within tolerance and the answers
+    agree."""
     from .backends.cpu import CpuOps
     from .engine import image_inputs, packed_positions
     from .model import vision
     from .model.backbone import backbone
     from .model.head import heads
-    recs = records(ck, vision_params is not None)
+    recs = records(ck, vision_params is not None, context_length)
     lens = [len(r.input_ids) for r in recs]
     ids = np.concatenate([r.input_ids for r in recs]).astype(np.int64)
     cu, pos = np.concatenate([[0], np.cumsum(lens)]), packed_positions(recs)
@@ -188,7 +190,8 @@ def run(args) -> int:
           f"gemm {gpu.gemm.pin or gpu_settings.GEMM_AUTO}"
           + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
           + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")
-    return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol, vision_params=vp) else 1
+    return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol, vision_params=vp,
+                        context_length=options.context_length) else 1
 
 
 def main(argv=None):

@@ -34,7 +34,9 @@ def test_verify_runs_the_example_request_which_covers_every_question_type():
     want = Encoder(Tokenizer(ck.tokenizer_path)).encode(validate_request(support_ticket(), "cloudflare"), 16384)
     assert np.array_equal(rec.input_ids, want.input_ids)
     assert sorted(q.type_index for q in rec.questions) == [0, 1, 2]
-    assert len(rec.input_ids) > 100
+    assert len(rec.input_ids) > 100 and not rec.state_truncated
+    cut = verify.records(ck, False, context_length=len(want.input_ids) - 5)[0]     # the engine's limit, not 16384
+    assert len(cut.input_ids) == len(want.input_ids) - 5 and cut.state_truncated
 
 
 def loaded():

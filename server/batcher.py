@@ -155,7 +155,7 @@ class _Lane:
 class Batcher:
     def __init__(self, devices: Sequence[DeviceProcess], metrics: Metrics, *, watch: DeviceWatch, max_queue: int,
                  max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
-                 chunk_tokens: int | None = 0, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
+                 chunk_tokens: int | None = None, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
                  first_lane: int = 0, policy: admission.PolicyFactory | None = None,
                  tower: TowerCost = TowerCost(0.0, 0.0), tower_ceiling: TowerCost | None = None):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
@@ -163,7 +163,8 @@ class Batcher:
         ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
         ``budgets``: the wait a request of each size may be admitted into (admission.Budgets), given to
         ``policy``, which builds the admission policy from them (None: admission.CostPolicy).
-        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (0: never; None: auto).
+        ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (None: auto, as
+        ServiceConfig's; 0: never).
         ``step_budget``: the seconds an auto-sized step takes at the measured rate.
         ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
         (admission.measured_rate).

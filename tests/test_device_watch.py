@@ -167,7 +167,7 @@ def run_batcher(device: FlakyDevice, requests: list[Prepared]) -> tuple[list, li
 
         w = DeviceWatch(metrics, 30.0, 30.0, on_change=change, on_expired=lambda trouble: None)
         b = Batcher([device], metrics, watch=w, max_queue=64, max_batch_tokens=100, max_batch_requests=1,
-                    budgets=Budgets(100.0, 100.0, 10_000), start_rate=10_000.0)
+                    budgets=Budgets(100.0, 100.0, 10_000), start_rate=10_000.0, chunk_tokens=0)
         b.start()
         deadline = time.monotonic() + 30
         first = asyncio.ensure_future(b.submit(requests[0], deadline))

@@ -70,14 +70,17 @@ cdef class Batch:
 cdef class Scheduler:
     """Bounded queue. ``capacity`` counts live entries only: a cancelled entry stops occupying a slot at
     once, although it is physically removed later, when packing reaches it. ``age_rate``: prompt tokens of
-    priority an entry earns per second of waiting (see the module doc)."""
+    priority an entry earns per second of waiting (see the module doc). ``waiting_since``: the arrival of the
+    entry that last found the queue empty, so while any is queued, since when some always was."""
 
     cdef list _heap
+    cdef dict _keys      # live entry -> its order key, in push order: what admission weighs them by
     cdef long _seq
     cdef readonly long capacity
     cdef readonly double age_rate
     cdef readonly long live
     cdef readonly long live_tokens
+    cdef readonly double waiting_since
 
     def __init__(self, long capacity, double age_rate=float("inf")):
         if capacity < 1:
@@ -85,11 +88,13 @@ cdef class Scheduler:
         if not age_rate > 0:
             raise ValueError("age_rate must be > 0 tokens per second")
         self._heap = []
+        self._keys = {}
         self._seq = 0
         self.capacity = capacity
         self.age_rate = age_rate
         self.live = 0
         self.live_tokens = 0
+        self.waiting_since = 0.0
 
     def __len__(self):
         return self.live
@@ -107,12 +112,17 @@ cdef class Scheduler:
 
     cpdef bint push(self, Entry entry):
         """Queue ``entry``; False (and nothing queued) when the queue is full."""
+        cdef double key
         if self.live >= self.capacity:
             return False
         if entry.queued or entry.cancelled:
             raise ValueError("entry is already queued or cancelled")
+        if self.live == 0:
+            self.waiting_since = entry.enqueued_at
+        key = entry.enqueued_at + entry.tokens / self.age_rate
         # seq breaks ties in arrival order (and keeps the heap from ever comparing two entries)
-        heapq.heappush(self._heap, (entry.enqueued_at + entry.tokens / self.age_rate, self._seq, entry))
+        heapq.heappush(self._heap, (key, self._seq, entry))
+        self._keys[entry] = key
         self._seq += 1
         entry.queued = True
         self.live += 1
@@ -128,6 +138,7 @@ cdef class Scheduler:
         if entry.queued:
             self.live -= 1
             self.live_tokens -= entry.tokens
+            del self._keys[entry]
 
     cpdef double key(self, long tokens, double now):
         """The order key an entry of ``tokens`` pushed at ``now`` would get (smaller runs first)."""
@@ -147,6 +158,10 @@ cdef class Scheduler:
     cpdef object head(self):
         """The entry that runs next, None when none is queued."""
         return self._heap[0][2] if self.head_key() != float("inf") else None
+
+    cpdef tuple keyed(self):
+        """The live entries with their order keys, ``(entry, key)`` in push order (O(queue))."""
+        return tuple(self._keys.items())
 
     cpdef long tokens_before(self, double key):
         """Prompt tokens of the live entries that run before one of order ``key``: the work ahead of a new
@@ -180,6 +195,7 @@ cdef class Scheduler:
                 entry.queued = False
                 self.live -= 1
                 self.live_tokens -= entry.tokens
+                del self._keys[entry]
                 batch.expired.append(entry)
                 continue
             if len(batch.entries) >= max_requests:
@@ -195,6 +211,7 @@ cdef class Scheduler:
             entry.queued = False
             self.live -= 1
             self.live_tokens -= entry.tokens
+            del self._keys[entry]
             batch.entries.append(entry)
             batch.tokens += entry.tokens
         return batch
@@ -210,4 +227,5 @@ cdef class Scheduler:
                 out.append(entry)
         self.live = 0
         self.live_tokens = 0
+        self._keys.clear()
         return out

@@ -1,9 +1,11 @@
-"""Admission: whether a request is queued, refused (a 429) or displaces queued work. server/batcher.py does the
-dispatch and asks the policy here; ``ServiceConfig.admission`` picks the policy (None: ``CostPolicy``).
+"""Admission: whether a request is queued, refused (a 429) or displaces queued work. ``Admission`` (at the end)
+owns all of it: the measured rate, the body sizer, the held bodies, the waiting share, the policy and the
+refusal counter; server/batcher.py does the dispatch and asks it, and the Service asks it when a request
+arrives. ``ServiceConfig.admission`` picks the policy (None: ``CostPolicy``).
 
-The seam: an ``AdmissionPolicy`` reads a ``Snapshot`` of the queues and the lanes, taken by the batcher at the
+The seam: an ``AdmissionPolicy`` reads a ``Snapshot`` of the queues and the lanes in plain values, taken at the
 moment of the question, and answers ``Admit`` (with the answer time it promises, and a queued long prompt to
-give up to make room), a ``Refusal`` (its reason, one of the wire's REASONS; the expected wait, the budget,
+give up to make room), a ``Refusal`` (its ``Reason``, as the wire names it; the expected wait, the budget,
 Retry-After) or, between device steps, the ``Eviction``s of queued long prompts (entries of the snapshot's
 ``long``) that will be answered too late. The promise is kept by the
 scheduler's cut: a batch stops growing where it would end past a promise in it (pyx/scheduler.pyx, ``take``).
@@ -32,7 +34,7 @@ alone exceeds what the device does.
 
 The first check, before a body is read, takes the body's size as tokens (BodySizer) and adds the bodies that
 passed it earlier and are still being read and tokenized, those no larger in bytes, as work ahead (the
-batcher's holds): they will be queued before it.
+holds): they will be queued before it.
 
 N lanes (a Service on N devices, server/batcher.py): one queue, N devices that each take the next step when
 free, one measured rate r per device. The work ahead of a request is counted over all lanes and drains at N r;
@@ -51,12 +53,16 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
-from clefcore.scheduler import Entry, Scheduler
+from prometheus_client import Counter, Gauge
+
+from clefcore.scheduler import Entry
 
 # Guesses that size the forward measuring the rate at start: the H200 packs ~24k prompt tokens/s on clef-flash;
 # the CPU path serves the tiny test model at a few thousand.
@@ -68,8 +74,14 @@ _MAX_WEIGHT = 0.5
 # waited already, and the expected answer moves by a step or so each time the whole prompts sorted before it are
 # counted between two steps.
 EVICT_SLACK = 0.25
-# Why a request is refused, as the 429's body and the refusal counter name it.
-REASONS = ("queued_work", "queue_full", "evicted")
+
+
+class Reason(StrEnum):
+    """Why a request is refused: its value is what the 429's body and the refusal counter's label say."""
+    QUEUED_WORK = "queued_work"   # the work before it would outlast its budget
+    QUEUE_FULL = "queue_full"     # the queues hold their bound in requests, and nothing queued gives way
+    EVICTED = "evicted"           # admitted, then displaced by cheaper work before it started
+
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 
@@ -151,15 +163,26 @@ class Budgets:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request is not admitted; ``retry_after_s`` is whole seconds, as the header wants."""
-    reason: str  # "queued_work", "queue_full" or "evicted" (admitted, then displaced by cheaper work)
+    """Why a request is not admitted; ``retry_after_s`` is whole seconds, as the header wants. ``reason`` may be
+    given as its wire name ("queued_work"), and is a Reason from then on."""
+    reason: Reason
     retry_after_s: int
     wait_s: float          # expected wait had it been admitted (or kept)
     budget_s: float
 
     def __post_init__(self):
-        if self.reason not in REASONS:
-            raise ValueError(f"reason must be one of {', '.join(REASONS)}, got {self.reason!r}")
+        try:
+            object.__setattr__(self, "reason", Reason(self.reason))
+        except ValueError:
+            raise ValueError(f"reason must be one of {', '.join(Reason)}, got {self.reason!r}") from None
+
+
+class Refused(Exception):
+    """A request not admitted, or evicted before it started: ``refusal`` says why."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.reason.value)
+        self.refusal = refusal
 
 
 def retry_after(wait_s: float, budget_s: float, cap_s: float) -> int:
@@ -233,6 +256,34 @@ class BodySizer:
         return tuple(max(1, round(guess * f)) for f in (lo, 1.0, hi))
 
 
+@dataclass(eq=False)
+class Hold:
+    """A body that passed the check on arrival and is being read and prepared: its estimated prompt tokens count
+    as work ahead of later arrivals whose bodies are no smaller until it is queued or given up
+    (``Admission.release``). Without it, every client of a burst that finds the queue short passes the check at
+    once, and all but the first few are refused only after the prepare threads have tokenized them, each
+    waiting its turn there. Bodies are ordered by bytes, not by estimated tokens: two bodies of one kind share
+    the estimate's error, so a body as large as a held one is no shorter, while its low estimate would sort it
+    ahead of every held body of its size."""
+    tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """The queue of whole prompts as a policy reads it: its aging (prompt tokens of priority a second of waiting
+    earns), the tokens queued, and ``tokens_before(key)``, the tokens queued that run before an entry of order
+    ``key``. That one asks the queue when called, without copying it (a snapshot is used at once: copying the
+    queue for every arrival would cost a retry storm O(queue) more)."""
+    age_rate: float
+    live_tokens: int
+    tokens_before: Callable[[float], float]
+
+    def key(self, tokens: int, now: float) -> float:
+        """The order key of a request of ``tokens`` queued at ``now`` (pyx/scheduler.pyx's)."""
+        return now + tokens / self.age_rate
+
+
 @dataclass(frozen=True)
 class LaneView:
     """One lane as admission sees it: the step on its device (its tokens, 0: none, and when it started) and the
@@ -243,16 +294,36 @@ class LaneView:
     chunk_key: float
 
 
+def runs_chunked(tokens: int, chunk_tokens: int) -> bool:
+    """A prompt of ``tokens`` runs chunked when chunks are ``chunk_tokens`` (0: none does)."""
+    return 0 < chunk_tokens < tokens
+
+
+@dataclass(frozen=True)
+class Queues:
+    """What the batcher tells admission of its queues and lanes (``QueueSource.queues``)."""
+    chunk_tokens: int           # a longer prompt runs chunked (0: none does)
+    whole: QueueView
+    long: tuple[tuple[Entry, float], ...]   # the queued long prompts and their order keys, in arrival order
+    lanes: tuple[LaneView, ...]
+    full: bool                  # the queues hold their bound in requests
+
+
+class QueueSource(Protocol):
+    """The batcher, as admission sees it."""
+
+    def queues(self) -> Queues:
+        """The queues and the lanes now."""
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """What a policy reads, taken by the batcher at ``now``. ``whole`` is the queue of whole prompts itself, to be
-    read only (``key``, ``tokens_before``, ``live_tokens``, ``age_rate``): a snapshot is used at once, and copying
-    the queue for every arrival would cost a retry storm O(queue) more."""
+    """What a policy reads, taken at ``now``: the batcher's ``Queues`` and what admission measured."""
     now: float
     rate: float                 # the measured device rate, tokens/s per device (the start guess until measured)
     measured: bool              # a step has been measured since start
     chunk_tokens: int           # a longer prompt runs chunked (0: none does)
-    whole: Scheduler
+    whole: QueueView
     long: tuple[tuple[Entry, float], ...]   # the queued long prompts and their order keys, in arrival order
     lanes: tuple[LaneView, ...]
     whole_share: float          # the recent share of time whole prompts were waiting (RecentShare)
@@ -260,12 +331,12 @@ class Snapshot:
 
     def chunked(self, tokens: int) -> bool:
         """A prompt of ``tokens`` runs chunked."""
-        return 0 < self.chunk_tokens < tokens
+        return runs_chunked(tokens, self.chunk_tokens)
 
 
 @dataclass(frozen=True)
 class Eviction:
-    """A queued long prompt, not started, refused now (``refusal``: its reason is "evicted")."""
+    """A queued long prompt, not started, refused now (``refusal``: its reason is EVICTED)."""
     entry: Entry
     refusal: Refusal
 
@@ -283,11 +354,12 @@ class AdmissionPolicy(Protocol):
 
     def decide(self, tokens: int, view: Snapshot, held: float = 0.0) -> Admit | Refusal:
         """A prepared request of ``tokens`` prompt tokens arrives. ``held``: tokens of bodies still being
-        prepared that will queue ahead of it (the batcher's holds)."""
+        prepared that will queue ahead of it (Admission's holds)."""
 
     def unread(self, estimates: Sequence[int], view: Snapshot, held: float) -> Refusal | None:
         """The check before a body is read: ``estimates`` are its prompt tokens (lowest, guess, highest: the
-        BodySizer's; empty when it has none); None lets the body be read and prepared."""
+        BodySizer's; empty when it has none); ``held`` as in ``decide``. None lets the body be read and
+        prepared."""
 
     def late(self, view: Snapshot) -> list[Eviction]:
         """Between device steps: the queued long prompts to refuse now."""
@@ -318,7 +390,7 @@ class CostPolicy:
         error span (a request it cannot judge is tokenized and checked exactly), or when the queue is full and
         holds nothing a request could displace."""
         if not estimates:
-            return Refusal("queue_full", 1, 0.0, 0.0) if view.full and not view.long else None
+            return Refusal(Reason.QUEUE_FULL, 1, 0.0, 0.0) if view.full and not view.long else None
         refusals = [self.refusal(tokens, view, held) for tokens in estimates]
         return refusals[1] if all(refusals) else None
 
@@ -348,10 +420,10 @@ class CostPolicy:
         budget = self._admission_budget(tokens, view)
         wait = self.expected_wait(tokens, view, held)
         if view.full and self._evictable(tokens, view) is None:
-            return Refusal("queue_full", retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
+            return Refusal(Reason.QUEUE_FULL, retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
         if wait <= budget:
             return None
-        return Refusal("queued_work", retry_after(wait, budget, self._budgets.max_s), wait, budget)
+        return Refusal(Reason.QUEUED_WORK, retry_after(wait, budget, self._budgets.max_s), wait, budget)
 
     def budget(self, tokens: int, view: Snapshot) -> float:
         """The wait a request of ``tokens`` may be admitted into: its caller's tolerance, and never less than what
@@ -432,7 +504,8 @@ class CostPolicy:
     def _eviction(self, entry: Entry, wait: float, view: Snapshot) -> Eviction:
         """Refuse the queued long prompt ``entry``; ``wait``: the seconds to its answer, past its budget."""
         budget = self.budget(entry.tokens, view)
-        return Eviction(entry, Refusal("evicted", retry_after(wait, budget, self._budgets.max_s), wait, budget))
+        return Eviction(entry, Refusal(Reason.EVICTED, retry_after(wait, budget, self._budgets.max_s), wait,
+                                       budget))
 
     def _admission_budget(self, tokens: int, view: Snapshot) -> float:
         """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
@@ -444,3 +517,111 @@ class CostPolicy:
 def _step_left(lane: LaneView, view: Snapshot) -> float:
     """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
     return max(0.0, lane.step_tokens - (view.now - lane.step_started) * view.rate)
+
+
+class Admission:
+    """Admission's one owner: the measured device rate, the body sizer, the bodies held while they are prepared,
+    the recent share of time whole prompts waited, the policy and the refusal counter. The batcher asks it once a
+    request is prepared (``admit``) and between steps (``late``), and tells it of every step (``on_step``); the
+    Service asks it when a request arrives (``on_arrival``) and tells it once the body is prepared
+    (``on_prepared``). Each question reads a fresh ``Snapshot``: the batcher's queues (``queues``) and what is
+    measured here. Every refusal it answers, evictions included, is counted by reason and size class."""
+
+    def __init__(self, policy: AdmissionPolicy, start_rate: float, queues: QueueSource, *, rejected: Counter,
+                 held_tokens: Gauge, on_rate: Callable[[float], None]):
+        """``start_rate``: the device rate (tokens/s) until a step is measured. ``rejected``: the refusal
+        counter (labels: reason, size class); ``held_tokens``: the gauge of held bodies' tokens. ``on_rate``:
+        called with the rate each time a step moved it."""
+        self._policy = policy
+        self._queues = queues
+        self._rate = RateMeter(start_rate)
+        self._on_rate = on_rate
+        self._sizer = BodySizer()
+        self._holds: set[Hold] = set()   # bodies past the arrival check, not yet queued
+        self._whole_waiting = RecentShare()
+        self._rejected = rejected
+        self._held_tokens = held_tokens
+
+    @property
+    def rate(self) -> float:
+        """The device rate, tokens/s per device: measured, smoothed (RateMeter), or the start rate before."""
+        return self._rate.rate
+
+    @property
+    def measured(self) -> bool:
+        """A step has been measured since start."""
+        return self._rate.samples > 0
+
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """What the policy reads at ``now`` (default: the clock's now)."""
+        now = time.monotonic() if now is None else now
+        queues = self._queues.queues()
+        return Snapshot(now, self._rate.rate, self.measured, queues.chunk_tokens, queues.whole, queues.long,
+                        queues.lanes, self._whole_waiting.share(now), queues.full)
+
+    def on_arrival(self, body_bytes: int | None) -> Hold | None:
+        """The check before a body of ``body_bytes`` (None: unknown) is read: the policy's ``unread`` at the
+        body's estimated sizes (BodySizer), counting the held bodies no larger as work ahead. Raises Refused;
+        otherwise holds the body's estimated size until ``release`` (None: no estimate, nothing held)."""
+        estimates = self._sizer.estimates(body_bytes)
+        held = sum(h.tokens for h in self._holds if h.nbytes <= body_bytes) if estimates else 0
+        refusal = self._policy.unread(estimates, self.snapshot(), held)
+        if refusal is not None:
+            raise self._refused(refusal, estimates[1] if estimates else None)
+        if not estimates:
+            return None
+        hold = Hold(estimates[1], body_bytes)
+        self._holds.add(hold)
+        self._held_tokens.inc(hold.tokens)
+        return hold
+
+    def release(self, hold: Hold | None) -> None:
+        """The held body is queued (``admit`` counts it from there) or given up; twice is harmless."""
+        if hold in self._holds:
+            self._holds.discard(hold)
+            self._held_tokens.dec(hold.tokens)
+
+    def on_prepared(self, hold: Hold | None, body_bytes: int | None, cost: int) -> None:
+        """The body of ``hold`` is prepared and costs ``cost`` prompt tokens: its hold goes, and its size as a
+        plain body (``body_bytes``; None: unknown) teaches the sizer."""
+        self.release(hold)
+        self._sizer.observe(body_bytes, cost)
+
+    def admit(self, cost: int, now: float) -> Admit:
+        """The policy's ``decide`` for a prepared request of ``cost`` at ``now``. Raises Refused; the eviction an
+        Admit gives is counted here, and is the batcher's to carry out."""
+        decision = self._policy.decide(cost, self.snapshot(now))
+        if isinstance(decision, Refusal):
+            raise self._refused(decision, cost)
+        if decision.evict is not None:
+            self._count(Reason.EVICTED, decision.evict.entry.tokens)
+        return decision
+
+    def queue_full(self, cost: int, budget_s: float) -> Refused:
+        """A request of ``cost`` that its queue had no room for (the shipped policy never admits into a full
+        queue; another may): its refusal, counted."""
+        return self._refused(Refusal(Reason.QUEUE_FULL, 1, 0.0, budget_s), cost)
+
+    def late(self, now: float) -> list[Eviction]:
+        """Between steps: the queued long prompts the policy refuses now (``late``), counted."""
+        evictions = self._policy.late(self.snapshot(now))
+        for eviction in evictions:
+            self._count(Reason.EVICTED, eviction.entry.tokens)
+        return evictions
+
+    def on_step(self, tokens: int, seconds: float, *, started: float, waiting_since: float | None,
+                now: float) -> None:
+        """A step of ``tokens`` that took ``seconds`` of device time, started at ``started``, ended at ``now``;
+        whole prompts have been waiting since ``waiting_since`` (None: none waits). The waiting share counts
+        the time since the later of the two (RecentShare caps what one step adds at the time since any lane's
+        last step ended, so lanes whose steps overlap do not count the same wait twice)."""
+        self._whole_waiting.step(now, now - max(started, waiting_since) if waiting_since is not None else 0.0)
+        self._rate.observe(tokens, seconds)
+        self._on_rate(self._rate.rate)
+
+    def _refused(self, refusal: Refusal, tokens: int | None) -> Refused:
+        self._count(refusal.reason, tokens)
+        return Refused(refusal)
+
+    def _count(self, reason: Reason, tokens: int | None) -> None:
+        self._rejected.labels(reason.value, size_class(tokens)).inc()

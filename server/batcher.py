@@ -19,11 +19,11 @@ which judges stalls and faults. While a device is in trouble the Service refuses
 Steps: a packed batch is at most ``max_batch_tokens``, a chunk ``chunk_tokens``; each is a fixed number or auto,
 the tokens of a step of ``step_budget`` seconds at the measured rate (server/steps.py), read again for every step.
 
-Admission: the batcher asks its admission policy (server/admission.py: ``ServiceConfig.admission``, by default
-admission by cost) on every arrival, before a body is read and once it is prepared, with a snapshot of the queues
-and the lanes (``view``), and does what it answers: queue the request with the answer time it was promised,
-refuse it at once (a 429), or give up a queued long prompt (evicted); between steps it refuses the queued long
-prompts the policy finds too late.
+Admission: the batcher's ``Admission`` (server/admission.py: the rate, the policy that ``ServiceConfig.admission``
+picks, by default admission by cost, and the rest) is asked on every arrival, before a body is read (by the
+Service) and once it is prepared (``submit``), and reads the queues and the lanes (``queues``); the batcher does
+what it answers: queue the request with the answer time it was promised, refuse it at once (a 429), or give up a
+queued long prompt (evicted); between steps it refuses the queued long prompts the policy finds too late.
 
 Order: one order over all the work, shortest first with aging. A queued request's key is its arrival plus its
 prompt tokens over the age rate (``age_rate``, by default a third of the measured device rate, AUTO_AGE_DIVISOR):
@@ -39,7 +39,7 @@ moving under a stream of short ones, and long prompts not yet started are what g
 overfills the device: the shipped policy refuses a queued one whose expected answer moves well past its promise
 (``evicted``), and the largest queued one when the queue's count bound would refuse a smaller request.
 
-Several lanes share the queues, the admission and one RateMeter (a per-device rate: every lane runs the same
+Several lanes share the queues and the admission with its one measured rate (a per-device rate: every lane runs the same
 model on the same kind of device). A chunked run's state lives in the device process of the lane that started
 it, so its chunks all run on that lane; each lane runs at most one, and a free lane with none starts the next
 long prompt when its key comes first. The admission arithmetic counts the work ahead of a request over all
@@ -61,7 +61,7 @@ from clefcore.options import STEP_BUDGET_S
 from clefcore.scheduler import Entry, Scheduler
 
 from . import admission
-from .admission import Budgets, RateMeter, RecentShare, Refusal
+from .admission import Admission, Budgets, Queues, QueueView, Refused
 from .device_process import DeviceProcess, Step
 from .device_watch import RECHECK_S, DeviceWatch
 from .image_cost import TowerCost
@@ -75,14 +75,6 @@ from .steps import StepSize
 # short work keeps about 6/7 of the device: with the measured rate itself (1), a third of the device went to a
 # stream of 3k-token prompts beside short ones, and the short ones waited half as long as the long ones.
 AUTO_AGE_DIVISOR = 3
-
-
-class QueueFull(Exception):
-    """Not admitted, or evicted before it started: ``refusal`` says why."""
-
-    def __init__(self, refusal: Refusal):
-        super().__init__(refusal.reason)
-        self.refusal = refusal
 
 
 class DeadlineExceeded(Exception):
@@ -99,19 +91,6 @@ class DeviceUnavailable(Exception):
 
 
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class Hold:
-    """A body that passed the check on arrival and is being read and prepared: its estimated prompt tokens count
-    as work ahead of later arrivals whose bodies are no smaller until it is queued or given up
-    (``Batcher.release``). Without it, every client of a burst that finds the queue short passes the check at
-    once, and all but the first few are refused only after the prepare threads have tokenized them, each
-    waiting its turn there. Bodies are ordered by bytes, not by estimated tokens: two bodies of one kind share
-    the estimate's error, so a body as large as a held one is no shorter, while its low estimate would sort it
-    ahead of every held body of its size."""
-    tokens: int
-    nbytes: int
 
 
 @dataclass
@@ -178,27 +157,22 @@ class Batcher:
         self._watch = watch
         self._tower = tower
         self._tower_ceiling = tower if tower_ceiling is None else tower_ceiling
-        self._rate = RateMeter(start_rate)
+        self.admission = Admission((policy or admission.CostPolicy)(budgets), start_rate, self,
+                                   rejected=metrics.rejected, held_tokens=metrics.held_tokens,
+                                   on_rate=self._follow)
         self._follow_rate = age_rate is None
-        self._scheduler = Scheduler(max_queue, self._rate.rate / AUTO_AGE_DIVISOR if age_rate is None else age_rate)
+        self._scheduler = Scheduler(max_queue, self.admission.rate / AUTO_AGE_DIVISOR if age_rate is None
+                                    else age_rate)
         self._batch_size = StepSize(max_batch_tokens, step_budget)
         self._chunk_size = StepSize(chunk_tokens, step_budget)
         self._max_requests = max_batch_requests
-        self.policy: admission.AdmissionPolicy = (policy or admission.CostPolicy)(budgets)
-        # when whole prompts have been waiting since (None: none waits), and the recent share of such time
-        self._whole_waiting_since: float | None = None
-        self._whole_waiting = RecentShare()
-        self.sizer = admission.BodySizer()
         self._lanes = [_Lane(device, str(first_lane + i)) for i, device in enumerate(devices)]
         for lane in self._lanes:   # each lane's busy series from the start, at 0: a rate needs two points
             metrics.device_busy.labels(lane.label)
         self._wake = asyncio.Event()   # work was queued: for every lane's dispatcher that has none
-        # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together), and
-        # their order keys, by which they are weighed for eviction
+        # long prompts waiting for their chunked run (capacity: ``full`` counts both queues together)
         self._long = Scheduler(max_queue, self._scheduler.age_rate)
-        self._long_keys: dict[Entry, float] = {}
-        self._holds: set[Hold] = set()   # bodies past the arrival check, not yet queued
-        self._follow()
+        self._follow(self.admission.rate)
 
     @property
     def capacity(self) -> int:
@@ -216,17 +190,17 @@ class Batcher:
 
     @property
     def rate(self) -> float:
-        return self._rate.rate
+        return self.admission.rate
 
     @property
     def batch_tokens(self) -> int:
         """The most prompt tokens of a packed batch now."""
-        return self._batch_size.at(self._rate.rate)
+        return self._batch_size.at(self.admission.rate)
 
     @property
     def chunk_tokens(self) -> int:
         """The tokens of a chunk now; a longer prompt is queued to run chunked (0: none is)."""
-        return self._chunk_size.at(self._rate.rate)
+        return self._chunk_size.at(self.admission.rate)
 
     def cost(self, prepared: Any) -> int:
         """What a prepared request costs the device, in prompt tokens: its own and its images' vision towers."""
@@ -246,68 +220,30 @@ class Batcher:
             return math.inf
         return lane.active.ready_at + min(self.chunk_tokens, lane.active.tokens_left) / self._scheduler.age_rate
 
-    def view(self, now: float | None = None) -> admission.Snapshot:
-        """What the admission policy reads: the queues and the lanes at ``now`` (default: the clock's now)."""
-        now = time.monotonic() if now is None else now
+    def queues(self) -> Queues:
+        """The queues and the lanes as admission reads them (admission.QueueSource)."""
         lanes = tuple(admission.LaneView(lane.step_tokens, lane.step_started,
                                          None if lane.active is None else lane.active.tokens_left,
                                          self._chunk_key(lane)) for lane in self._lanes)
-        return admission.Snapshot(now, self._rate.rate, self._rate.samples > 0, self.chunk_tokens, self._scheduler,
-                                  tuple(self._long_keys.items()), lanes, self._whole_waiting.share(now), self.full())
-
-    def early_refusal(self, body_bytes: int | None) -> Refusal | None:
-        """The check before a body is read (the policy's ``unread``): the body's estimated sizes (``BodySizer``),
-        counting as work ahead the bodies held in preparation that are no larger (``Hold``). Counted."""
-        estimates = self.sizer.estimates(body_bytes)
-        held = sum(h.tokens for h in self._holds if h.nbytes <= body_bytes) if estimates else 0
-        refused = self.policy.unread(estimates, self.view(), held)
-        if refused is not None:
-            self._count_refusal(refused.reason, estimates[1] if estimates else None)
-        return refused
-
-    def hold(self, body_bytes: int | None) -> Hold | None:
-        """Count a body that passed ``early_refusal`` at its estimated size until ``release`` (None: the body
-        has no estimate, and nothing is held)."""
-        estimates = self.sizer.estimates(body_bytes)
-        if not estimates:
-            return None
-        held = Hold(estimates[1], body_bytes)
-        self._holds.add(held)
-        self._metrics.held_tokens.inc(held.tokens)
-        return held
-
-    def release(self, held: Hold | None) -> None:
-        """The held body is queued (``submit`` counts it from there) or given up; twice is harmless."""
-        if held in self._holds:
-            self._holds.discard(held)
-            self._metrics.held_tokens.dec(held.tokens)
-
-    def _count_refusal(self, reason: str, tokens: int | None) -> None:
-        self._metrics.rejected.labels(reason, admission.size_class(tokens)).inc()
+        whole = self._scheduler
+        return Queues(self.chunk_tokens, QueueView(whole.age_rate, whole.live_tokens, whole.tokens_before),
+                      self._long.keyed(), lanes, self.full())
 
     def _publish(self) -> None:
         backlog = self.backlog_tokens()
         self._metrics.queue_depth.set(self.queued)
         self._metrics.queued_tokens.set(backlog)
-        self._metrics.estimated_wait.set(backlog / (len(self._lanes) * self._rate.rate))
+        self._metrics.estimated_wait.set(backlog / (len(self._lanes) * self.admission.rate))
 
     def _stepped(self, lane: _Lane, tokens: int, seconds: float) -> None:
-        """A step on the lane's device ended: its time counts as that device's busy time, and whole prompts that
-        waited during it as such (RecentShare caps what one step adds at the time since any lane's last step
-        ended, so lanes whose steps overlap do not count the same wait twice)."""
+        """A step on the lane's device ended: its time counts as that device's busy time, and admission learns
+        from it (the rate, and whether whole prompts waited during it)."""
         self._metrics.device_busy.labels(lane.label).inc(seconds)
-        now = time.monotonic()
-        since = self._whole_waiting_since if len(self._scheduler) else None
-        self._whole_waiting.step(now, now - max(lane.step_started, since) if since is not None else 0.0)
-        self._observe_rate(tokens, seconds)
+        self.admission.on_step(tokens, seconds, started=lane.step_started, now=time.monotonic(),
+                               waiting_since=self._scheduler.waiting_since if len(self._scheduler) else None)
 
-    def _observe_rate(self, tokens: int, seconds: float) -> None:
-        self._rate.observe(tokens, seconds)
-        self._follow()
-
-    def _follow(self) -> None:
-        """The measured rate moved: the auto step sizes and, by default, the aging follow it."""
-        rate = self._rate.rate
+    def _follow(self, rate: float) -> None:
+        """The measured rate moved to ``rate``: the auto step sizes and, by default, the aging follow it."""
         self._metrics.device_rate.set(rate)
         self._metrics.step_tokens.labels("max_batch_tokens").set(self.batch_tokens)
         self._metrics.step_tokens.labels("chunk_tokens").set(self.chunk_tokens)
@@ -327,7 +263,6 @@ class Batcher:
         (so no accepted request is cut off without an answer) and stop the dispatchers."""
         started = [entry for lane in self._lanes for entry in lane.running]
         started += [lane.active.entry for lane in self._lanes if lane.active is not None]
-        self._long_keys.clear()
         for entry in self._scheduler.drain() + self._long.drain() + started:
             _, future = entry.payload
             if not future.done():
@@ -341,8 +276,6 @@ class Batcher:
         """Answer every queued request with DeviceUnavailable(``reason``): the devices are stalled, faulted or lost,
         and none of these requests has reached one. The steps on the devices, and the chunked runs started, are
         left to their devices."""
-        self._long_keys.clear()
-        self._whole_waiting_since = None
         for entry in self._scheduler.drain() + self._long.drain():
             _, future = entry.payload
             if not future.done():
@@ -355,31 +288,21 @@ class Batcher:
         next(each for each in self._lanes if each.label == lane).device.kill(reason)
 
     async def submit(self, prepared: Any, deadline: float) -> Outcome:
-        """Queue one prepared request and wait for its answer. Raises QueueFull at once when it is not
+        """Queue one prepared request and wait for its answer. Raises admission.Refused at once when it is not
         admitted, DeadlineExceeded when ``deadline`` (time.monotonic) passes first, or the device's error."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         now = time.monotonic()
-        view = self.view(now)
         cost = self.cost(prepared)
-        decision = self.policy.decide(cost, view)
-        if isinstance(decision, Refusal):
-            self._count_refusal(decision.reason, cost)
-            raise QueueFull(decision)
+        decision = self.admission.admit(cost, now)
         if decision.evict is not None:
             self._evict(decision.evict)
         # promised its answer by ``answer_by``: the batch it rides is cut to keep that (pyx/scheduler.pyx)
         entry = Entry((prepared, future), cost, deadline, now, decision.answer_by)
-        long = view.chunked(entry.tokens)
-        if long:
-            self._long_keys[entry] = self._long.key(entry.tokens, now)
-        elif len(self._scheduler) == 0:
-            self._whole_waiting_since = now
+        long = admission.runs_chunked(entry.tokens, self.chunk_tokens)
         # the shipped policy never admits into a full queue (it counts the bound over both queues); another may
         if not (self._long if long else self._scheduler).push(entry):
-            self._long_keys.pop(entry, None)
-            self._count_refusal("queue_full", entry.tokens)
-            raise QueueFull(Refusal("queue_full", 1, 0.0, decision.answer_by - now))
+            raise self.admission.queue_full(entry.tokens, decision.answer_by - now)
         self._publish()
         self._wake.set()
         try:
@@ -401,23 +324,21 @@ class Batcher:
         run already started stops at its next step, which sees its settled future."""
         queued = entry.queued
         (self._long if long else self._scheduler).cancel(entry)
-        self._long_keys.pop(entry, None)
         return queued
 
     def _evict(self, eviction: admission.Eviction) -> None:
-        """Refuse a queued long prompt that has not started: its caller gets the 429 now."""
+        """Refuse a queued long prompt that has not started (admission counted it): its caller gets the 429
+        now."""
         entry = eviction.entry
         self._long.cancel(entry)
-        self._long_keys.pop(entry, None)
-        self._count_refusal("evicted", entry.tokens)
         _, future = entry.payload
         if not future.done():
-            future.set_exception(QueueFull(eviction.refusal))
+            future.set_exception(Refused(eviction.refusal))
 
     def _evict_late(self, now: float) -> None:
-        """Refuse the queued long prompts the policy finds too late now (``late``)."""
-        if self._long_keys:
-            for eviction in self.policy.late(self.view(now)):
+        """Refuse the queued long prompts admission finds too late now (``late``)."""
+        if len(self._long):
+            for eviction in self.admission.late(now):
                 self._evict(eviction)
 
     async def _dispatch(self, lane: _Lane) -> None:
@@ -448,10 +369,8 @@ class Batcher:
 
     async def _short_batch(self, lane: _Lane) -> None:
         # promises are weighed once the rate is measured (a guess would cut batches for nothing)
-        rate = self._rate.rate if self._rate.samples else math.inf
+        rate = self.admission.rate if self.admission.measured else math.inf
         batch = self._scheduler.take(self.batch_tokens, self._max_requests, time.monotonic(), rate)
-        if len(self._scheduler) == 0:
-            self._whole_waiting_since = None
         self._expire(batch.expired)
         if not batch.entries:
             self._publish()
@@ -501,8 +420,6 @@ class Batcher:
         now = time.monotonic()
         if lane.active is None:
             batch = self._long.take(0, 1, now)
-            for entry in batch.entries + batch.expired + batch.cancelled:
-                self._long_keys.pop(entry, None)
             self._expire(batch.expired)
             if not batch.entries:
                 self._publish()
@@ -530,7 +447,7 @@ class Batcher:
         first = len(prepared.images) - active.images_left
         ceiling = self._tower_ceiling.images(prepared.images[first:first + images]) if images else lane.step_tokens
         lane.step_started = now
-        active.ready_at = now + lane.step_tokens / self._rate.rate  # the step's expected end, until it ends
+        active.ready_at = now + lane.step_tokens / self.admission.rate  # the step's expected end, until it ends
         try:
             step = await self._on_device(lane, "vision tower step" if images else "chunk step", ceiling,
                                          lane.device.step(None if active.begun else prepared, chunk, images))
@@ -579,7 +496,7 @@ class Batcher:
     async def _on_device(self, lane: _Lane, what: str, tokens: int, call: Awaitable[T]) -> T:
         """Await ``call`` on the lane's device (``what``, costing ``tokens`` prompt tokens with images at the tower's
         ceiling), watched for a stall."""
-        self._watch.started(lane.label, what, tokens, self._rate.rate)
+        self._watch.started(lane.label, what, tokens, self.admission.rate)
         try:
             return await call
         finally:

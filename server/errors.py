@@ -13,6 +13,8 @@ import json
 
 from clefcore.errors import BodyTooLargeError, ContextLengthError, ImageTokensError, PromptTokensError, RequestError
 
+from .admission import Reason, Refusal
+
 # TypeSafe's `detail.error_type` vocabulary; our own kinds map onto it.
 _TYPESAFE_KIND = {
     "invalid_request_error": "invalid_request",
@@ -173,21 +175,22 @@ def unauthorized() -> ApiError:
                     headers={"WWW-Authenticate": 'Bearer realm="clefcore"'})
 
 
-def queue_full(capacity: int, retry_after_s: int) -> ApiError:
-    return ApiError(429, f"server queue is full ({capacity} requests); retry later", "rate_limit_error",
-                    cf_code=CF_CAPACITY, limit=f"{capacity} queued requests", extra={"reason": "queue_full"},
-                    headers={"Retry-After": str(retry_after_s)})
-
-
-def overloaded(wait_s: float, budget_s: float, retry_after_s: int, evicted: bool = False) -> ApiError:
-    """Admission by work refused the request: the work ahead of it would outlast the wait budget. ``evicted``:
+def refused(refusal: Refusal, capacity: int) -> ApiError:
+    """Admission refused the request (``refusal``; ``capacity``: the queue's bound in requests): a 429 whose
+    body names the reason. The queue full, or the work ahead of it would outlast the wait budget; or, evicted,
     it had been queued, and cheaper work admitted since pushed its answer past the budget."""
-    what = ("cheaper work admitted since this request was queued" if evicted else "the work already queued")
+    retry = {"Retry-After": str(refusal.retry_after_s)}
+    if refusal.reason is Reason.QUEUE_FULL:
+        return ApiError(429, f"server queue is full ({capacity} requests); retry later", "rate_limit_error",
+                        cf_code=CF_CAPACITY, limit=f"{capacity} queued requests",
+                        extra={"reason": refusal.reason.value}, headers=retry)
+    what = ("cheaper work admitted since this request was queued" if refusal.reason is Reason.EVICTED
+            else "the work already queued")
+    wait_s, budget_s = refusal.wait_s, refusal.budget_s
     return ApiError(429, f"server is overloaded: {what} means an expected wait of {wait_s:.2f} s, over the "
-                         f"{budget_s:g} s wait budget; retry in {retry_after_s} s",
+                         f"{budget_s:g} s wait budget; retry in {refusal.retry_after_s} s",
                     "rate_limit_error", cf_code=CF_CAPACITY, limit=f"{budget_s:g} s expected wait",
-                    extra={"reason": "evicted" if evicted else "queued_work", "expected_wait_s": round(wait_s, 3)},
-                    headers={"Retry-After": str(retry_after_s)})
+                    extra={"reason": refusal.reason.value, "expected_wait_s": round(wait_s, 3)}, headers=retry)
 
 
 def unavailable(reason: str, retry_after_s: int) -> ApiError:

@@ -148,9 +148,9 @@ class Metrics:
                                   "probes) saw from the loop being busy", buckets=_LAG, registry=r)
         # Every known label value from the start, at 0: a panel or a ratio shows 0 before the first event, not
         # "No data".
-        for reason in admission.REASONS:
+        for reason in admission.Reason:
             for size in admission.SIZE_LABELS:
-                self.rejected.labels(reason, size)
+                self.rejected.labels(reason.value, size)
         for kind in errors.SERVER_KINDS:
             self.failures.labels(kind)
         self.workers.set(1)

@@ -137,12 +137,8 @@ def _api_error(error: RequestError | Unavailable | Overloaded | TimedOut | Infer
     if isinstance(error, Unavailable):
         return errors.unavailable(error.reason, error.retry_after_s)
     if isinstance(error, Overloaded):
-        refusal = error.refusal
-        request["log"]["refused"] = refusal.reason  # for the refusals' aggregated log line
-        if refusal.reason == "queue_full":
-            return errors.queue_full(error.capacity, refusal.retry_after_s)
-        return errors.overloaded(refusal.wait_s, refusal.budget_s, refusal.retry_after_s,
-                                 evicted=refusal.reason == "evicted")
+        request["log"]["refused"] = error.refusal.reason.value  # for the refusals' aggregated log line
+        return errors.refused(error.refusal, error.capacity)
     if isinstance(error, TimedOut):
         return errors.timed_out(error.timeout_s)
     return errors.inference_failed(error.error)

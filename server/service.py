@@ -43,8 +43,8 @@ from clefcore.options import ServiceConfig
 from clefcore.preparer import ImageLimits, Prepared, Preparer, pixel_bounds
 
 from . import admission, gpus
-from .admission import Budgets, Refusal
-from .batcher import Batcher, DeadlineExceeded, DeviceUnavailable, Hold, QueueFull
+from .admission import Budgets, Hold, Refusal, Refused
+from .batcher import Batcher, DeadlineExceeded, DeviceUnavailable
 from .device_process import DeviceProcess
 from .device_watch import FAULTED, STALLED, DeviceWatch, Trouble
 from .engine_status import combined
@@ -362,7 +362,8 @@ class Service:
             yield arrival
         finally:
             lifecycle.in_flight -= 1
-            self.batcher.release(arrival.hold)   # a body given up before it was queued (bad, gone, failed)
+            # a body given up before it was queued (bad, gone, failed)
+            self.batcher.admission.release(arrival.hold)
 
     def _refuse_unless_ready(self) -> None:
         health = self.health()
@@ -381,11 +382,13 @@ class Service:
         body of ``body_bytes`` (None: unknown) is over its budget: shedding load must be cheap. Otherwise the
         body's estimated size is held as work ahead of later arrivals until it is queued. Asked again once a
         compressed body's decoded size is known, it judges and holds that size as a plain body's."""
-        refusal = self.batcher.early_refusal(body_bytes)
-        if refusal is not None:
-            raise Overloaded(refusal, self.batcher.capacity)
-        self.batcher.release(arrival.hold)
-        arrival.hold = self.batcher.hold(body_bytes)
+        admission = self.batcher.admission
+        try:
+            hold = admission.on_arrival(body_bytes)
+        except Refused as refused:
+            raise Overloaded(refused.refusal, self.batcher.capacity) from None
+        admission.release(arrival.hold)
+        arrival.hold = hold
 
     async def on_threads(self, nbytes: int, fn: Callable[[], T]) -> T:
         """``fn()`` on the prepare threads, in the turn of a body of ``nbytes`` (server/prepare.py: the
@@ -408,14 +411,14 @@ class Service:
         trace["prompt_tokens"] = prepared.num_tokens
         self.prompt_limit.check(prepared.num_tokens)
         batcher = self.batcher
-        batcher.release(arrival.hold)   # submit counts it exactly from here, with no await in between
-        batcher.sizer.observe(body_bytes, batcher.cost(prepared))
+        # submit counts it exactly from here, with no await in between
+        batcher.admission.on_prepared(arrival.hold, body_bytes, batcher.cost(prepared))
         self._refuse_without_device()
         deadline = time.monotonic() + cfg.request_timeout
         try:
             outcome = await batcher.submit(prepared, deadline)
-        except QueueFull as full:
-            raise Overloaded(full.refusal, batcher.capacity) from None
+        except Refused as refused:
+            raise Overloaded(refused.refusal, batcher.capacity) from None
         except DeviceUnavailable as refused:
             raise Unavailable(refused.reason, retry_after_s=RETRY_AFTER_S) from None
         except DeadlineExceeded:

@@ -1,20 +1,26 @@
-"""Admission by cost (server/admission.py, server/batcher.py): the measured rate, the budgets, the work
-counted before a request, evictions and Retry-After, against hand-worked numbers."""
+"""Admission (server/admission.py): the measured rate, the budgets, the work counted before a request,
+evictions and Retry-After, against hand-worked numbers; the policy read through snapshots of plain values, the
+Admission object through its own interface, and the batcher (server/batcher.py) through what it does with the
+answers."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
 from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
-from clefcore.server.admission import (Admit, BodySizer, Budgets, RateMeter, RecentShare, Refusal,
-                                      retry_after, size_class)
-from clefcore.server.batcher import Batcher, QueueFull
+from clefcore.server import errors
+from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, CostPolicy, Eviction, LaneView,
+                                      Queues, QueueView, RateMeter, Reason, RecentShare, Refusal, Refused,
+                                      Snapshot, retry_after, size_class)
+from clefcore.server.batcher import Batcher
+from clefcore.server.device_process import Step
 from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 
@@ -44,22 +50,6 @@ def test_small_forwards_move_the_rate_less_than_large_ones():
     assert 1_000 < small.rate < large.rate < 10_000
 
 
-def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_only():
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    b._rate.samples = 0
-    now = time.monotonic()
-    for _ in range(10):
-        b._scheduler.push(entry(loop, 300, now - 10))      # 3 s ahead at the start value
-    assert b.policy.refusal(400, b.view(now)) is None   # 3.4 s, within the 10 s of the largest budget
-    for _ in range(30):
-        b._scheduler.push(entry(loop, 300, now - 10))      # 12 s ahead
-    assert b.policy.refusal(400, b.view(now)).budget_s == 10.0
-    b._rate.observe(1_000, 1.0)                            # measured: 1,000 tokens/s, as guessed
-    assert b.policy.refusal(400, b.view(now)).budget_s == pytest.approx(2.4)   # a step, a chunk and its own 400
-    loop.close()
-
-
 def test_budget_is_an_absolute_wait_growing_with_size_from_a_floor():
     budgets = Budgets(min_s=1.0, max_s=15.0, context_tokens=24_576)
     assert budgets(100) == 1.0 and budgets(1_200) == 1.0     # 15 s x 1,200 / 24,576 = 0.73 s: the floor
@@ -87,7 +77,8 @@ def test_recent_share_follows_what_held_and_decays_when_it_stops():
 
 
 def test_a_refusal_names_one_of_the_reasons_the_wire_knows():
-    assert Refusal("queue_full", 1, 0.0, 0.0).reason == "queue_full"
+    assert Refusal("queue_full", 1, 0.0, 0.0).reason is Reason.QUEUE_FULL     # given as the wire names it
+    assert [reason.value for reason in Reason] == ["queued_work", "queue_full", "evicted"]
     with pytest.raises(ValueError, match="reason must be one of queued_work, queue_full, evicted, got 'busy'"):
         Refusal("busy", 1, 0.0, 0.0)
 
@@ -100,244 +91,261 @@ def test_retry_after_and_size_classes():
         "unknown", "1024", "1024", "2048", "16384", "+Inf"]
 
 
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
 
 
-def batcher(**kw) -> Batcher:
-    """1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to
-    10 s at 10,000 tokens."""
-    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
-                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=1_000.0, start_rate=1_000.0)
-    options.update(kw)
-    metrics = Metrics()
-    watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
-    b = Batcher([None], metrics, watch=watch, **options)   # one lane, no device process: arithmetic only
-    b._rate.samples = 1  # as if measured: the start value stands
-    return b
+# --- the policy, on snapshots ---------------------------------------------------------------------------------
+# 1,000 tokens/s, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at 10,000 tokens.
+RATE = AGE_RATE = CHUNK = 1_000
+BUDGETS = Budgets(1.0, 10.0, 10_000)
+NOW = 1_000.0
+IDLE = LaneView(0, 0.0, None, math.inf)
 
 
-def entry(loop, tokens: int, at: float) -> Entry:
-    return Entry((Prepared(num_tokens=tokens), loop.create_future()), tokens, at + 60, at)
+def entry(tokens: int, at: float) -> Entry:
+    return Entry(None, tokens, at + 60, at)
 
 
-def queue_long(b: Batcher, e: Entry) -> None:
-    """Queue ``e`` as a long prompt admitted when it arrived: promised by the end of its budget then."""
-    e.answer_by = e.enqueued_at + b.policy.budget(e.tokens, b.view())
-    b._long_keys[e] = b._long.key(e.tokens, e.enqueued_at)
-    assert b._long.push(e)
+def whole(*arrivals: tuple[int, float]) -> QueueView:
+    """A queue of whole prompts, (tokens, arrival) each, as the scheduler orders them."""
+    keyed = [(at + tokens / AGE_RATE, tokens) for tokens, at in arrivals]
+    return QueueView(AGE_RATE, sum(tokens for _, tokens in keyed),
+                     lambda key: sum(tokens for k, tokens in keyed if k <= key))
 
 
-def refused(b: Batcher, reason: str) -> float:
-    return sum(s.value for m in b._metrics.rejected.collect() for s in m.samples
-               if s.name.endswith("_total") and s.labels["reason"] == reason)
+def view(queue: QueueView = whole(), long: tuple[Entry, ...] = (), lanes: tuple[LaneView, ...] = (IDLE,), *,
+         measured: bool = True, chunk: int = CHUNK, share: float = 0.0, full: bool = False) -> Snapshot:
+    """What the policy reads at NOW: ``long`` queued long prompts, keyed by their arrival and size."""
+    keyed = tuple((e, e.enqueued_at + e.tokens / AGE_RATE) for e in long)
+    return Snapshot(NOW, RATE, measured, chunk, queue, keyed, lanes, share, full)
+
+
+def promised(policy: CostPolicy, e: Entry) -> Entry:
+    """``e`` as admitted when it arrived, to an empty queue: promised by the end of its budget then."""
+    e.answer_by = e.enqueued_at + policy.budget(e.tokens, view())
+    return e
+
+
+def whole_prompts_kept_coming() -> float:
+    """Whole prompts were waiting through the last 10 s of steps: the share of time they waited, nearly 1."""
+    share = RecentShare()
+    t = NOW - 10.0
+    share.step(t, 0.0)
+    while t < NOW:
+        t += 0.1
+        share.step(t, 0.1)
+    return share.share(NOW)
+
+
+def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_only():
+    policy = CostPolicy(BUDGETS)
+    ahead = whole(*[(300, NOW - 10)] * 10)                                 # 3 s ahead at the start value
+    assert policy.refusal(400, view(ahead, measured=False)) is None        # 3.4 s, within the largest budget
+    ahead = whole(*[(300, NOW - 10)] * 40)                                 # 12 s ahead
+    assert policy.refusal(400, view(ahead, measured=False)).budget_s == 10.0
+    # measured (1,000 tokens/s, as guessed): a step, a chunk and its own 400
+    assert policy.refusal(400, view(ahead)).budget_s == pytest.approx(2.4)
 
 
 def test_queued_long_prompts_do_not_count_against_a_short_one():
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    now = time.monotonic()
-    queue_long(b, entry(loop, 8_000, now))              # 8 s of long work queued, not started
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)
-    assert b.policy.refusal(100, b.view(now)) is None
-    for _ in range(3):
-        b._scheduler.push(entry(loop, 300, now))
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)   # shortest first: ahead of the three
-    assert b.policy.expected_wait(400, b.view(now)) == pytest.approx(1.3)    # behind them: 900 + its own 400
+    policy = CostPolicy(BUDGETS)
+    long = (entry(8_000, NOW),)                                            # 8 s of long work, not started
+    assert policy.expected_wait(100, view(long=long)) == pytest.approx(0.1)
+    assert policy.refusal(100, view(long=long)) is None
+    three = whole(*[(300, NOW)] * 3)
+    assert policy.expected_wait(100, view(three, long)) == pytest.approx(0.1)    # shortest first: ahead of them
+    assert policy.expected_wait(400, view(three, long)) == pytest.approx(1.3)    # behind them: 900 + its own 400
     # a long one behind: every whole prompt, the long one before it (shorter), its own, over the device
-    assert b.policy.expected_wait(9_000, b.view(now)) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
-    loop.close()
+    assert policy.expected_wait(9_000, view(three, long)) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
 
 
 def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone():
-    b = batcher(chunk_tokens=0, max_batch_tokens=4_000)
-    now = time.monotonic()
-    lane = b._lanes[0]
-    lane.running = [object()]
-    lane.step_tokens, lane.step_started = 4_000, now - 1.0     # a 4 s step, 1 s done
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(3.1)      # 3,000 left + its own
-    assert b.policy.budget(100, b.view()) == pytest.approx(4.1)   # that step + its own, over the 1 s floor
-    assert b.policy.refusal(100, b.view(now)) is None
+    policy = CostPolicy(BUDGETS)
+    running = view(lanes=(LaneView(4_000, NOW - 1.0, None, math.inf),), chunk=0)   # a 4 s step, 1 s done
+    assert policy.expected_wait(100, running) == pytest.approx(3.1)        # 3,000 left + its own
+    assert policy.budget(100, running) == pytest.approx(4.1)   # that step + its own, over the 1 s floor
+    assert policy.refusal(100, running) is None
 
 
 def test_the_started_runs_next_chunk_counts_once_it_is_due():
-    b = batcher()
-    now = time.monotonic()
-    b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)   # due since long ago
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # one chunk of 1,000, not the 5,000 left
-    b._lanes[0].active.ready_at = now                           # just stepped: due in 1 s
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)
+    policy = CostPolicy(BUDGETS)
+    due = LaneView(0, 0.0, 5_000, NOW - 4)          # its next chunk's key came long ago
+    assert policy.expected_wait(100, view(lanes=(due,))) == pytest.approx(1.1)   # one chunk, not the 5,000 left
+    stepped = LaneView(0, 0.0, 5_000, NOW + 1)      # just stepped: due in 1 s
+    assert policy.expected_wait(100, view(lanes=(stepped,))) == pytest.approx(0.1)
 
 
 def test_over_budget_a_short_request_is_refused_with_retry_after():
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    now = time.monotonic()
-    for _ in range(15):
-        b._scheduler.push(entry(loop, 300, now))               # 4.5 s of short work
-    refusal = b.policy.refusal(400, b.view(now))
-    assert refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(4.9)
+    policy = CostPolicy(BUDGETS)
+    refusal = policy.refusal(400, view(whole(*[(300, NOW)] * 15)))      # 4.5 s of short work
+    assert refusal.reason is Reason.QUEUED_WORK and refusal.wait_s == pytest.approx(4.9)
     # what the order alone may make it wait: a step, the next chunk and its own, over the 1 s floor
     assert refusal.budget_s == pytest.approx(2.4)
     assert refusal.retry_after_s == 3
-    loop.close()
-
-
-def whole_prompts_kept_coming(b: Batcher, now: float) -> float:
-    """Whole prompts were waiting through the last 10 s of steps: the share of time they waited, nearly 1."""
-    t = now - 10.0
-    b._whole_waiting.step(t, 0.0)
-    while t < now:
-        t += 0.1
-        b._whole_waiting.step(t, 0.1)
-    return b._whole_waiting.share(now)
 
 
 def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompts_keep_coming():
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    now = time.monotonic()
-    b._scheduler.push(entry(loop, 300, now))
+    policy = CostPolicy(BUDGETS)
+    one = whole((300, NOW))
     # the order alone: its aging (5 s), a step and a chunk, then its run, twice its tokens' time while whole
     # prompts keep coming (each 1,000-token chunk lets pass what arrives within its aging: 1 s of work)
-    assert b.policy.slow(b.view()) == 2.0
-    assert b.policy.budget(5_000, b.view()) == pytest.approx(5 + 2 + 10)
+    assert policy.slow(view(one)) == 2.0
+    assert policy.budget(5_000, view(one)) == pytest.approx(5 + 2 + 10)
     # none came lately: the whole prompt whose key comes first (0.3 s), then its own 5 s
-    assert b.policy.expected_wait(5_000, b.view(now)) == pytest.approx(5.3)
-    share = whole_prompts_kept_coming(b, now)
+    assert policy.expected_wait(5_000, view(one)) == pytest.approx(5.3)
+    share = whole_prompts_kept_coming()
     assert share > 0.99
     # they keep coming: it starts when its key comes up (5 s), and runs in 10 s
-    assert b.policy.expected_wait(5_000, b.view(now)) == pytest.approx((1 - share) * 5.3 + share * 15)
-    assert b.policy.refusal(5_000, b.view(now)) is None
+    assert policy.expected_wait(5_000, view(one, share=share)) == pytest.approx((1 - share) * 5.3 + share * 15)
+    assert policy.refusal(5_000, view(one, share=share)) is None
     # a 6,000-token prompt queued ahead of it (key now - 4) starts first and runs for 12 s meanwhile: 22 s
-    queue_long(b, entry(loop, 6_000, now - 10))
-    refusal = b.policy.refusal(5_000, b.view(now))
-    assert refusal.reason == "queued_work"
+    ahead = view(one, (entry(6_000, NOW - 10),), share=share)
+    refusal = policy.refusal(5_000, ahead)
+    assert refusal.reason is Reason.QUEUED_WORK
     assert refusal.wait_s == pytest.approx((1 - share) * (0.3 + 6 + 5) + share * 22)
     assert refusal.retry_after_s == 5                           # 22 s against 17 s
     # a whole prompt is not held back by them: the first chunk of the long prompt whose key came, and its own
-    assert b.policy.expected_wait(500, b.view(now)) == pytest.approx(1.8)
-    assert b.policy.refusal(500, b.view(now)) is None
-    loop.close()
+    assert policy.expected_wait(500, ahead) == pytest.approx(1.8)
+    assert policy.refusal(500, ahead) is None
 
 
 def test_the_whole_work_queued_slows_chunked_runs_down_and_moves_a_queued_one_past_its_promise():
     """Before each chunk runs the whole work queued when it became due (here more than a chunk's aging lets
     pass): a long prompt admitted at 17 s is evicted once that work makes it more than a quarter of its budget
     late, not for any lateness (the work sorted before it swings by a step each time it is counted)."""
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    now = time.monotonic()
-    share = whole_prompts_kept_coming(b, now)
-    waiting = entry(loop, 5_000, now)
-    queue_long(b, waiting)
-    assert waiting.answer_by - now == pytest.approx(17.0)
-    for _ in range(5):                                          # 1.5 s of whole work before it
-        b._scheduler.push(entry(loop, 300, now))
-    assert b.policy.slow(b.view()) == 2.5   # 1,500 tokens queued per 1,000-token chunk
-    b._evict_late(now)                                          # 5 + 12.5 s: late by 0.5 s of 17
-    assert not waiting.payload[1].done()
-    for _ in range(5):                                          # 3 s: 5 + 20 s, late by 8 s
-        b._scheduler.push(entry(loop, 300, now))
-    b._evict_late(now)
-    refusal = waiting.payload[1].exception().refusal
-    assert refusal.reason == "evicted" and refusal.wait_s == pytest.approx((1 - share) * 8 + share * 25)
-    loop.close()
+    policy = CostPolicy(BUDGETS)
+    share = whole_prompts_kept_coming()
+    waiting = promised(policy, entry(5_000, NOW))
+    assert waiting.answer_by - NOW == pytest.approx(17.0)
+    some = view(whole(*[(300, NOW)] * 5), (waiting,), share=share)      # 1.5 s of whole work before it
+    assert policy.slow(some) == 2.5                    # 1,500 tokens queued per 1,000-token chunk
+    assert policy.late(some) == []                     # 5 + 12.5 s: late by 0.5 s of 17
+    more = view(whole(*[(300, NOW)] * 10), (waiting,), share=share)     # 3 s: 5 + 20 s, late by 8 s
+    [eviction] = policy.late(more)
+    assert eviction.entry is waiting and eviction.refusal.reason is Reason.EVICTED
+    assert eviction.refusal.wait_s == pytest.approx((1 - share) * 8 + share * 25)
 
 
 def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
-    loop = asyncio.new_event_loop()
-    b = batcher()
-    now = time.monotonic()
-    queue_long(b, entry(loop, 3_000, now - 2.95))               # key now + 0.05: it starts before the next one
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # its first chunk, then its own 100
-    assert b.policy.expected_wait(40, b.view(now)) == pytest.approx(0.04)   # key now + 0.04: this one first
-    b._lanes[0].active = SimpleNamespace(ready_at=now + 10, tokens_left=500)   # the lane runs another one:
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.1)      # no new one starts there
-    loop.close()
+    policy = CostPolicy(BUDGETS)
+    long = (entry(3_000, NOW - 2.95),)                  # key now + 0.05: it starts before the next one
+    assert policy.expected_wait(100, view(long=long)) == pytest.approx(1.1)   # its first chunk, then its own 100
+    assert policy.expected_wait(40, view(long=long)) == pytest.approx(0.04)   # key now + 0.04: this one first
+    running = LaneView(0, 0.0, 500, NOW + 10.5)         # the lane runs another one: no new one starts there
+    assert policy.expected_wait(100, view(long=long, lanes=(running,))) == pytest.approx(0.1)
 
 
 def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
     """Each counts only the long prompts kept before it: the first one's eviction lets the second one stay."""
-    loop = asyncio.new_event_loop()
-    b = batcher(budgets=Budgets(1.0, 20.0, 10_000))
+    policy = CostPolicy(Budgets(1.0, 20.0, 10_000))
+    first = promised(policy, entry(2_000, NOW))         # promised 2 + 2 + 4 = 8 s: evicted past 10 s
+    second = promised(policy, entry(3_000, NOW))        # promised 3 + 2 + 6 = 11 s: past 13.75 s
+    assert policy.late(view(long=(first, second))) == []   # answered at 2 s and 5 s
+    # 9 s of whole work arrives before them
+    [eviction] = policy.late(view(whole(*[(1_000, NOW)] * 9), (first, second)))
+    assert eviction.entry is first and eviction.refusal.reason is Reason.EVICTED   # 11 s: past 10 s
+    assert eviction.refusal.wait_s == pytest.approx(11.0) and eviction.refusal.retry_after_s >= 1
+    # the second: 12 s without the first (14 s with it), kept
+
+
+def test_a_full_queue_refuses_what_it_cannot_make_room_for():
+    policy = CostPolicy(BUDGETS)
+    small, large = entry(1_500, NOW), entry(4_000, NOW)
+    full = view(long=(small, large), full=True)
+    assert policy.refusal(5_000, full).reason is Reason.QUEUE_FULL    # nothing queued is larger
+    decision = policy.decide(300, full)                                # the 4,000-token one makes room
+    assert isinstance(decision, Admit) and decision.evict.entry is large
+    assert decision.evict.refusal.reason is Reason.EVICTED
+    assert policy.unread((), full, 0) is None     # size unknown, and a long prompt could make room: read it
+
+
+# --- the Admission object -------------------------------------------------------------------------------------
+
+class Source:
+    """The batcher's side of admission in plain values (admission.QueueSource): what a test sets is what it
+    reads."""
+
+    def __init__(self):
+        self.set()
+
+    def set(self, queue: QueueView = whole(), long: tuple[tuple[Entry, float], ...] = (),
+            lanes: tuple[LaneView, ...] = (IDLE,), full: bool = False) -> None:
+        self.now = Queues(CHUNK, queue, long, lanes, full)
+
+    def queues(self) -> Queues:
+        return self.now
+
+
+def admission(source: Source | None = None) -> tuple[Admission, Metrics, list[float]]:
+    """An Admission over ``source`` (None: empty queues) at 1,000 tokens/s, measured; the metrics its refusals
+    are counted in, and the rates it reported."""
+    metrics, rates = Metrics(), []
+    a = Admission(CostPolicy(BUDGETS), 1_000.0, source or Source(), rejected=metrics.rejected,
+                  held_tokens=metrics.held_tokens, on_rate=rates.append)
+    a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)     # measured: 1,000 tokens/s, as guessed
+    return a, metrics, rates
+
+
+def refused(metrics: Metrics, reason: str) -> float:
+    return sum(s.value for m in metrics.rejected.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels["reason"] == reason)
+
+
+def held(metrics: Metrics) -> float:
+    return metrics.registry.get_sample_value("clef_held_tokens")
+
+
+def test_admission_learns_the_rate_and_the_waiting_share_from_steps():
+    metrics = Metrics()
+    rates: list[float] = []
+    a = Admission(CostPolicy(BUDGETS), 2_000.0, Source(), rejected=metrics.rejected,
+                  held_tokens=metrics.held_tokens, on_rate=rates.append)
+    assert a.rate == 2_000 and not a.measured and not a.snapshot(0.0).measured
+    a.on_step(1_000, 0.5, started=0.0, waiting_since=None, now=0.0)
+    assert a.rate == 2_000 and a.measured and a.snapshot(0.0).rate == 2_000 and rates == [2_000]
+    a.on_step(1_000, 0.0, started=0.0, waiting_since=None, now=0.0)     # nothing learnt: still reported
+    assert rates == [2_000, 2_000]
+    # whole prompts waited from 9.5 through a step that ran from 9 to 10: half of the last second
+    a.on_step(1_000, 1.0, started=9.0, waiting_since=9.5, now=10.0)
+    assert a.rate < 2_000 and rates[-1] == a.rate
+    assert 0.0 < a.snapshot(10.0).whole_share < 0.5
+    steady = a.snapshot(10.0).whole_share
+    a.on_step(1_000, 1.0, started=10.0, waiting_since=5.0, now=11.0)   # waited through all of the next step
+    assert a.snapshot(11.0).whole_share > steady
+
+
+def test_admission_reads_the_batchers_queues_at_each_question():
+    source = Source()
+    a, _, _ = admission(source)
+    first = a.snapshot(NOW)
+    assert (first.now, first.rate, first.chunk_tokens, first.long, first.full) == (NOW, 1_000, CHUNK, (), False)
+    e = entry(2_000, NOW)
+    source.set(whole((300, NOW)), ((e, NOW + 2),), full=True)
+    later = a.snapshot(NOW)
+    assert later.whole.live_tokens == 300 and later.long == ((e, NOW + 2),) and later.full
+    assert later.chunked(1_001) and not later.chunked(1_000)
+
+
+def test_admission_counts_each_refusal_it_answers_and_the_evictions():
+    source = Source()
+    a, metrics, _ = admission(source)
     now = time.monotonic()
-    first, second = entry(loop, 2_000, now), entry(loop, 3_000, now)
-    queue_long(b, first)                                        # promised 2 + 2 + 4 = 8 s: evicted past 10 s
-    queue_long(b, second)                                       # promised 3 + 2 + 6 = 11 s: past 13.75 s
-    b._evict_late(now)
-    assert not first.payload[1].done() and not second.payload[1].done()   # answered at 2 s and 5 s
-    for _ in range(9):
-        b._scheduler.push(entry(loop, 1_000, now))              # 9 s of whole work arrives before them
-    b._evict_late(now)
-    error = first.payload[1].exception()                        # 11 s: past 10 s
-    assert isinstance(error, QueueFull) and error.refusal.reason == "evicted"
-    assert error.refusal.wait_s == pytest.approx(11.0) and error.refusal.retry_after_s >= 1
-    assert not second.payload[1].done()                         # 12 s without the first (14 s with it)
-    assert b.queued == 10 and list(b._long_keys) == [second]
-    assert refused(b, "evicted") == 1
-    loop.close()
-
-
-def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
-    loop = asyncio.new_event_loop()
-    b = batcher(max_queue=2)
-    now = time.monotonic()
-    small, large = entry(loop, 1_500, now), entry(loop, 4_000, now)
-    queue_long(b, small)
-    queue_long(b, large)
-    assert b.full()
-    assert b.policy.refusal(5_000, b.view(now)).reason == "queue_full"         # nothing queued is larger
-    assert b.policy.refusal(300, b.view(now)) is None   # the 4,000-token one would make room
-
-    async def submit():
-        task = asyncio.ensure_future(b.submit(Prepared(num_tokens=300), now + 60))
-        await asyncio.sleep(0)
-        return task
-
-    task = loop.run_until_complete(submit())
-    assert large.payload[1].exception().refusal.reason == "evicted"
-    assert not small.payload[1].done() and b.queued == 2
-    task.cancel()
-    loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-    loop.close()
-
-
-class AdmitAll:
-    """A policy that admits everything, with no promise and no eviction, even into a full queue."""
-
-    def __init__(self, budgets: Budgets):
-        self.budgets = budgets
-
-    def decide(self, tokens, view, held=0.0):
-        return Admit(math.inf)
-
-    def unread(self, estimates, view, held):
-        return None
-
-    def late(self, view):
-        return []
-
-
-def test_a_policy_that_admits_into_a_full_queue_gets_its_request_refused_as_queue_full():
-    loop = asyncio.new_event_loop()
-    b = batcher(max_queue=1, policy=AdmitAll)
-    assert isinstance(b.policy, AdmitAll) and b.policy.budgets == Budgets(1.0, 10.0, 10_000)
-    now = time.monotonic()
-
-    async def submit_two():
-        first = asyncio.ensure_future(b.submit(Prepared(num_tokens=100), now + 60))
-        await asyncio.sleep(0)
-        with pytest.raises(QueueFull) as full:
-            await b.submit(Prepared(num_tokens=100), now + 60)
-        first.cancel()
-        await asyncio.gather(first, return_exceptions=True)
-        return full.value.refusal
-
-    refusal = loop.run_until_complete(submit_two())
-    assert refusal.reason == "queue_full" and refusal.budget_s == math.inf
-    assert refused(b, "queue_full") == 1
-    loop.close()
+    source.set(whole(*[(300, now)] * 15))                             # 4.5 s of short work
+    with pytest.raises(Refused) as no:
+        a.admit(400, now)
+    assert no.value.refusal.reason is Reason.QUEUED_WORK and refused(metrics, "queued_work") == 1
+    large = entry(4_000, now)
+    source.set(long=((entry(1_500, now), now + 1.5), (large, now + 4)), full=True)
+    decision = a.admit(300, now)                                      # admitted, the largest one evicted
+    assert decision.evict.entry is large and refused(metrics, "evicted") == 1
+    with pytest.raises(Refused) as no:
+        raise a.queue_full(300, 2.0)          # admitted into a queue that had no room: a policy may do that
+    assert no.value.refusal == Refusal(Reason.QUEUE_FULL, 1, 0.0, 2.0) and refused(metrics, "queue_full") == 1
+    first, second = entry(2_000, now - 20), entry(3_000, now - 20)
+    first.answer_by = second.answer_by = now - 10                     # both well past their promise
+    source.set(long=((first, now - 18), (second, now - 17)))
+    assert [e.entry for e in a.late(now)] == [first, second] and refused(metrics, "evicted") == 3
+    assert metrics.registry.get_sample_value("clef_requests_rejected_total",
+                                             {"reason": "queued_work", "size": "1024"}) == 1
 
 
 def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
@@ -349,13 +357,13 @@ def test_body_sizer_learns_bytes_per_token_and_spans_its_error():
     sizer.observe(6_000, 1_000)
     assert sizer.estimates(8_000) == (800, 1_600, 3_200)     # the median of 4 and 6 bytes per token
     assert sizer.estimates(0) == ()
-    # the answers kept between samples: as many sizes as MEMO at most, each as a fresh sizer would give it
+    # the answers kept between samples, more sizes than are kept: each as a fresh sizer gives it
     fresh = BodySizer()
     fresh.observe(4_000, 1_000)
     fresh.observe(6_000, 1_000)
     for size in range(1_000, 1_000 + 3 * BodySizer.MEMO):
-        assert sizer.estimates(size) == fresh._estimate(size)
-    assert len(sizer._memo) <= BodySizer.MEMO
+        assert sizer.estimates(size) == fresh.estimates(size)
+    assert sizer.estimates(8_000) == (800, 1_600, 3_200)
 
 
 def test_body_sizer_narrows_its_span_to_the_spread_of_bodies_of_a_similar_size():
@@ -381,68 +389,73 @@ def test_body_sizer_narrows_its_span_to_the_spread_of_bodies_of_a_similar_size()
 
 
 def test_a_narrow_span_refuses_unread_what_half_the_size_would_let_through():
-    loop = asyncio.new_event_loop()
     now = time.monotonic()
-    young, alike = batcher(), batcher()              # 1,000 tokens/s
-    young.sizer.observe(1_600, 400)                  # one sample: the span is 0.5x to 2x
+    source = Source()
+    source.set(whole(*[(400, now - 0.05)] * 10))     # 4 s of short work that came 50 ms ago
+    (young, young_metrics, _), (alike, alike_metrics, _) = admission(source), admission(source)
+    young.on_prepared(None, 1_600, 400)              # one sample: the span is 0.5x to 2x
     for _ in range(8):
-        alike.sizer.observe(1_600, 400)              # 4 bytes per token, every time: 0.91x to 1.11x
-    for b in (young, alike):
-        for _ in range(10):                          # 4 s of short work that came 50 ms ago
-            b._scheduler.push(entry(loop, 400, now - 0.05))
+        alike.on_prepared(None, 1_600, 400)          # 4 bytes per token, every time: 0.91x to 1.11x
     # 400 tokens wait behind all of it (4.4 s against 2.4 s); 200 would sort ahead of it (0.2 s)
-    assert young.early_refusal(1_600) is None
-    refusal = alike.early_refusal(1_600)
-    assert refusal is not None and refusal.reason == "queued_work"
-    assert refused(alike, "queued_work") == 1 and refused(young, "queued_work") == 0
-    loop.close()
+    assert young.on_arrival(1_600) is not None
+    with pytest.raises(Refused) as no:
+        alike.on_arrival(1_600)
+    assert no.value.refusal.reason is Reason.QUEUED_WORK
+    assert refused(alike_metrics, "queued_work") == 1 and refused(young_metrics, "queued_work") == 0
 
 
 def test_bodies_being_prepared_count_against_later_arrivals_no_smaller_until_released():
     """A burst that finds the queue empty: 400-token bodies (1,600 bytes, 0.4 s each) pass the check on arrival
     while the held ones' work fits the 2.4 s budget: six of them (the sixth's low estimate, 364 tokens, waits
     2.364 s of 2.364 s). The seventh is refused unread, not after the tokenizer. A smaller body does not count
-    the larger held ones; released holds count no more."""
-    b = batcher()                                    # 1,000 tokens/s
+    the larger held ones; released holds count no more; a prepared body's hold goes."""
+    a, metrics, _ = admission()                      # 1,000 tokens/s
     for _ in range(8):
-        b.sizer.observe(1_600, 400)                  # 4 bytes per token, every time: 0.91x to 1.11x
-    holds = []
-    for _ in range(6):
-        assert b.early_refusal(1_600) is None
-        holds.append(b.hold(1_600))
-    assert [h.tokens for h in holds] == [400] * 6
-    refusal = b.early_refusal(1_600)
-    assert refusal is not None and refusal.reason == "queued_work" and refusal.wait_s == pytest.approx(2.8)
-    assert b.early_refusal(800) is None              # ~200 tokens: none of the held bodies is ahead of it
-    b.release(holds[0])
-    b.release(holds[0])                              # twice is harmless
-    assert b.early_refusal(1_600) is None
-    assert b.hold(None) is None and b.hold(0) is None    # no estimate: nothing held
-    b.release(None)
-    assert refused(b, "queued_work") == 1
+        a.on_prepared(None, 1_600, 400)              # 4 bytes per token, every time: 0.91x to 1.11x
+    holds = [a.on_arrival(1_600) for _ in range(6)]
+    assert [h.tokens for h in holds] == [400] * 6 and held(metrics) == 2_400
+    with pytest.raises(Refused) as no:
+        a.on_arrival(1_600)
+    assert no.value.refusal.reason is Reason.QUEUED_WORK and no.value.refusal.wait_s == pytest.approx(2.8)
+    small = a.on_arrival(800)                        # ~200 tokens: none of the held bodies is ahead of it
+    assert small.tokens == 200
+    a.release(small)
+    a.release(holds[0])
+    a.release(holds[0])                              # twice is harmless
+    assert held(metrics) == 2_000
+    a.release(a.on_arrival(1_600))
+    a.on_prepared(holds[1], 1_600, 400)              # prepared: it no longer holds
+    assert held(metrics) == 1_600
+    assert a.on_arrival(None) is None and a.on_arrival(0) is None    # no estimate: nothing held
+    a.release(None)
+    assert refused(metrics, "queued_work") == 1
 
 
 def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts_it():
-    loop = asyncio.new_event_loop()
-    b = batcher()                                   # 1,000 tokens/s
-    b.sizer.observe(4_000, 1_000)                   # 4 bytes per token
+    source = Source()
+    a, metrics, _ = admission(source)                # 1,000 tokens/s
+    a.on_prepared(None, 4_000, 1_000)                # 4 bytes per token
     now = time.monotonic()
-    for _ in range(10):
-        b._scheduler.push(entry(loop, 300, now - 10))   # 3 s of short work, aged ahead of any newcomer
-    refusal = b.early_refusal(400)                  # ~100 tokens: 3.05 to 3.2 s against 2.05 to 2.2 s
-    assert refusal is not None and refusal.reason == "queued_work"
-    assert refused(b, "queued_work") == 1
-    assert b.early_refusal(10_000) is None          # ~2,500 tokens: chunked, they wait for its aging anyway
-    queue_long(b, entry(loop, 30_000, now - 40))    # 30 s of a long prompt ahead of any newcomer
+    source.set(whole(*[(300, now - 10)] * 10))       # 3 s of short work, aged ahead of any newcomer
+    with pytest.raises(Refused) as no:
+        a.on_arrival(400)                            # ~100 tokens: 3.05 to 3.2 s against 2.05 to 2.2 s
+    assert no.value.refusal.reason is Reason.QUEUED_WORK and refused(metrics, "queued_work") == 1
+    a.release(a.on_arrival(10_000))                  # ~2,500 tokens: chunked, they wait for its aging anyway
+    long = entry(30_000, now - 40)                   # 30 s of a long prompt ahead of any newcomer
+    source.set(whole(*[(300, now - 10)] * 10), ((long, now - 10),))
     # ~2,500 tokens behind all of it at each size: 1,250 (34.25 s of 8.25 s), 2,500 (35.5 of 14.5 s) and 5,000
     # (38 of 27 s) refused
-    assert b.early_refusal(10_000) is not None
-    b._scheduler = type(b._scheduler)(64, 1_000.0)   # nothing queued: whatever its size, it is read
-    b._long, b._long_keys = type(b._long)(64, 1_000.0), {}
-    assert b.early_refusal(10_000) is None and b.early_refusal(400) is None
-    assert b.early_refusal(None) is None            # size unknown (compressed) and the queue not full
-    assert refused(b, "queued_work") == 2
-    loop.close()
+    with pytest.raises(Refused):
+        a.on_arrival(10_000)
+    source.set()                                     # nothing queued: whatever its size, it is read
+    a.release(a.on_arrival(10_000))
+    a.release(a.on_arrival(400))
+    assert a.on_arrival(None) is None                # size unknown (compressed) and the queue not full
+    assert refused(metrics, "queued_work") == 2
+    source.set(full=True)                            # full, and nothing queued gives way: refused unread
+    with pytest.raises(Refused) as no:
+        a.on_arrival(None)
+    assert no.value.refusal.reason is Reason.QUEUE_FULL and refused(metrics, "queue_full") == 1
 
 
 @pytest.mark.parametrize("reason, says", [("queued_work", "the work already queued"),
@@ -450,45 +463,222 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
 def test_a_refusal_for_work_answers_429_with_its_own_reason(reason, says):
     """An evicted request waited before its 429: the body says so (its reason was once reported as queued_work,
     which hid the evictions from clients and from loadtest's refusal latencies)."""
-    from clefcore.server.routes import _api_error
-    from clefcore.server.service import Overloaded
-    error = _api_error(Overloaded(Refusal(reason, 3, 4.5, 2.0), capacity=64), {"log": {}})
+    error = errors.refused(Refusal(reason, 3, 4.5, 2.0), capacity=64)
     body = error.bare_body()["error"]
     assert error.status == 429 and error.headers["Retry-After"] == "3"
     assert body["reason"] == reason and body["expected_wait_s"] == 4.5 and says in body["message"]
 
 
+def test_a_full_queue_answers_429_naming_its_bound():
+    error = errors.refused(Refusal("queue_full", 2, 0.0, 0.0), capacity=64)
+    body = error.bare_body()["error"]
+    assert error.status == 429 and error.headers["Retry-After"] == "2"
+    assert body["reason"] == "queue_full" and "(64 requests)" in body["message"] and "expected_wait_s" not in body
+
+
+# --- the batcher, doing what admission answers ----------------------------------------------------------------
+
+class Prepared(SimpleNamespace):
+    images = ()     # text only: its cost is its tokens
+
+
 class HeldDevice:
-    """A device whose forwards end when the test says (``release``), reporting them at 1,000 tokens/s."""
+    """A device whose forwards end when the test says (``go``), and its chunk steps one at a time (``steps``),
+    reporting them at 1,000 tokens/s."""
 
     def __init__(self):
         self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
         self.batches: list[list[str]] = []
         self.go = asyncio.Event()
+        self.steps = asyncio.Semaphore(0)
+        self.left = 0
 
     async def infer(self, prepared):
         self.batches.append([p.name for p in prepared])
         await self.go.wait()
         return [({"prompt": p.name}, None) for p in prepared], sum(p.num_tokens for p in prepared) / 1_000
 
+    async def step(self, prepared, tokens, images=0):
+        if prepared is not None:
+            self.left = prepared.num_tokens
+        await self.steps.acquire()
+        tokens = min(tokens, self.left)
+        self.left -= tokens
+        return Step(self.left == 0, {} if self.left == 0 else None, tokens, self.left, None, tokens / 1_000)
+
+    async def drop(self):
+        self.left = 0
+
+
+def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:
+    """Tests/test_admission.py's numbers: 1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, aging at
+    1,000 tokens/s, budgets of 1 s up to 10 s at 10,000 tokens. Devices None: no device process, nothing
+    dispatched (not started)."""
+    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8, budgets=BUDGETS,
+                   chunk_tokens=CHUNK, age_rate=float(AGE_RATE), start_rate=float(RATE))
+    options.update(kw)
+    metrics = Metrics()
+    watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+    return Batcher(list(devices), metrics, watch=watch, **options), metrics
+
+
+def fake_clock(monkeypatch) -> SimpleNamespace:
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr("clefcore.server.batcher.time", SimpleNamespace(monotonic=lambda: clock.t))
+    return clock
+
+
+def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
+    b, metrics = batcher(max_queue=2)
+
+    async def main():
+        deadline = time.monotonic() + 60
+        small, large = (asyncio.ensure_future(b.submit(Prepared(num_tokens=n), deadline)) for n in (1_500, 4_000))
+        await asyncio.sleep(0)
+        assert b.full()
+        with pytest.raises(Refused) as no:                        # nothing queued is larger
+            await b.submit(Prepared(num_tokens=5_000), deadline)
+        assert no.value.refusal.reason is Reason.QUEUE_FULL
+        short = asyncio.ensure_future(b.submit(Prepared(num_tokens=300), deadline))
+        await asyncio.sleep(0)                                     # the 4,000-token one made room
+        with pytest.raises(Refused) as no:
+            await large
+        assert no.value.refusal.reason is Reason.EVICTED
+        assert not small.done() and not short.done() and b.queued == 2
+        assert [e.tokens for e, _ in b.admission.snapshot().long] == [1_500]
+        for task in (small, short):
+            task.cancel()
+        await asyncio.gather(small, short, return_exceptions=True)
+
+    asyncio.run(main())
+    assert refused(metrics, "queue_full") == 1 and refused(metrics, "evicted") == 1
+
+
+class AdmitAll:
+    """A policy that admits everything, with no promise, even into a full queue; between steps it evicts the
+    queued long prompts of ``LATE`` tokens."""
+    LATE = 2_000
+
+    def __init__(self, budgets: Budgets):
+        self.budgets = budgets
+
+    def decide(self, tokens, view, held=0.0):
+        return Admit(math.inf)
+
+    def unread(self, estimates, view, held):
+        return None
+
+    def late(self, view):
+        return [Eviction(e, Refusal("evicted", 2, 11.0, 8.0)) for e, _ in view.long if e.tokens == self.LATE]
+
+
+def admitting_all() -> tuple[list[AdmitAll], Callable[[Budgets], AdmitAll]]:
+    built: list[AdmitAll] = []
+
+    def factory(budgets: Budgets) -> AdmitAll:
+        built.append(AdmitAll(budgets))
+        return built[-1]
+    return built, factory
+
+
+def test_a_policy_that_admits_into_a_full_queue_gets_its_request_refused_as_queue_full():
+    built, factory = admitting_all()
+    b, metrics = batcher(max_queue=1, policy=factory)
+    assert [policy.budgets for policy in built] == [BUDGETS]
+
+    async def submit_two():
+        deadline = time.monotonic() + 60
+        first = asyncio.ensure_future(b.submit(Prepared(num_tokens=100), deadline))
+        await asyncio.sleep(0)
+        with pytest.raises(Refused) as full:
+            await b.submit(Prepared(num_tokens=100), deadline)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        return full.value.refusal
+
+    refusal = asyncio.run(submit_two())
+    assert refusal.reason is Reason.QUEUE_FULL and refusal.budget_s == math.inf
+    assert refused(metrics, "queue_full") == 1
+
+
+def test_the_long_prompts_admission_finds_late_are_refused_before_the_next_step():
+    """Between steps the batcher asks admission which queued long prompts are too late and refuses those
+    (counted as evicted); the others stay queued."""
+    _, factory = admitting_all()
+    device = HeldDevice()
+    b, metrics = batcher([device], policy=factory)
+
+    async def main():
+        deadline = time.monotonic() + 60
+        late, kept = (asyncio.ensure_future(b.submit(Prepared(num_tokens=n, name=str(n)), deadline))
+                      for n in (AdmitAll.LATE, 3_000))
+        short = asyncio.ensure_future(b.submit(Prepared(num_tokens=100, name="short"), deadline))
+        await asyncio.sleep(0)
+        assert b.queued == 3
+        b.start()
+        await asyncio.sleep(0.01)                   # the lane asked, then took the short one: held on the device
+        with pytest.raises(Refused) as no:
+            await late
+        assert no.value.refusal == Refusal("evicted", 2, 11.0, 8.0)
+        assert device.batches == [["short"]] and not kept.done() and b.queued == 1
+        assert [e.tokens for e, _ in b.admission.snapshot().long] == [3_000]
+        kept.cancel()
+        device.go.set()
+        await short
+        await b.stop()
+
+    asyncio.run(main())
+    assert refused(metrics, "evicted") == 1
+
+
+def test_the_batcher_tells_admission_of_its_lanes_step_and_chunked_run(monkeypatch):
+    """A 3,000-token prompt queued, then run chunked: admission reads its order key while it waits, and while a
+    chunk runs the lane's step (its tokens and start), what the run has left and its next chunk's key (the
+    step's expected end, then a chunk's aging); the step measures the rate."""
+    clock = fake_clock(monkeypatch)
+    device = HeldDevice()
+    b, _ = batcher([device])
+
+    async def main():
+        run = asyncio.ensure_future(b.submit(Prepared(num_tokens=3_000, name="long"), 60.0))
+        await asyncio.sleep(0)
+        queued = b.admission.snapshot(0.0)
+        assert [(e.tokens, key) for e, key in queued.long] == [(3_000, 3.0)] and queued.lanes == (IDLE,)
+        b.start()
+        await asyncio.sleep(0.01)
+        assert b.admission.snapshot(0.0).lanes == (LaneView(1_000, 0.0, 3_000, 2.0),)
+        assert b.admission.snapshot(0.0).long == ()
+        clock.t = 1.0
+        device.steps.release()
+        await asyncio.sleep(0.01)                    # the next chunk started at 1.0, due to end at 2.0
+        assert b.admission.snapshot(1.0).lanes == (LaneView(1_000, 1.0, 2_000, 3.0),)
+        assert b.admission.measured and b.admission.rate == 1_000
+        device.steps.release()
+        device.steps.release()
+        await run
+        await b.stop()
+
+    asyncio.run(main())
+
 
 def test_a_batch_is_cut_where_it_would_end_past_a_kept_promise(monkeypatch):
     """Each admitted request is promised its answer by the end of its budget (1 s here). Requests that queued
     behind a running step go in a batch that still ends by every promise it can keep, at the measured rate; one
     already late joins without cutting it."""
-    clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr("clefcore.server.batcher.time", SimpleNamespace(monotonic=lambda: clock.t))
+    clock = fake_clock(monkeypatch)
     device = HeldDevice()
 
     async def main():
-        b = batcher(max_batch_tokens=10_000, chunk_tokens=0)
-        b._lanes[0].device = device
+        b, _ = batcher([device], max_batch_tokens=10_000, chunk_tokens=0)
         b.start()
 
         def send(name):
             return asyncio.ensure_future(b.submit(Prepared(num_tokens=100 if name == "first" else 300, name=name),
                                                   clock.t + 60))
 
+        device.go.set()
+        await send("warm")               # its step measures the rate: 1,000 tokens/s
+        device.go.clear()
         first = send("first")
         await asyncio.sleep(0.01)        # "first" is on the device, held there
         a = send("a")                    # t 0: 100 left of the step + 300: 0.4 s, promised by 1.0
@@ -502,4 +692,4 @@ def test_a_batch_is_cut_where_it_would_end_past_a_kept_promise(monkeypatch):
         await b.stop()
 
     asyncio.run(main())
-    assert device.batches == [["first"], ["a", "b"], ["c"]]
+    assert device.batches == [["warm"], ["first"], ["a", "b"], ["c"]]

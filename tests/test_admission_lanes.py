@@ -5,6 +5,7 @@ is tests/test_admission.py's. And a chunked run's steps all go to the device pro
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import pytest
 
 from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
-from clefcore.server.admission import Budgets
+from clefcore.server.admission import Budgets, CostPolicy, LaneView, QueueView, Snapshot
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
 from clefcore.server.device_watch import DeviceWatch
@@ -23,87 +24,84 @@ class Prepared(SimpleNamespace):
     images = ()     # text only: its cost is its tokens
 
 
-def batcher(lanes: int, **kw) -> Batcher:
-    """``lanes`` devices of 1,000 tokens/s each, steps (batches and chunks) of 1,000 tokens, aging at 1,000
-    tokens/s, budgets of 1 s up to 10 s at 10,000 tokens (tests/test_admission.py's, on more devices)."""
-    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8,
-                   budgets=Budgets(1.0, 10.0, 10_000), chunk_tokens=1_000, age_rate=1_000.0, start_rate=1_000.0)
-    options.update(kw)
-    metrics = Metrics()
-    b = Batcher([None] * lanes, metrics, watch=unwatched(metrics), **options)
-    b._rate.samples = 1  # as if measured: the start value stands
-    return b
-
-
 def unwatched(metrics: Metrics) -> DeviceWatch:
     """A watch whose judgements go nowhere: these tests are about scheduling."""
     return DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
 
 
-def entry(loop, tokens: int, at: float) -> Entry:
-    return Entry((Prepared(num_tokens=tokens), loop.create_future()), tokens, at + 60, at)
+# Each device at 1,000 tokens/s, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at
+# 10,000 tokens (tests/test_admission.py's, on more devices).
+POLICY = CostPolicy(Budgets(1.0, 10.0, 10_000))
+NOW = 1_000.0
+IDLE = LaneView(0, 0.0, None, math.inf)
+
+
+def whole(*arrivals: tuple[int, float]) -> QueueView:
+    """A queue of whole prompts, (tokens, arrival) each, as the scheduler orders them (aging at 1,000/s)."""
+    keyed = [(at + tokens / 1_000, tokens) for tokens, at in arrivals]
+    return QueueView(1_000.0, sum(t for _, t in keyed), lambda key: sum(t for k, t in keyed if k <= key))
+
+
+def view(lanes: tuple[LaneView, ...], queue: QueueView = whole(), long: tuple[Entry, ...] = (), *,
+         chunk: int = 1_000) -> Snapshot:
+    keyed = tuple((e, e.enqueued_at + e.tokens / 1_000) for e in long)
+    return Snapshot(NOW, 1_000.0, True, chunk, queue, keyed, lanes, 0.0, False)
 
 
 def test_two_busy_lanes_a_short_request_waits_for_half_their_steps_left_then_its_own_run():
-    b = batcher(2, chunk_tokens=0, max_batch_tokens=4_000)
-    now = time.monotonic()
-    first, second = b._lanes
-    first.running, first.step_tokens, first.step_started = [object()], 4_000, now - 1.0   # 3,000 left
-    second.running, second.step_tokens, second.step_started = [object()], 2_000, now - 0.5  # 1,500 left
+    first = LaneView(4_000, NOW - 1.0, None, math.inf)    # 3,000 left
+    second = LaneView(2_000, NOW - 0.5, None, math.inf)   # 1,500 left
+    two = view((first, second), chunk=0)
     # 4,500 tokens ahead over two devices (2.25 s), then its own 100 on one (0.1 s)
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(2.35)
+    assert POLICY.expected_wait(100, two) == pytest.approx(2.35)
     # the order alone: one step on each lane (4,000 and 2,000) and its own run on each, over both: 6,200 / 2,000
-    assert b.policy.budget(100, b.view()) == pytest.approx(3.1)
-    assert b.policy.refusal(100, b.view(now)) is None
-    one = batcher(1, chunk_tokens=0, max_batch_tokens=4_000)
-    one._lanes[0].step_tokens, one._lanes[0].step_started = 4_000, now - 1.0
-    assert one.policy.expected_wait(100, one.view(now)) == pytest.approx(3.1)   # the first lane alone: 3,000 + 100
+    assert POLICY.budget(100, two) == pytest.approx(3.1)
+    assert POLICY.refusal(100, two) is None
+    assert POLICY.expected_wait(100, view((first,), chunk=0)) == pytest.approx(3.1)   # the first lane alone
 
 
 def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
-    loop = asyncio.new_event_loop()
-    one, two = batcher(1), batcher(2)
-    now = time.monotonic()
-    for b in (one, two):
-        for _ in range(10):
-            b._scheduler.push(entry(loop, 300, now))                   # 3,000 tokens of whole prompts
+    ten = whole(*[(300, NOW)] * 10)                                    # 3,000 tokens of whole prompts
+    one, two = view((IDLE,), ten), view((IDLE, IDLE), ten)
+    for each in (one, two):
         # idle lanes: the floor is a step, a chunk and its own run however many lanes there are
-        assert b.policy.budget(400, b.view()) == pytest.approx(2.4)
-    assert one.policy.expected_wait(400, one.view(now)) == pytest.approx(3.4)   # 3 s ahead + its own 0.4 s
-    assert two.policy.expected_wait(400, two.view(now)) == pytest.approx(1.9)   # 1.5 s ahead + its own 0.4 s
-    assert one.policy.refusal(400, one.view(now)).reason == "queued_work"
-    assert two.policy.refusal(400, two.view(now)) is None
-    for _ in range(5):
-        two._scheduler.push(entry(loop, 300, now))                     # 4,500: 2.25 s + 0.4 s > 2.4 s
-    refusal = two.policy.refusal(400, two.view(now))
+        assert POLICY.budget(400, each) == pytest.approx(2.4)
+    assert POLICY.expected_wait(400, one) == pytest.approx(3.4)     # 3 s ahead + its own 0.4 s
+    assert POLICY.expected_wait(400, two) == pytest.approx(1.9)     # 1.5 s ahead + its own 0.4 s
+    assert POLICY.refusal(400, one).reason == "queued_work"
+    assert POLICY.refusal(400, two) is None
+    refusal = POLICY.refusal(400, view((IDLE, IDLE), whole(*[(300, NOW)] * 15)))   # 4,500: 2.65 s > 2.4 s
     assert refusal.wait_s == pytest.approx(2.65) and refusal.retry_after_s == 1
-    loop.close()
 
 
 def test_each_lanes_due_chunk_counts_and_a_chunk_not_yet_due_does_not():
-    b = batcher(2)
-    now = time.monotonic()
-    b._lanes[0].active = SimpleNamespace(ready_at=now - 5, tokens_left=5_000)    # due since long ago
-    b._lanes[1].active = SimpleNamespace(ready_at=now, tokens_left=5_000)        # just stepped: due in 1 s
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(0.6)   # one chunk of 1,000 over two, its own 100
-    b._lanes[1].active.ready_at = now - 5
-    assert b.policy.expected_wait(100, b.view(now)) == pytest.approx(1.1)   # both lanes' chunks: 2,000 over two
+    due = LaneView(0, 0.0, 5_000, NOW - 4)        # its next chunk's key came long ago
+    stepped = LaneView(0, 0.0, 5_000, NOW + 1)    # just stepped: due in 1 s
+    assert POLICY.expected_wait(100, view((due, stepped))) == pytest.approx(0.6)   # one chunk over two, its own
+    assert POLICY.expected_wait(100, view((due, due))) == pytest.approx(1.1)       # both lanes' chunks over two
 
 
 def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_lanes():
-    loop = asyncio.new_event_loop()
-    b = batcher(2, budgets=Budgets(1.0, 20.0, 10_000))
-    now = time.monotonic()
-    b._lanes[0].active = SimpleNamespace(ready_at=now, tokens_left=3_000)
-    waiting = entry(loop, 8_000, now - 1)
-    b._long_keys[waiting] = b._long.key(waiting.tokens, waiting.enqueued_at)
-    assert b._long.push(waiting)
+    policy = CostPolicy(Budgets(1.0, 20.0, 10_000))
+    running = LaneView(0, 0.0, 3_000, NOW + 1)
+    waiting = Entry(None, 8_000, NOW + 59, NOW - 1)
     # 3,000 left of the run and the 8,000 ahead, over two devices (5.5 s), then its own 9,000 on one (9 s)
-    assert b.policy.expected_wait(9_000, b.view(now)) == pytest.approx(14.5)
-    # the queue's backlog: the run's rest and the waiting prompt, over both devices
-    b._publish()
-    assert b._metrics.registry.get_sample_value("clef_estimated_wait_seconds") == pytest.approx(11_000 / 2_000)
-    loop.close()
+    assert policy.expected_wait(9_000, view((running, IDLE), long=(waiting,))) == pytest.approx(14.5)
+
+
+def test_the_estimated_wait_is_the_backlog_over_every_lane():
+    metrics = Metrics()
+    b = Batcher([None, None], metrics, watch=unwatched(metrics), max_queue=64, max_batch_tokens=1_000,
+                max_batch_requests=8, budgets=Budgets(1.0, 20.0, 10_000), start_rate=1_000.0, chunk_tokens=1_000)
+
+    async def queue_one():
+        waiting = asyncio.ensure_future(b.submit(Prepared(num_tokens=8_000), time.monotonic() + 60))
+        await asyncio.sleep(0)
+        assert metrics.registry.get_sample_value("clef_estimated_wait_seconds") == pytest.approx(8_000 / 2_000)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(queue_one())
 
 
 class FakeDevice:

@@ -162,6 +162,39 @@ def test_keys_head_and_the_work_before_a_new_entry():
     assert ids(s.take(10_000, 10, 0.0)) == ["a", "c"]
 
 
+def test_the_queued_entries_with_their_keys_in_push_order():
+    """What admission weighs queued long prompts by: each live entry and its key, as pushed; cancelled, taken,
+    expired and drained entries leave it."""
+    s = Scheduler(10, age_rate=100.0)
+    a, b = Entry("a", 300, FAR, 0.0), Entry("b", 50, FAR, 0.0)
+    c, d = Entry("c", 200, 1.0, 0.5), Entry("d", 25, FAR, 0.0)
+    for e in (a, b, c, d):
+        s.push(e)
+    assert s.keyed() == ((a, 3.0), (b, 0.5), (c, 2.5), (d, 0.25))   # push order, not the heap's
+    s.cancel(b)
+    assert [e for e, _ in s.keyed()] == [a, c, d]
+    batch = s.take(10_000, 1, 0.0)     # d runs first
+    assert ids(batch) == ["d"] and [e for e, _ in s.keyed()] == [a, c]
+    batch = s.take(10_000, 10, 2.0)    # c's deadline passed; a runs
+    assert batch.expired == [c] and ids(batch) == ["a"] and s.keyed() == ()
+    s.push(Entry("e", 1, FAR, 3.0))
+    s.drain()
+    assert s.keyed() == ()
+
+
+def test_waiting_since_is_the_arrival_that_found_the_queue_empty():
+    s = Scheduler(10, age_rate=100.0)
+    a, b, c = Entry("a", 10, FAR, 1.0), Entry("b", 10, FAR, 2.0), Entry("c", 10, FAR, 3.0)
+    s.push(a)
+    s.push(b)
+    assert s.waiting_since == 1.0
+    s.take(10_000, 1, 2.5)                # a runs, b still waits: since 1.0
+    assert s.waiting_since == 1.0
+    s.cancel(b)                           # empty again: the next arrival starts a new wait
+    s.push(c)
+    assert s.waiting_since == 3.0
+
+
 def test_head_is_the_next_live_entry():
     s = Scheduler(4, age_rate=100.0)
     assert s.head() is None

@@ -99,7 +99,7 @@ def test_labelled_counters_start_at_zero_for_every_known_label_value(server):
     families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
     rejected = {(s.labels["reason"], s.labels["size"]) for s in families["clef_requests_rejected"].samples
                 if s.name.endswith("_total")}
-    assert rejected == {(r, s) for r in admission.REASONS for s in admission.SIZE_LABELS}
+    assert rejected == {(r.value, s) for r in admission.Reason for s in admission.SIZE_LABELS}
     failures = {s.labels["type"] for s in families["clef_request_failures"].samples if s.name.endswith("_total")}
     assert failures == set(errors.SERVER_KINDS)
     # and those are every kind a 5xx answer has

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,24 +92,31 @@ def step_gauge(b: Batcher, limit: str) -> float:
     return b._metrics.registry.get_sample_value("clef_step_tokens", {"limit": limit})
 
 
+def stepped(b: Batcher, tokens: int, seconds: float) -> None:
+    """A step of ``tokens`` took ``seconds`` of device time, as the batcher tells its admission."""
+    now = time.monotonic()
+    b.admission.on_step(tokens, seconds, started=now - seconds, waiting_since=None, now=now)
+
+
 def test_auto_sizes_follow_the_measured_rate():
     b = batcher(start_rate=6_000.0)                                # the rate measured at start
     assert (b.batch_tokens, b.chunk_tokens) == (3_000, 3_000)      # 0.5 s of it
     assert step_gauge(b, "max_batch_tokens") == step_gauge(b, "chunk_tokens") == 3_000
-    assert not b.view().chunked(2_500)
-    b._observe_rate(4_000, 1.0)                                    # the first step served replaces it
+    assert not b.admission.snapshot().chunked(2_500)
+    stepped(b, 4_000, 1.0)                                         # the first step served replaces it
     assert (b.batch_tokens, b.chunk_tokens) == (2_000, 2_000)
     for _ in range(100):                                           # then the device slows down
-        b._observe_rate(8_000, 8.0)
+        stepped(b, 8_000, 8.0)
     assert b.rate == pytest.approx(1_000, rel=1e-3)
     assert b.batch_tokens == b.chunk_tokens == STEP_FLOOR_TOKENS   # 500 would be under the floor
     assert step_gauge(b, "chunk_tokens") == STEP_FLOOR_TOKENS
-    assert b.view().chunked(2_500)                                       # what runs chunked follows the chunk
+    assert b.admission.snapshot().chunked(2_500)                   # what runs chunked follows the chunk
     # aging follows it too, at a third of it: a request is passed by shorter work for up to 3x its own run
-    assert b._scheduler.age_rate == b._long.age_rate == pytest.approx(b.rate / 3)
+    assert b.admission.snapshot().whole.age_rate == pytest.approx(b.rate / 3)
     fixed = batcher(max_batch_tokens=4_096, chunk_tokens=0)
-    fixed._observe_rate(100, 1.0)
-    assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0) and not fixed.view().chunked(24_000)
+    stepped(fixed, 100, 1.0)
+    assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0)
+    assert not fixed.admission.snapshot().chunked(24_000)
     assert step_gauge(fixed, "max_batch_tokens") == 4_096
 
 
@@ -207,7 +215,6 @@ def run_on_fake_clock(monkeypatch, plan, max_batch_requests=64):
     b = Batcher([device], metrics, watch=unwatched(metrics), max_queue=10_000, max_batch_tokens=1_000,
                 max_batch_requests=max_batch_requests, budgets=Budgets(1e3, 1e3, 10_000), start_rate=1_000.0,
                 chunk_tokens=1_000, age_rate=1_000.0)
-    b._rate.samples = 1   # measured: the rate stands
 
     async def main():
         b.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clefcore import precision
+from clefcore import kernel_select, precision
 from clefcore.backends import cpu
 from clefcore.backends.cuda.compile import kernel_dir
 from clefcore.backends.cuda.delta_rule import DeltaRuleOps
@@ -128,6 +128,11 @@ class TwinOps(DeltaRuleOps):
     def __init__(self, path: str):
         self.plan = Plan(path)
         self.launched = []        # (module, kernel name, shared memory bytes)
+
+    @property
+    def setting(self) -> kernel_select.Setting:
+        """What the delta rule's choice reads (kernel_select.delta_rule): the plan's row, on an H100."""
+        return kernel_select.Setting(self.plan.row, frozenset(), kernel_select.Device((9, 0), True, 232_448, True))
 
     def to_host(self, x):
         return np.asarray(x)

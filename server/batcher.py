@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from clefcore.engine import EngineStatus
-from clefcore.errors import DeviceError
+from clefcore.errors import DeviceError, PromptTokensError
 from clefcore.options import STEP_BUDGET_S
 from clefcore.scheduler import Entry, Scheduler
 
@@ -67,6 +67,7 @@ from .device_watch import RECHECK_S, DeviceWatch
 from .image_cost import TowerCost
 from .logs import log
 from .metrics import Metrics
+from .prompt_cost import PromptLimit
 from .steps import StepSize
 
 # --age-rate auto: the measured rate over this. A request is passed by shorter work for at most this many times
@@ -113,6 +114,7 @@ class _Chunked:
     begun: bool = False    # its first step was sent
     started: float = 0.0
     device_s: float = 0.0
+    text_s: float = 0.0    # ... of which its text chunks'
     ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
 
@@ -136,7 +138,8 @@ class Batcher:
                  max_batch_tokens: int | None, max_batch_requests: int, budgets: Budgets, start_rate: float,
                  chunk_tokens: int | None = None, step_budget: float = STEP_BUDGET_S, age_rate: float | None = None,
                  first_lane: int = 0, policy: admission.PolicyFactory | None = None,
-                 tower: TowerCost = TowerCost(0.0, 0.0), tower_ceiling: TowerCost | None = None):
+                 tower: TowerCost = TowerCost(0.0, 0.0), tower_ceiling: TowerCost | None = None,
+                 prompt_limit: PromptLimit | None = None):
         """``devices``: the device process of each lane. ``watch``: told of every call on a device and of every
         self-check's outcome.
         ``max_batch_tokens``: the tokens of a packed batch (None: auto, see the module doc).
@@ -152,11 +155,14 @@ class Batcher:
         first device (its place in --device). ``tower``: what an image's vision tower costs, in prompt tokens
         (server/image_cost.py); every count of work here (admission, steps, rates) is in that unit.
         ``tower_ceiling``: a tower cost that errs towards cost (TowerCost.ceiling; None: ``tower``), which the
-        stall limit counts images at, so that a long tower is never taken for a hung device."""
+        stall limit counts images at, so that a long tower is never taken for a hung device.
+        ``prompt_limit``: the longest prompt taken (server/prompt_cost.py), whose budget a chunked run that shows
+        itself slower than counted is refused at (None: none)"""
         self._metrics = metrics
         self._watch = watch
         self._tower = tower
         self._tower_ceiling = tower if tower_ceiling is None else tower_ceiling
+        self._prompt_limit = prompt_limit
         self.admission = Admission((policy or admission.CostPolicy)(budgets), start_rate, self,
                                    rejected=metrics.rejected, held_tokens=metrics.held_tokens,
                                    on_rate=self._follow)
@@ -467,6 +473,16 @@ class Batcher:
         active.device_s += step.seconds
         self._metrics.chunk_steps.inc()
         self._stepped(lane, step.tokens + towered, step.seconds)
+        if not images and step.error is None and not step.done:
+            active.text_s += step.seconds
+            over = self._overrun(prepared, step.tokens_left, active.text_s, chunk)
+            if over is not None:    # refused at its own pace: its state on the device goes now
+                lane.active = None
+                if not future.done():
+                    future.set_exception(over)
+                self._publish()
+                await self._on_device(lane, "drop", 0, lane.device.drop())
+                return
         if step.done:
             lane.active = None
             self._metrics.after_batch(self.lane_statuses())
@@ -480,6 +496,14 @@ class Batcher:
         self._publish()
         if step.error is not None:
             await self._check(lane)
+
+    def _overrun(self, prepared: Any, left: int, seconds: float, chunk: int) -> PromptTokensError | None:
+        """A chunked run whose pace so far says it would pass the prompt limit's budget (PromptLimit.overrun),
+        judged from its second text chunk on (its first may pay for a warm-up)."""
+        done = prepared.num_tokens - left
+        if self._prompt_limit is None or done < 2 * chunk:
+            return None
+        return self._prompt_limit.overrun(prepared.num_tokens, done, seconds)
 
     def _tower_block(self, images: Sequence, left: int, chunk: int) -> tuple[int, int]:
         """The next step of a chunked run while ``left`` of its ``images`` are not through the vision tower: the

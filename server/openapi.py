@@ -186,7 +186,7 @@ _ERROR_STATUSES = {
     "413": "body larger than --max-body-bytes, on the wire or decoded, or longer to decode than its deadline; an "
            "image that becomes more image tokens once resized than --max-image-tokens (`field` `images[i]`), or "
            "images that together become more than --max-request-image-tokens (`field` `images`); a prompt longer "
-           "than --max-prompt-tokens (`field` `state`)",
+           "than --max-prompt-tokens, or one its run's pace shows past the longest wait (`field` `state`)",
     "415": "Content-Type is not application/json, or a Content-Encoding other than gzip, deflate, br, zstd",
     "422": "schema violation; `field` names the path, `limit` the rule. For images (`field` `images[i]`, "
            f"or `images` for the count): more than {_images.MAX_IMAGES} images, a form other than a data URL "

@@ -38,7 +38,7 @@ from clefcore import hub
 from clefcore.checkpoint import Checkpoint
 from clefcore.engine import EngineStatus, padded
 from clefcore.example_request import support_ticket
-from clefcore.errors import ClefError
+from clefcore.errors import ClefError, PromptTokensError
 from clefcore.options import ServiceConfig
 from clefcore.preparer import ImageLimits, Prepared, Preparer, pixel_bounds
 
@@ -205,7 +205,8 @@ class Service:
                                budgets=Budgets(cfg.min_wait_budget, cfg.wait_budget, cfg.engine.context_length),
                                start_rate=rate, chunk_tokens=cfg.chunk_tokens,
                                step_budget=cfg.step_budget, age_rate=cfg.age_rate, first_lane=cfg.first_lane,
-                               policy=cfg.admission, tower=tower, tower_ceiling=tower_ceiling)
+                               policy=cfg.admission, tower=tower, tower_ceiling=tower_ceiling,
+                               prompt_limit=self.prompt_limit)
         self.metrics.watch_engine(self.status, self.batcher.lane_statuses())
         self.batcher.start()
         self._loop_lag = asyncio.get_running_loop().create_task(self.metrics.watch_loop_lag(), name="clef-loop-lag")
@@ -220,6 +221,7 @@ class Service:
             tower_tokens_per_patch_squared=float(f"{tower.per_patch_squared:.4g}"),
             max_image_tokens=preparer.image_limits.per_image,
             max_request_image_tokens=preparer.image_limits.per_request,
+            prompt_seconds_per_token=float(f"{self.prompt_limit.cost.per_token:.4g}"),
             prompt_seconds_per_token_pair=float(f"{self.prompt_limit.cost.per_token_pair:.4g}"),
             max_prompt_tokens=self.prompt_limit.tokens)
 
@@ -235,8 +237,8 @@ class Service:
         budget = max(cfg.wait_budget, cfg.min_wait_budget)
         chunk = min(StepSize(cfg.chunk_tokens, cfg.step_budget).at(rate), cfg.reserve_limits["chunk_tokens"])
         if chunk <= 0:
-            return PromptLimit.sized(cfg.max_prompt_tokens or context, PromptCost(rate, 0.0), budget, context)
-        limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost(rate, 0.0), budget, context)
+            return PromptLimit.sized(cfg.max_prompt_tokens or context, PromptCost(1 / rate, 0.0), budget, context)
+        limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost(1 / rate, 0.0), budget, context)
         prompt = padded(preparer.prepare(support_ticket()), min(CONTEXT_CHUNKS * chunk + 1, context))
         fastest: list[tuple[int, int, float]] = []
         for _ in range(PROMPT_RUNS):
@@ -245,7 +247,7 @@ class Service:
             # the first chunk pays for its warm-up, the last is one token and the head
             warm = [sample for sample in fastest[1:-1] if sample[1] == chunk]
             if len(warm) >= 2:
-                limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost.fit(warm, rate), budget, context)
+                limit = PromptLimit.sized(cfg.max_prompt_tokens, PromptCost.fit(warm), budget, context)
             if limit.tokens >= context:
                 break
         return limit
@@ -423,6 +425,8 @@ class Service:
             raise Unavailable(refused.reason, retry_after_s=RETRY_AFTER_S) from None
         except DeadlineExceeded:
             raise TimedOut(cfg.request_timeout) from None
+        except PromptTokensError:     # its run showed it slower than counted: the client's 413, as at arrival
+            raise
         except ClefError as error:
             raise InferenceFailed(error) from None
         metrics = self.metrics

@@ -115,6 +115,7 @@ class _Chunked:
     started: float = 0.0
     device_s: float = 0.0
     text_s: float = 0.0    # ... of which its text chunks'
+    chunks: list = field(default_factory=list)   # its text chunks: (offset, tokens, seconds) each
     ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
 
@@ -475,7 +476,8 @@ class Batcher:
         self._stepped(lane, step.tokens + towered, step.seconds)
         if not images and step.error is None and not step.done:
             active.text_s += step.seconds
-            over = self._overrun(prepared, step.tokens_left, active.text_s, chunk)
+            active.chunks.append((prepared.num_tokens - step.tokens_left - step.tokens, step.tokens, step.seconds))
+            over = self._overrun(prepared, step.tokens_left, active, chunk)
             if over is not None:    # refused at its own pace: its state on the device goes now
                 lane.active = None
                 if not future.done():
@@ -497,13 +499,13 @@ class Batcher:
         if step.error is not None:
             await self._check(lane)
 
-    def _overrun(self, prepared: Any, left: int, seconds: float, chunk: int) -> PromptTokensError | None:
+    def _overrun(self, prepared: Any, left: int, active: _Chunked, chunk: int) -> PromptTokensError | None:
         """A chunked run whose pace so far says it would pass the prompt limit's budget (PromptLimit.overrun),
         judged from its second text chunk on (its first may pay for a warm-up)."""
         done = prepared.num_tokens - left
         if self._prompt_limit is None or done < 2 * chunk:
             return None
-        return self._prompt_limit.overrun(prepared.num_tokens, done, seconds)
+        return self._prompt_limit.overrun(prepared.num_tokens, done, active.text_s, active.chunks)
 
     def _tower_block(self, images: Sequence, left: int, chunk: int) -> tuple[int, int]:
         """The next step of a chunked run while ``left`` of its ``images`` are not through the vision tower: the

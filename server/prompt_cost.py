@@ -95,15 +95,23 @@ class PromptLimit:
             return cls(max(1, min(configured, context_length)), cost)
         return cls(max(1, min(cost.longest(budget_s), context_length)), cost, budget_s)
 
-    def overrun(self, tokens: int, done: int, seconds: float) -> PromptTokensError | None:
+    def overrun(self, tokens: int, done: int, seconds: float,
+                chunks: Sequence[tuple[int, int, float]] = ()) -> PromptTokensError | None:
         """Judged while a prompt of ``tokens`` runs chunked, ``done`` of them in ``seconds`` of device time: the
-        refusal when, at its pace so far (never counted faster than ``cost`` says), its whole run would pass the
-        budget. An estimate of a long prompt's cost is an extrapolation, and a run that shows it was too low is
-        stopped here, within the budget, rather than holding the device until its deadline."""
+        refusal when its whole run would pass the budget, at its pace so far (never counted faster than ``cost``
+        says) or, once four of its own ``chunks`` ((offset, tokens, seconds) each) are timed, at the line through
+        them but the first (a CPU's growth steepens as a prompt outgrows its caches, which a line fitted at start
+        on the first chunks of a prompt misses). An estimate of a long prompt's cost is an extrapolation, and a
+        run that shows it was too low is stopped here, within the budget, rather than holding the device until
+        its deadline."""
         if self.budget_s is None or not 0 < done < tokens:
             return None
         pace = max(1.0, seconds / self.cost.seconds(done))
-        whole = seconds + pace * (self.cost.seconds(tokens) - self.cost.seconds(done))
+        rest = pace * (self.cost.seconds(tokens) - self.cost.seconds(done))
+        if len(chunks) >= 4 and all(a[0] < b[0] for a, b in zip(chunks, chunks[1:])):   # none re-run
+            own = PromptCost.fit(chunks[1:])
+            rest = max(rest, own.seconds(tokens) - own.seconds(done))
+        whole = seconds + rest
         if whole <= self.budget_s:
             return None
         return PromptTokensError(

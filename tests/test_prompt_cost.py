@@ -93,6 +93,14 @@ def test_a_run_slower_than_counted_is_refused_once_its_pace_shows_it():
     assert isinstance(over, PromptTokensError) and over.field == "state" and over.limit == "15 s of device time"
     assert "about 18 s" in over.message and "first 3000" in over.message
     assert limit.overrun(12_000, 0, 0.0) is None and limit.overrun(12_000, 12_000, 30.0) is None
+    # chunks that slow down as the prompt grows (1.0 s, 1.1 s, 1.2 s ... a 1,000-token chunk: 18.6 s in all) are
+    # 1.15x the counted pace after four, 14.1 s at that pace; the line through its own chunks says 18.6 s
+    steepening = [(i * 1_000, 1_000, 1.0 + 0.1 * i) for i in range(4)]
+    assert limit.overrun(12_000, 4_000, 4.6) is None
+    assert limit.overrun(12_000, 4_000, 4.6, steepening[:3]) is None          # three are too few to judge by
+    over = limit.overrun(12_000, 4_000, 4.6, steepening)
+    assert isinstance(over, PromptTokensError) and "about 18.6 s" in over.message
+    assert limit.overrun(12_000, 4_000, 4.0, [(i * 1_000, 1_000, 1.0) for i in range(4)]) is None
     # a configured limit is the operator's: no run's pace refuses a prompt within it
     assert PromptLimit.sized(20_000, cost, 15.0, 24_576).overrun(12_000, 3_000, 30.0) is None
 

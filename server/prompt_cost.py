@@ -100,8 +100,9 @@ class PromptLimit:
         """Judged while a prompt of ``tokens`` runs chunked, ``done`` of them in ``seconds`` of device time: the
         refusal when its whole run would pass the budget, at its pace so far (never counted faster than ``cost``
         says) or, once four of its own ``chunks`` ((offset, tokens, seconds) each) are timed, at the line through
-        them but the first (a CPU's growth steepens as a prompt outgrows its caches, which a line fitted at start
-        on the first chunks of a prompt misses). An estimate of a long prompt's cost is an extrapolation, and a
+        them but the first, or through their recent half (a CPU's growth steepens as a prompt outgrows its caches,
+        which a line fitted at start on the first chunks of a prompt misses, and a line through all of them
+        lags). An estimate of a long prompt's cost is an extrapolation, and a
         run that shows it was too low is stopped here, within the budget, rather than holding the device until
         its deadline."""
         if self.budget_s is None or not 0 < done < tokens:
@@ -109,8 +110,9 @@ class PromptLimit:
         pace = max(1.0, seconds / self.cost.seconds(done))
         rest = pace * (self.cost.seconds(tokens) - self.cost.seconds(done))
         if len(chunks) >= 4 and all(a[0] < b[0] for a, b in zip(chunks, chunks[1:])):   # none re-run
-            own = PromptCost.fit(chunks[1:])
-            rest = max(rest, own.seconds(tokens) - own.seconds(done))
+            warm = list(chunks[1:])
+            for own in (PromptCost.fit(warm), PromptCost.fit(warm[-max(3, len(warm) // 2):])):   # and its recent half
+                rest = max(rest, own.seconds(tokens) - own.seconds(done))
         whole = seconds + rest
         if whole <= self.budget_s:
             return None

@@ -101,6 +101,12 @@ def test_a_run_slower_than_counted_is_refused_once_its_pace_shows_it():
     over = limit.overrun(12_000, 4_000, 4.6, steepening)
     assert isinstance(over, PromptTokensError) and "about 18.6 s" in over.message
     assert limit.overrun(12_000, 4_000, 4.0, [(i * 1_000, 1_000, 1.0) for i in range(4)]) is None
+    # growth that bends (0.01 s more a chunk, then 0.15 s), 10 of 16 chunks done, a 23 s budget: the pace says
+    # 19.0 s and the line through all its chunks 22.7 s, both under; the line through their recent half 24.9 s
+    bend = [(i * 1_000, 1_000, 1.0 + 0.01 * i if i < 6 else 1.05 + 0.15 * (i - 5)) for i in range(10)]
+    seconds, roomy = sum(t for _, _, t in bend), PromptLimit.sized(None, cost, 23.0, 24_576)
+    assert roomy.overrun(16_000, 10_000, seconds) is None
+    assert "about 24.9 s" in roomy.overrun(16_000, 10_000, seconds, bend).message
     # a configured limit is the operator's: no run's pace refuses a prompt within it
     assert PromptLimit.sized(20_000, cost, 15.0, 24_576).overrun(12_000, 3_000, 30.0) is None
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU suite at an earlier commit and at this tree, on one machine in one device call: each commit's tests
 # against its own package, for a change that must leave what the GPU runs as it was (the kernel choices moved into
-# clefcore/kernel_select.py: cuda/ is byte-identical, so the compute_70 PTX cache serves both). Ends within 9 min.
+# clefcore/kernel_select.py; since 0c148ae cuda/ differs by one comment line in vision.cu, so the compute_70 PTX
+# cache, keyed by each source, needs that file's PTX for each commit). Ends within 9 min.
 # Prepare here, in the repository root (.whl/ is ignored by git; carry [".whl"]):
 #   .whl/new, .whl/deps and .whl/ptx70 as docs/bench/run-gpu-validate.sh's header says, then for the earlier commit C:
 #   mkdir -p .whl/before/tree && git archive C | tar -x -C .whl/before/tree
 #   (cd .whl/before/tree && PYENV_VERSION=3.12.1 python -m pip wheel --no-deps -w ../wheel .)
-#   git diff --quiet C -- cuda/ || echo "cuda/ differs: make .whl/ptx70 for each commit"
+#   git diff --quiet C -- cuda/ || echo "cuda/ differs: add C's PTX to .whl/ptx70 (run the line above in its tree)"
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gpu-before-after.sh
 # T_SUITE: each suite's limit in seconds (default 230). Writes to $OUT as it goes: device.txt, before.txt, after.txt
 # (each suite's last 30 lines) and before-full.txt, after-full.txt.

@@ -1,19 +1,16 @@
-"""The vision tower's CUDA ops against their numpy twins (clefcore/backends/cpu.py) on fresh random inputs:
-patch_rows (bit for bit), gelu_tanh, bidirectional_attention (cuda/attention.cu's attn_bidir_d{D}) and the block
-halves vision_attention and vision_mlp (cuda/vision.cu's fused passes around the GEMMs), on packed batches of
-images of awkward sizes (1 patch, non-multiples of 16, several images of different sizes), at the vision head dim
-72 (clef-flash), 16 (the tiny golden model) and every other head dim with a kernel. The GPU tests run for the
-native NVRTC build and for the compute_70 PTX JIT-compiled by the driver (the Volta code path), as
-tests/test_kernels.py does; the work-list checks run on the host.
+"""The vision tower's CUDA kernels below its Backend ops against their numpy twins (clefcore/backends/cpu.py) on
+fresh random inputs: gelu_tanh and bidirectional_attention (cuda/attention.cu's attn_bidir_d{D}), on packed
+batches of images of awkward sizes (1 patch, non-multiples of 16, several images of different sizes), at the
+vision head dim 72 (clef-flash), 16 (the tiny golden model) and every other head dim with a kernel; the work-list
+checks run on the host. The ops themselves (patch_rows, vision_attention, vision_mlp) are rows of tests/test_ops.py.
+The GPU tests run for the native NVRTC build and for the compute_70 PTX JIT-compiled by the driver (the Volta code
+path).
 
-Tolerances (max |gpu - ref| / max |ref|) as in tests/test_kernels.py: attention takes fp16 operands (q, k, v and
+Tolerances (max |gpu - ref| / max |ref|) as in tests/test_ops.py: attention takes fp16 operands (q, k, v and
 the probabilities P each rounded to 11 significant bits, 2^-11 = 4.9e-4 relative) with fp32 accumulation, so its
-bound is that file's 4e-3; gelu_tanh is fp32 throughout (only tanhf's last bits differ from numpy's), 1e-6 like
-the erf GELU's. The block halves in the fast mode round each GEMM operand to fp16 as well, so they take
-test_kernels.py's bound for the SwiGLU MLP (6e-3, two roundings); in the exact modes (split GEMMs, fp32
-attention) its split bound, 2e-5.
+bound is 4e-3; gelu_tanh is fp32 throughout (only tanhf's last bits differ from numpy's), 1e-6 like the erf
+GELU's.
 """
-
 import sys
 from pathlib import Path
 
@@ -200,67 +197,9 @@ def test_bidirectional_attention_exact(precision, cu, heads, D):
           cpu.bidirectional_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, D ** -0.5), EXACT_TOL)
 
 
-# ------------------------------------------------------------------------ input rows and the block halves
-
-@gpu
-@pytest.mark.parametrize("sizes", [[(32, 32)], [(64, 96)], [(32, 32), (96, 64), (1024, 1024)], []])
-def test_patch_rows(ops, sizes):
-    """Bit for bit: (k - 127.5) / 127.5 is one IEEE division on both sides, the layout a permutation."""
-    imgs = [RNG.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-    got, want = ops.to_host(ops.patch_rows(imgs)), cpu.patch_rows(imgs)
-    assert got.shape == want.shape == (sum(h * w for h, w in sizes) // 256, 1536)
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
 @gpu
 def test_patch_rows_refuses_other_sizes(ops):
     with pytest.raises(ValueError, match="multiples of 32"):
         ops.patch_rows([np.zeros((48, 32, 3), np.uint8)])
 
 
-def h16(a):
-    """fp16-exact values: what a GPU's fp16 weight holds, given to numpy too."""
-    return a.astype(np.float16).astype(np.float32)
-
-
-@pytest.fixture(scope="module", params=[(m, p) for m in MODES for p in ("fast", "split")], ids=str)
-def block_ops(request):
-    from clefcore.backends.cuda import CudaOps
-    mode, precision = request.param
-    return CudaOps(0, ptx70=mode == "ptx70", precision=precision)
-
-
-def _block_tol(o):
-    return 6e-3 if o.plan.row.gemm.fp16 else 2e-5
-
-
-@gpu
-@pytest.mark.parametrize("cu,heads,D", [([0, 1], 3, 16), ([0, 63], 16, 72), ([0, 4, 68, 1092], 3, 72),
-                                        ([0, 65, 195], 2, 64)])
-def test_vision_attention(block_ops, cu, heads, D):
-    o = block_ops
-    W, N = heads * D, cu[-1]
-    x = r(N, W)
-    qkv_w, qkv_b = h16(r(3 * W, W, scale=W ** -0.5)), r(3 * W, scale=0.1)
-    proj_w, proj_b = h16(r(W, W, scale=W ** -0.5)), r(W, scale=0.1)
-    ang = r(N, D // 2, scale=3.0)
-    cos, sin = np.cos(ang), np.sin(ang)
-    cu = np.array(cu)
-    got = o.vision_attention(o.asarray(x), o.weight(qkv_w), o.asarray(qkv_b), o.weight(proj_w), o.asarray(proj_b),
-                             heads, o.asarray(cos), o.asarray(sin), cu)
-    want = cpu.vision_attention(x, qkv_w, qkv_b, proj_w, proj_b, heads, cos, sin, cu)
-    check(f"vision_attention {o.plan.path} D{D} H{heads} cu{list(cu)}", o.to_host(got), want, _block_tol(o))
-
-
-@gpu
-@pytest.mark.parametrize("M", [1, 63, 65, 300])
-@pytest.mark.parametrize("H,I", [(72, 200), (48, 8)])
-def test_vision_mlp(block_ops, M, H, I):
-    """I = 8: matrices with a side under 16 stay fp32 (the small-matrix path, then fp32 into fc2)."""
-    o = block_ops
-    x = r(M, H)
-    w1, b1 = h16(r(I, H, scale=H ** -0.5)), r(I, scale=0.1)
-    w2, b2 = h16(r(H, I, scale=I ** -0.5)), r(H, scale=0.1)
-    got = o.vision_mlp(o.asarray(x), o.weight(w1), o.asarray(b1), o.weight(w2), o.asarray(b2))
-    check(f"vision_mlp {o.plan.path} M{M} H{H} I{I}", o.to_host(got), cpu.vision_mlp(x, w1, b1, w2, b2),
-          _block_tol(o))

@@ -1,0 +1,487 @@
+"""Every backend op against the fp32 numpy reference (clefcore/backends/cpu.py's functions), as one table.
+
+``OPS`` holds one row per op (or per way of calling it): how to draw fresh random inputs at a size, the call
+(written once, run on the backend under test and on the reference), the awkward sizes (1, 63, 65, non-multiples
+of 16, packed batches of several sequences) and the bound, which comes from the backend's precision row
+(clefcore/precision.py) or, for the delta rule, from its error model (tests/gdn_wy_model.py). ``BACKENDS`` holds
+each backend and variant: numpy; CUDA built natively and as compute_70 PTX (the Volta code path), each kernel
+path (fp16, split, split8) and each ``--gemm`` choice. The test runs every row on every backend whose path the row
+covers. A new kernel variant is a new entry of ``BACKENDS``; a new op, a new row of ``OPS``.
+
+Calls go through the ``Backend`` protocol only (clefcore/backends/interface.py). The numpy backend runs the
+reference's own functions, so its rows hold it to the reference bit for bit; the CUDA rows need a GPU (marked
+``gpu``, skipped without one).
+
+Bounds (max |got - ref| / max |ref|, with a floor where the result can cancel far below its operands):
+* fp32 kernels (norms, rotary, conv, gates, elementwise) differ from numpy by summation order and the last bits
+  of exp/erf/tanh: 1e-6 .. 2e-5 as each row states, on every path.
+* weight GEMMs by the row's ``gemm`` operands: fp16 (the activation rounded once to 11 significant bits, fp32
+  accumulation): 4e-3, two such roundings (the MLP's hidden product stored in fp16): 6e-3; split (hi + lo fp16
+  halves, fp16-exact weights): fp32-grade, 2e-5 (the H200 at 54dff08: 3.8e-6 linear, 1.6e-6 MLP), scaled with K
+  past 4,096 (``clefcore.bench.kernels.tol_k``); split8 (lo in fp8 against the weight's fp8 twin, which a weight
+  gets where N % 4 == 0 and K % 16 == 0, else it runs split): 5e-5, between its numpy emulation (0.7e-5 ..
+  1.2e-5) and a lost lo term (2e-4).
+* the causal attention reads the fp16 K/V cache on every path, and the joint head's attention takes fp16
+  operands: 4e-3.
+* the vision tower's block halves: the MLP's 6e-3 where the GEMMs round once to fp16, split's 2e-5 otherwise.
+* the delta rule: within 1.25 x its error model's distance from the reference plus 1e-5 (tests/test_gdn_wy_gpu.py
+  says why), and exact within its contract (``clefcore.bench.kernels.TOL_GDN``) too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from clefcore import precision
+from clefcore.backends import cpu
+from clefcore.bench import kernels as bench_kernels
+from clefcore.precision import FP32, GemmOperands
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_GPU, MARKS, reseed  # noqa: E402
+import gdn_wy_model as wy  # noqa: E402
+
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    reseed(RNG, request)
+
+
+def r(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def h16(a):
+    """fp16-exact values: what a GPU's fp16 weight holds (as bf16 checkpoint values are), given to numpy too."""
+    return a.astype(np.float16).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend and variant: numpy, or CUDA by build (native / ptx70), kernel path and ``--gemm`` choice."""
+
+    build: str              # "numpy", "native", "ptx70"
+    path: str = FP32        # the kernel path (precision.TABLE's key)
+    gemm: str = ""          # --gemm's value (CUDA)
+
+    @property
+    def id(self) -> str:
+        return "numpy" if self.build == "numpy" else f"{self.build}-{self.path}-{self.gemm}"
+
+    @property
+    def row(self) -> precision.Row:
+        return precision.TABLE[self.path]
+
+    @property
+    def first_gemm(self) -> bool:
+        """The path's first --gemm choice: rows without weight GEMMs run on this variant only."""
+        return self.gemm == ("cublas" if self.path == "split8" else "wmma")
+
+    def marks(self):
+        if self.build == "numpy":
+            return []
+        marks = list(MARKS)
+        if self.gemm == "cublas" or self.path == "split8":
+            marks.append(pytest.mark.skipif(not HAVE_CUBLAS, reason="cuBLAS cannot be loaded here"))
+        if self.path == "split8":
+            marks.append(pytest.mark.skipif(not HAVE_FP8, reason="split8 needs fp8 tensor cores (cc 8.9+)"))
+        if self.build == "ptx70":
+            marks.append(pytest.mark.skipif(not _have_ptx70(), reason="no NVRTC 12 for the compute_70 PTX"))
+        return marks
+
+
+def _have_ptx70() -> bool:
+    if not HAVE_GPU:
+        return False
+    from clefcore.backends.cuda import compile as C
+    return C.ptx70_available()
+
+
+BACKENDS = [
+    BackendSpec("numpy"),
+    *(BackendSpec("native", path, gemm) for path in ("fp16", "split") for gemm in ("wmma", "cublas", "auto")),
+    BackendSpec("native", "split8", "cublas"),
+    *(BackendSpec("ptx70", path, "wmma") for path in ("fp16", "split")),
+]
+
+
+@lru_cache(maxsize=None)
+def backend(spec: BackendSpec):
+    if spec.build == "numpy":
+        return cpu.CpuOps()
+    from clefcore.backends.cuda import CudaOps
+    # token_block 128: the MLP's token blocking runs at the table's larger sizes
+    return CudaOps(0, ptx70=spec.build == "ptx70", gemm=spec.gemm, precision=spec.path, token_block=128)
+
+
+def _reference():
+    """The numpy reference called like a backend: cpu.py's functions on host arrays."""
+    ops = {name: getattr(cpu, name) for name in (
+        "rmsnorm", "add_rmsnorm", "gated_rmsnorm", "layernorm", "l2norm", "linear", "mlp", "rope_tables", "rotary",
+        "sigmoid_gate", "kv_cache", "kv_write", "attention", "conv1d_silu", "gdn_gates", "gated_delta_rule", "gelu",
+        "sigmoid", "normalize", "span_means", "segment_softmax_sum", "mha", "patch_rows", "vision_attention",
+        "vision_mlp")}
+    host = np.asarray
+    return types.SimpleNamespace(xp=np, asarray=host, weight=host, to_host=host, **ops)
+
+
+REF = _reference()
+
+
+# -------------------------------------------------------------------------------------------------- bounds
+
+def fp32_kernel(bound):
+    """fp32 products on every GPU path: only the order of sums (and exp/erf's last bits) differs from numpy."""
+    return lambda row, inp, ref: 0.0 if row.gemm is GemmOperands.FP32 else bound
+
+
+def gpu_bound(bound):
+    """A bound that holds on every GPU path (the fp16 K/V cache, the head's fp16 attention)."""
+    return fp32_kernel(bound)
+
+
+SPLIT_TOL, SPLIT8_TOL = 2e-5, 5e-5
+GEMM_BOUND = {GemmOperands.FP32: 0.0, GemmOperands.FP16: 4e-3, GemmOperands.SPLIT: SPLIT_TOL,
+              GemmOperands.SPLIT8: SPLIT8_TOL}
+
+
+def linear_bound(row, inp, ref):
+    """One weight GEMM by the row's operands (the module docstring): split8 where the weight has a twin."""
+    (N, K), operands = inp["w"].shape, row.gemm
+    if operands.fp8_lo and not (N % 4 == 0 and K % 16 == 0):
+        operands = GemmOperands.SPLIT
+    return bench_kernels.tol_k(GEMM_BOUND[operands], K) if operands.split else GEMM_BOUND[operands]
+
+
+def mlp_bound(row, inp, ref):
+    """fp16: the hidden product is a second rounding; split8: gate/up and down each twinned or split, whichever
+    their shape allows (split8's bound covers both)."""
+    return 6e-3 if row.gemm.fp16 else GEMM_BOUND[row.gemm]
+
+
+def block_bound(row, inp, ref):
+    """The vision tower's block halves (fused passes around the GEMMs)."""
+    return 0.0 if row.gemm is GemmOperands.FP32 else 6e-3 if row.gemm.fp16 else SPLIT_TOL
+
+
+GDN_MODEL_FACTOR, GDN_FP32_FLOOR = 1.25, 1e-5
+
+
+def delta_rule_bound(row, inp, ref):
+    """From the error model: the kernels' roundings replayed in numpy on the same inputs."""
+    if row.delta_rule.module is None:
+        return 0.0
+    args = tuple(inp[n] for n in ("q", "k", "v", "g", "beta"))
+    S_model = None if inp["S0"] is None else inp["S0"].copy()
+    model = wy.gated_delta_rule(*args, inp["cu"], S_model, operands=wy.KERNEL_OPERANDS[row.delta_rule.module])
+    floor = wy.floor_of(*args[:3], args[4])
+    cap = bench_kernels.TOL_GDN if row.mode == "exact" else np.inf
+    bounds = {"out": (min(cap, GDN_MODEL_FACTOR * wy.rel(model, ref["out"], floor) + GDN_FP32_FLOOR), floor)}
+    if S_model is not None:
+        bounds["state"] = min(cap, GDN_MODEL_FACTOR * wy.rel(S_model, ref["state"]) + GDN_FP32_FLOOR)
+    return bounds
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+@dataclass(frozen=True)
+class Op:
+    """One row: ``make(size)`` draws host inputs; ``call(b, inp)`` runs the op on backend ``b`` and returns its
+    outputs by name (run on the reference too); ``bound(row, inp, ref)``: a bound, (bound, floor) or a dict of
+    them by output; ``paths``: the kernel paths it runs on (numpy's always); ``gemm``: it runs weight GEMMs, so
+    each ``--gemm`` choice is a variant of it (other rows run on each path's first choice only)."""
+
+    name: str
+    sizes: tuple
+    make: Callable
+    call: Callable
+    bound: Callable
+    paths: tuple = precision.KERNEL_PATHS
+    gemm: bool = False
+
+
+def A(b, a):
+    return b.asarray(a)
+
+
+def _norm_inputs(size):
+    R, D = size
+    return {"x": r(R, D), "d": r(R, D), "w": r(D, scale=0.1), "z": r(R, D), "b": r(D)}
+
+
+def _head_view(b, proj, T, H, D):
+    """The q/k columns of a wider projection viewed [T, H, D]: no single row stride."""
+    return A(b, proj)[:, 5:5 + H * D].reshape(T, H, D)
+
+
+def _linear_inputs(size):
+    M, N, K = size
+    return {"x": r(M, K), "w": h16(r(N, K, scale=K ** -0.5)), "b": r(N)}
+
+
+def _small_linear_inputs(size):
+    M, N, K = size
+    return {"x": r(M, K), "w": r(N, K, scale=K ** -0.5), "b": r(N)}
+
+
+def _mlp_inputs(size):
+    M, H, I = size
+    return {"x": r(M, H), "wg": h16(r(I, H, scale=H ** -0.5)), "wu": h16(r(I, H, scale=H ** -0.5)),
+            "wd": h16(r(H, I, scale=I ** -0.5))}
+
+
+def _rope_inputs(size):
+    T, H, D, rd = size
+    return {"pos": np.arange(T) + 5, "rd": rd, "x": r(T, H, 2, D), "o": r(T, H, D), "g": r(T, H, 2, D)}
+
+
+def _rotary(b, inp):
+    c, s = b.rope_tables(inp["pos"], inp["rd"], 1e7)
+    return {"rotary": b.rotary(A(b, inp["x"])[:, :, 0], c, s)}
+
+
+def _attention_inputs(size):
+    cu, D, hq, hkv = size
+    T = cu[-1]
+    return {"q": r(T, hq, D), "k": r(T, hkv, D), "v": r(T, hkv, D), "cu": np.array(cu), "scale": D ** -0.5}
+
+
+def _attention_blocked(b, inp, block):
+    """Token-blocked prefill: queries [t0, t1) against an fp16 K/V cache written block by block, whose rows
+    past t1 hold NaN (never read)."""
+    q, k, v, cu, scale = (inp[n] for n in ("q", "k", "v", "cu", "scale"))
+    T, hkv, D = k.shape
+    kc, vc = b.kv_cache(T, hkv, D), b.kv_cache(T, hkv, D)
+    kc.fill(np.nan)
+    vc.fill(np.nan)
+    got = []
+    for t0 in range(0, T, block):
+        t1 = min(t0 + block, T)
+        b.kv_write(kc, t0, A(b, k[t0:t1]))
+        b.kv_write(vc, t0, A(b, v[t0:t1]))
+        got.append(b.to_host(b.attention(A(b, q[t0:t1]), kc, vc, cu, scale, q_offset=t0)))
+    return {"out": np.concatenate(got)}
+
+
+def _conv_inputs(size):
+    cu, K = size
+    C = 72
+    return {"x": r(cu[-1], 3 * C), "w": r(C, K), "cu": np.array(cu), "C": C}
+
+
+def _gdn_inputs(size):
+    cu, (hk, hv, dk, dv), with_state = size
+    (q, k, v, g, beta), S0 = wy.draw(RNG, cu, hk, hv, dk, dv)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu": np.array(cu), "S0": S0 if with_state else None}
+
+
+def _gdn(b, inp):
+    S = None if inp["S0"] is None else A(b, inp["S0"].copy())
+    out = b.gated_delta_rule(*(A(b, inp[n]) for n in ("q", "k", "v", "g", "beta")), inp["cu"], S)
+    return {"out": out} if S is None else {"out": out, "state": S}
+
+
+def _mha_inputs(size):
+    nq, nk = size
+    W = 32
+    gq, gk = np.repeat(np.arange(len(nq)), nq), np.repeat(np.arange(len(nk)), nk)
+    return {"xq": r(len(gq), W), "xkv": r(len(gk), W), "in_w": h16(r(3 * W, W, scale=0.2)), "in_b": r(3 * W),
+            "out_w": h16(r(W, W, scale=0.2)), "out_b": r(W), "gq": gq, "gk": gk}
+
+
+def _mha(b, inp):
+    """Cross attention, then self attention (one array as queries and keys: one [q | k | v] GEMM); with groups
+    where there are several (each query group attends to its own keys only)."""
+    w = (b.weight(inp["in_w"]), A(b, inp["in_b"]), b.weight(inp["out_w"]), A(b, inp["out_b"]), 4)
+    grouped = inp["gq"][-1] > 0 or inp["gk"][-1] > 0
+    xq = A(b, inp["xq"])
+    cross = b.mha(xq, A(b, inp["xkv"]), *w, (inp["gq"], inp["gk"]) if grouped else None)
+    return {"cross": cross, "self": b.mha(xq, xq, *w, (inp["gq"], inp["gq"]) if grouped else None)}
+
+
+def _spans(size):
+    T, starts, ends = size
+    return {"x": r(T, 32), "st": np.array(starts), "en": np.array(ends)}
+
+
+def _segments(size):
+    counts = size
+    own = np.repeat(np.arange(len(counts)), counts)
+    return {"sc": r(own.size), "vals": r(own.size, 32), "own": own, "n": len(counts)}
+
+
+def _vision_attention_inputs(size):
+    cu, heads, D = size
+    W, N = heads * D, cu[-1]
+    ang = r(N, D // 2, scale=3.0)
+    return {"x": r(N, W), "qkv_w": h16(r(3 * W, W, scale=W ** -0.5)), "qkv_b": r(3 * W, scale=0.1),
+            "proj_w": h16(r(W, W, scale=W ** -0.5)), "proj_b": r(W, scale=0.1), "heads": heads,
+            "cos": np.cos(ang), "sin": np.sin(ang), "cu": np.array(cu)}
+
+
+def _vision_mlp_inputs(size):
+    M, H, I = size
+    return {"x": r(M, H), "w1": h16(r(I, H, scale=H ** -0.5)), "b1": r(I, scale=0.1),
+            "w2": h16(r(H, I, scale=I ** -0.5)), "b2": r(H, scale=0.1)}
+
+
+NORM_SIZES = tuple(itertools.product((1, 63, 65, 130), (1, 63, 65, 256, 4096)))
+HEAD_VIEWS = ((1, 3, 32), (65, 3, 32), (33, 2, 1024))       # warp and block paths
+GEMM_NK = ((16, 64), (65, 40), (1000, 256), (130, 1000), (1008, 256), (200, 1008))
+# the MLP's widest K (12,288): split's accumulation error grows with K
+LINEAR_SIZES = tuple((M, N, K) for M in (1, 63, 65, 300) for N, K in GEMM_NK) + ((65, 64, 12288),)
+# one token, under / over a 64-row tile, packed streams with one-token and tile-straddling sequences
+CU = ([0, 1], [0, 63], [0, 65], [0, 1, 64, 129, 259], [0, 300], [0, 65, 130, 131])
+ATTN_DIMS = ((16, 2, 1), (32, 4, 2), (64, 4, 4), (128, 4, 1), (256, 4, 2))
+GDN_CU = CU + ([0, 64], [0, 130], [0, 17, 17, 147])         # an empty sequence keeps its state
+GDN_SHAPES = ((2, 4, 16, 16), (1, 2, 128, 128), (2, 2, 32, 64), (2, 2, 48, 48))
+VISION_BLOCK_PATHS = ("fp16", "split")   # split8's twinned GEMMs in the tower: no bound measured yet
+
+OPS = [
+    Op("rmsnorm", NORM_SIZES, _norm_inputs,
+       lambda b, i: {"y": b.rmsnorm(A(b, i["x"]), A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+    Op("add_rmsnorm", NORM_SIZES, _norm_inputs,
+       lambda b, i: dict(zip(("sum", "norm"), b.add_rmsnorm(A(b, i["x"]), A(b, i["d"]), A(b, i["w"]), 1e-6))),
+       lambda row, i, ref: {"sum": fp32_kernel(1e-6)(row, i, ref), "norm": fp32_kernel(2e-5)(row, i, ref)}),
+    Op("gated_rmsnorm", NORM_SIZES, _norm_inputs,
+       lambda b, i: {"y": b.gated_rmsnorm(A(b, i["x"]), A(b, i["z"]), A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+    Op("layernorm", NORM_SIZES, _norm_inputs,
+       lambda b, i: {"y": b.layernorm(A(b, i["x"]), A(b, i["w"]), A(b, i["b"]))}, fp32_kernel(2e-5)),
+    Op("l2norm", NORM_SIZES, _norm_inputs,
+       lambda b, i: {"y": b.l2norm(A(b, i["x"]), 1e-6, 0.25)}, fp32_kernel(2e-5)),
+    # the norms on views the model passes: a strided slice of [T, H, 2, D], and head views of a projection's
+    # columns (read through a token stride and a head stride)
+    Op("norms of strided views", ((1, 3, 32), (65, 3, 32)), lambda s: {"qg": r(*s[:2], 2, s[2]), "w": r(s[2])},
+       lambda b, i: {"rmsnorm": b.rmsnorm(A(b, i["qg"])[:, :, 0], A(b, i["w"]), 1e-6),
+                     "l2norm": b.l2norm(A(b, i["qg"])[:, :, 1], 1e-6)}, fp32_kernel(2e-5)),
+    Op("norms of head views", HEAD_VIEWS,
+       lambda s: {"T,H,D": s, "proj": r(s[0], 5 + s[1] * s[2] + 7), "w": r(s[2], scale=0.1), "b": r(s[2]),
+                  "z": r(*s)},
+       lambda b, i: {"l2norm": b.l2norm(_head_view(b, i["proj"], *i["T,H,D"]), 1e-6, 0.5),
+                     "rmsnorm": b.rmsnorm(_head_view(b, i["proj"], *i["T,H,D"]), A(b, i["w"]), 1e-6),
+                     "layernorm": b.layernorm(_head_view(b, i["proj"], *i["T,H,D"]), A(b, i["w"]), A(b, i["b"])),
+                     "gated_rmsnorm": b.gated_rmsnorm(_head_view(b, i["proj"], *i["T,H,D"]), A(b, i["z"]),
+                                                      A(b, i["w"]), 1e-6)},
+       fp32_kernel(2e-5)),
+    Op("gated_rmsnorm on a projection slice", ((1, 3, 32), (65, 3, 32)),
+       lambda s: {"T,H,D": s, "proj": r(s[0], 7 + s[1] * s[2] + 5), "x": r(*s), "w": r(s[2], scale=0.1)},
+       lambda b, i: {"y": b.gated_rmsnorm(A(b, i["x"]), _head_view(b, i["proj"][:, 2:], *i["T,H,D"]),
+                                          A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+    Op("linear", LINEAR_SIZES, _linear_inputs,
+       lambda b, i: {"y": b.linear(A(b, i["x"]), b.weight(i["w"])),
+                     "y+bias": b.linear(A(b, i["x"]), b.weight(i["w"]), A(b, i["b"]))},
+       linear_bound, gemm=True),
+    # a matrix with a side under 16 stays fp32 and runs as a reduction; each output is a sum of K products of
+    # unit variance overall, so 1 is its size (a single output can cancel near 0)
+    Op("linear (fp32 weight)", tuple((M, *NK) for M in (1, 63, 65) for NK in ((1, 4096), (4, 63), (15, 65), (32, 8))),
+       _small_linear_inputs,
+       lambda b, i: {"y": b.linear(A(b, i["x"]), b.weight(i["w"])),
+                     "3d+bias": b.linear(A(b, i["x"][:, None, :]), b.weight(i["w"]), A(b, i["b"]))},
+       lambda row, i, ref: (0.0 if row.gemm is GemmOperands.FP32 else 1e-5, 1.0)),
+    # SwiGLU, H = 96; the hidden width odd (the split operand's one-wide loop), a multiple of 4 and of 16
+    Op("mlp", ((1, 96, 200), (65, 96, 200), (300, 96, 200), (63, 96, 201), (300, 96, 201), (65, 96, 208)),
+       _mlp_inputs,
+       lambda b, i: {"y": b.mlp(A(b, i["x"]), b.weight(i["wg"]), b.weight(i["wu"]), b.weight(i["wd"]))}, mlp_bound,
+       gemm=True),
+    Op("rope_tables", ((1, 4, 64, 16), (70, 4, 64, 16), (65, 2, 64, 64)), _rope_inputs,
+       lambda b, i: dict(zip(("cos", "sin"), b.rope_tables(i["pos"], i["rd"], 1e7))), fp32_kernel(1e-6)),
+    Op("rotary", ((1, 4, 64, 16), (70, 4, 64, 16), (65, 2, 64, 64)), _rope_inputs, _rotary, fp32_kernel(1e-6)),
+    Op("sigmoid_gate", ((1, 4, 64, 16), (70, 4, 64, 16), (63, 3, 65, 16)), _rope_inputs,
+       lambda b, i: {"y": b.sigmoid_gate(A(b, i["o"]), A(b, i["g"])[:, :, 1])}, fp32_kernel(1e-6)),
+    Op("attention", tuple((cu, *d) for cu in CU for d in ATTN_DIMS) + (([0, 2100, 2400], 256, 4, 2),),
+       _attention_inputs,
+       lambda b, i: {"out": b.attention(*(A(b, i[n]) for n in "qkv"), i["cu"], i["scale"])}, gpu_bound(4e-3)),
+    *(Op(f"attention token blocks of {block}",
+         tuple((cu, *d) for cu in ([0, 300], [0, 1, 64, 129, 259], [0, 65, 130, 131])
+               for d in ((64, 4, 2), (256, 4, 1))),
+         _attention_inputs, lambda b, i, block=block: _attention_blocked(b, i, block), gpu_bound(4e-3))
+      for block in (1, 63, 64, 65, 100)),
+    # x as the model passes it: the middle third of the conv's input columns
+    Op("conv1d_silu", tuple(itertools.product(CU, (1, 4, 8))), _conv_inputs,
+       lambda b, i: {"y": b.conv1d_silu(A(b, i["x"])[:, i["C"]:2 * i["C"]], A(b, i["w"]), i["cu"])},
+       fp32_kernel(1e-5)),
+    Op("gdn_gates", ((1, 8), (65, 8), (300, 32)),
+       lambda s: {"a": r(*s, scale=10), "b": r(*s), "al": r(s[1]), "dt": r(s[1])},
+       lambda b, i: dict(zip(("g", "beta"), b.gdn_gates(*(A(b, i[n]) for n in ("a", "b", "al", "dt"))))),
+       lambda row, i, ref: {"g": fp32_kernel(1e-5)(row, i, ref), "beta": fp32_kernel(1e-6)(row, i, ref)}),
+    Op("gated_delta_rule", tuple(itertools.product(GDN_CU, GDN_SHAPES, (False, True))), _gdn_inputs, _gdn,
+       delta_rule_bound),
+    Op("gelu", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s, scale=3.0)},
+       lambda b, i: {"y": b.gelu(A(b, i["x"]))}, fp32_kernel(1e-6)),
+    Op("sigmoid", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
+       lambda b, i: {"y": b.sigmoid(A(b, i["x"]))}, fp32_kernel(1e-6)),
+    Op("normalize", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
+       lambda b, i: {"y": b.normalize(A(b, i["x"]), 1e-8)}, fp32_kernel(1e-6)),
+    Op("span_means", ((1, [0], [1]), (65, [0, 5, 60], [1, 30, 65]), (300, [0, 0, 17], [300, 1, 80])), _spans,
+       lambda b, i: {"y": b.span_means(A(b, i["x"]), i["st"], i["en"])}, fp32_kernel(1e-6)),
+    Op("segment_softmax_sum", ((1,), (2, 3, 4), (1, 63, 65, 2, 30)), _segments,
+       lambda b, i: {"y": b.segment_softmax_sum(A(b, i["sc"]), A(b, i["vals"]), i["own"], i["n"])},
+       fp32_kernel(1e-6)),
+    Op("mha", (([7], [65]), ([1], [1]), ([7, 1, 3], [65, 63, 1]), ([2, 300], [130, 17])), _mha_inputs, _mha,
+       gpu_bound(4e-3), paths=("split", "split8"), gemm=True),
+    Op("patch_rows", ([(32, 32)], [(64, 96)], [(32, 32), (96, 64), (1024, 1024)], []),
+       lambda s: {"imgs": [RNG.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in s]},
+       lambda b, i: {"rows": b.patch_rows(i["imgs"])}, lambda row, i, ref: 0.0),   # one IEEE division each side
+    Op("vision_attention", (([0, 1], 3, 16), ([0, 63], 16, 72), ([0, 4, 68, 1092], 3, 72), ([0, 65, 195], 2, 64)),
+       _vision_attention_inputs,
+       lambda b, i: {"y": b.vision_attention(A(b, i["x"]), b.weight(i["qkv_w"]), A(b, i["qkv_b"]),
+                                             b.weight(i["proj_w"]), A(b, i["proj_b"]), i["heads"], A(b, i["cos"]),
+                                             A(b, i["sin"]), i["cu"])},
+       block_bound, paths=VISION_BLOCK_PATHS, gemm=True),
+    # I = 8: matrices with a side under 16 stay fp32 (the small-matrix path, then fp32 into fc2)
+    Op("vision_mlp", tuple((M, H, I) for M in (1, 63, 65, 300) for H, I in ((72, 200), (48, 8))), _vision_mlp_inputs,
+       lambda b, i: {"y": b.vision_mlp(A(b, i["x"]), b.weight(i["w1"]), A(b, i["b1"]), b.weight(i["w2"]),
+                                       A(b, i["b2"]))},
+       block_bound, paths=VISION_BLOCK_PATHS, gemm=True),
+]
+
+
+def _cases():
+    for spec in BACKENDS:
+        for op in OPS:
+            if spec.build != "numpy" and (spec.path not in op.paths or not (op.gemm or spec.first_gemm)):
+                continue
+            for k, size in enumerate(op.sizes):
+                yield pytest.param(spec, op, size, marks=spec.marks(), id=f"{spec.id}-{op.name}-{k}")
+
+
+def _bounds(bound, names):
+    """{output: (bound, floor)} from what a row's bound returned."""
+    if not isinstance(bound, dict):
+        bound = dict.fromkeys(names, bound)
+    return {n: b if isinstance(b, tuple) else (b, 0.0) for n, b in bound.items()}
+
+
+def rel(got, ref, floor=0.0):
+    """max |got - ref| over max(max |ref|, floor): got finite and of ref's shape."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.all(np.isfinite(got)), "non-finite output"
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
+
+
+@pytest.mark.parametrize("spec,op,size", list(_cases()))
+def test_op(spec, op, size):
+    b = backend(spec)
+    assert b.plan.path == spec.path, f"{spec.id} runs {b.plan.path}"
+    inp = op.make(size)
+    ref = op.call(REF, inp)
+    got = {n: b.to_host(a) for n, a in op.call(b, inp).items()}
+    assert got.keys() == ref.keys()
+    for name, (bound, floor) in _bounds(op.bound(spec.row, inp, ref), got).items():
+        e = rel(got[name], ref[name], floor)
+        print(f"ERR {spec.id} {op.name} {size} {name} {e:.3e} (bound {bound:.1e})")
+        assert e <= bound, f"{op.name} {name} at {size} on {spec.id}: max rel error {e:.3e} > {bound:.1e}"

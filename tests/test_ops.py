@@ -114,7 +114,7 @@ BACKENDS = [
     BackendSpec("numpy"),
     *(BackendSpec("native", path, gemm) for path in ("fp16", "split") for gemm in ("wmma", "cublas", "auto")),
     BackendSpec("native", "split8", "cublas"),
-    *(BackendSpec("ptx70", path, "wmma") for path in ("fp16", "split")),
+    *(BackendSpec("ptx70", path, gemm) for path in ("fp16", "split") for gemm in ("wmma", "auto")),
 ]
 
 
@@ -295,18 +295,18 @@ def _gdn(b, inp):
 
 
 def _mha_inputs(size):
-    nq, nk = size
+    nq, nk, grouped = size
     W = 32
     gq, gk = np.repeat(np.arange(len(nq)), nq), np.repeat(np.arange(len(nk)), nk)
     return {"xq": r(len(gq), W), "xkv": r(len(gk), W), "in_w": h16(r(3 * W, W, scale=0.2)), "in_b": r(3 * W),
-            "out_w": h16(r(W, W, scale=0.2)), "out_b": r(W), "gq": gq, "gk": gk}
+            "out_w": h16(r(W, W, scale=0.2)), "out_b": r(W), "gq": gq, "gk": gk, "grouped": grouped}
 
 
 def _mha(b, inp):
     """Cross attention, then self attention (one array as queries and keys: one [q | k | v] GEMM); with groups
-    where there are several (each query group attends to its own keys only)."""
+    or not (each query group attends to its own keys only: packed joint-head attention)."""
     w = (b.weight(inp["in_w"]), A(b, inp["in_b"]), b.weight(inp["out_w"]), A(b, inp["out_b"]), 4)
-    grouped = inp["gq"][-1] > 0 or inp["gk"][-1] > 0
+    grouped = inp["grouped"]
     xq = A(b, inp["xq"])
     cross = b.mha(xq, A(b, inp["xkv"]), *w, (inp["gq"], inp["gk"]) if grouped else None)
     return {"cross": cross, "self": b.mha(xq, xq, *w, (inp["gq"], inp["gq"]) if grouped else None)}
@@ -419,18 +419,21 @@ OPS = [
        lambda row, i, ref: {"g": fp32_kernel(1e-5)(row, i, ref), "beta": fp32_kernel(1e-6)(row, i, ref)}),
     Op("gated_delta_rule", tuple(itertools.product(GDN_CU, GDN_SHAPES, (False, True))), _gdn_inputs, _gdn,
        delta_rule_bound),
-    Op("gelu", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s, scale=3.0)},
+    # one token's row, not one value: a lone output near 0 (gelu(-3.4) ~ -1e-3) would measure the last bits of
+    # erf against itself rather than the kernel
+    Op("gelu", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s, scale=3.0)},
        lambda b, i: {"y": b.gelu(A(b, i["x"]))}, fp32_kernel(1e-6)),
-    Op("sigmoid", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
+    Op("sigmoid", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
        lambda b, i: {"y": b.sigmoid(A(b, i["x"]))}, fp32_kernel(1e-6)),
-    Op("normalize", ((1, 1), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
+    Op("normalize", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
        lambda b, i: {"y": b.normalize(A(b, i["x"]), 1e-8)}, fp32_kernel(1e-6)),
-    Op("span_means", ((1, [0], [1]), (65, [0, 5, 60], [1, 30, 65]), (300, [0, 0, 17], [300, 1, 80])), _spans,
+    Op("span_means", ((1, [0], [1]), (65, [0, 5, 60], [1, 30, 65]), (300, [0, 17, 299], [17, 299, 300])), _spans,
        lambda b, i: {"y": b.span_means(A(b, i["x"]), i["st"], i["en"])}, fp32_kernel(1e-6)),
     Op("segment_softmax_sum", ((1,), (2, 3, 4), (1, 63, 65, 2, 30)), _segments,
        lambda b, i: {"y": b.segment_softmax_sum(A(b, i["sc"]), A(b, i["vals"]), i["own"], i["n"])},
        fp32_kernel(1e-6)),
-    Op("mha", (([7], [65]), ([1], [1]), ([7, 1, 3], [65, 63, 1]), ([2, 300], [130, 17])), _mha_inputs, _mha,
+    Op("mha", (([7], [65], False), ([1], [1], True), ([7, 1, 3], [65, 63, 1], True), ([2, 300], [130, 17], True)),
+       _mha_inputs, _mha,
        gpu_bound(4e-3), paths=("split", "split8"), gemm=True),
     Op("patch_rows", ([(32, 32)], [(64, 96)], [(32, 32), (96, 64), (1024, 1024)], []),
        lambda s: {"imgs": [RNG.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in s]},

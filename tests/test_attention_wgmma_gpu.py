@@ -116,37 +116,6 @@ def test_against_numpy_and_attention_cu(pair, cu):
     assert e_on <= NOT_WORSE * e_off + 1e-7, (e_on, e_off)
 
 
-@pytest.mark.parametrize("hq,hkv", [(2, 1), (8, 8), (32, 4)])
-def test_other_head_groups(pair, hq, hkv):
-    """kv head = query head // (Hq / Hkv) for other ratios (none, 2, 8)."""
-    on, _ = pair
-    cu = np.array([0, 65, 200])
-    q, k16, v16, k, v = inputs(200, hq, hkv)
-    assert rel(run(on, q, k16, v16, cu, 0.0625), cpu.attention(q, k, v, cu, 0.0625)) <= TOL
-
-
-@pytest.mark.parametrize("block", [1, 63, 64, 65, 128, 129, 300])
-@pytest.mark.parametrize("cu", [[0, 1000], [0, 1, 64, 129, 259, 700]])
-def test_token_blocked_prefill(pair, cu, block):
-    """Queries [t0, t1) against an fp16 K/V cache written block by block, its rows from t1 on NaN: never read
-    (zero-filled in shared memory), every query row written once."""
-    on, off = pair
-    cu = np.array(cu)
-    T = int(cu[-1])
-    q, k16, v16, k, v = inputs(T)
-    ref = cpu.attention(q, k, v, cu, 1 / 16)
-    kc, vc = on.kv_cache(T, HKV, D), on.kv_cache(T, HKV, D)
-    kc.fill(np.nan)
-    vc.fill(np.nan)
-    got = []
-    for t0 in range(0, T, block):
-        t1 = min(t0 + block, T)
-        kc[t0:t1] = cupy.asarray(k16[t0:t1])
-        vc[t0:t1] = cupy.asarray(v16[t0:t1])
-        got.append(on.to_host(on.attention(on.asarray(q[t0:t1]), kc, vc, cu, 1 / 16, q_offset=t0)))
-    assert rel(np.concatenate(got), ref) <= TOL
-
-
 def test_long_sequence_last_rows(pair):
     """8,192 tokens (128 key tiles for the last block, both K/V buffers reused 64 times): the last and the first
     queries against numpy."""

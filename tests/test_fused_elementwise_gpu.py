@@ -7,8 +7,8 @@ run twice on each GEMM route: the same logits bit for bit, one prompt at a time 
 
 Bit-equality is the test because it holds by construction (clefcore/precision.py ``Row.fused_elementwise``):
 rounding an fp32 value to fp16 is one deterministic cvt.rn, so the producer rounding it equals the consumer
-rounding it; the fused gate/up GEMM adds each output's products in the plain kernel's order. Each fused op is
-also held to numpy within the fast contract's per-op bound (tests/test_kernels.py's), which the bits then
+rounding it; the fused gate/up GEMM adds each output's products in the plain kernel's order. The op table
+(tests/test_ops.py) holds the fused ops to numpy within the fast plan's per-op bound, which the bits then
 inherit."""
 
 import json
@@ -29,9 +29,6 @@ cupy = pytest.importorskip("cupy")
 
 RNG = np.random.default_rng()
 GOLD = Path(__file__).parent / "golden"
-# an fp16 result against numpy's fp32, relative to the largest reference value: its one rounding (at most half an
-# fp16 ulp, 2^-11 of the value) over the fp32 kernels' own bound (2e-5: tests/test_kernels.py's norms), with room
-FP16_OUT = 2.0 ** -11 + 3e-5
 # the fused MLP's hidden product against numpy on the same fp16 inputs: the output's rounding, plus fp32 sums in
 # another order and silu_f's __expf (relative error ~2^-21 at these sizes), far below 1e-4
 SWIGLU_OUT = 2.0 ** -11 + 1e-4
@@ -90,7 +87,7 @@ def always_fp16(monkeypatch, o):
 @pytest.mark.parametrize("D", [1, 63, 65, 256, 4096])
 def test_norms_write_the_rounding_of_their_fp32_result(fused, monkeypatch, R, D):
     """rmsnorm_rows_h, add_rmsnorm_rows_h (its sum still fp32) and gated_rmsnorm_rows_h on the warp (D < 1024)
-    and the block path: fp16(the fp32 kernel's output) bit for bit; and within fp16's rounding of numpy."""
+    and the block path: fp16(the fp32 kernel's output) bit for bit."""
     o = fused
     always_fp16(monkeypatch, o)
     x, d, w, z = r(R, D), r(R, D), r(D, scale=0.1), r(R, D)
@@ -98,16 +95,13 @@ def test_norms_write_the_rounding_of_their_fp32_result(fused, monkeypatch, R, D)
     got = o.rmsnorm(X, W, 1e-6, gemm_input=True)
     assert got.dtype == np.float16
     assert_bits(o, got, o._half(o.rmsnorm(X, W, 1e-6)), f"rmsnorm R{R} D{D}")
-    assert rel(o, got, cpu.rmsnorm(x, w, 1e-6)) <= FP16_OUT
     s, y = o.add_rmsnorm(X, Dd, W, 1e-6, gemm_input=True)
     s0, y0 = o.add_rmsnorm(X, Dd, W, 1e-6)
     assert s.dtype == np.float32 and y.dtype == np.float16
     assert_bits(o, s, s0, f"add_rmsnorm sum R{R} D{D}")
     assert_bits(o, y, o._half(y0), f"add_rmsnorm R{R} D{D}")
-    assert rel(o, y, cpu.add_rmsnorm(x, d, w, 1e-6)[1]) <= FP16_OUT
     got = o.gated_rmsnorm(X, Z, W, 1e-6, gemm_input=True)
     assert_bits(o, got, o._half(o.gated_rmsnorm(X, Z, W, 1e-6)), f"gated_rmsnorm R{R} D{D}")
-    assert rel(o, got, cpu.gated_rmsnorm(x, z, w, 1e-6)) <= FP16_OUT
 
 
 @pytest.mark.parametrize("T", [1, 63, 65, 300])
@@ -162,7 +156,6 @@ def test_sigmoid_gate_writes_the_rounding_of_its_fp32_result(fused, monkeypatch,
     got = o.sigmoid_gate(Ov, G, gemm_input=True)
     assert got.dtype == np.float16 and got.shape == (n, H, D)
     assert_bits(o, got, o._half(o.sigmoid_gate(Ov, G)), f"sigmoid_gate n{n} {H}x{D}")
-    assert rel(o, got, cpu.sigmoid_gate(ov, qg[:, :, 1])) <= FP16_OUT
 
 
 # ------------------------------------------------------------------------------------ GEMMs on fp16 operands

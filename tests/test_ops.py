@@ -31,6 +31,7 @@ Bounds (max |got - ref| / max |ref|, with a floor where the result can cancel fa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import types
@@ -150,14 +151,20 @@ REF = _reference()
 
 # -------------------------------------------------------------------------------------------------- bounds
 
-def fp32_kernel(bound):
-    """fp32 products on every GPU path: only the order of sums (and exp/erf's last bits) differs from numpy."""
+def on_gpu(bound):
+    """``bound`` on every GPU path; 0 on numpy's, which runs the reference's own functions."""
     return lambda row, inp, ref: 0.0 if row.gemm is GemmOperands.FP32 else bound
 
 
-def gpu_bound(bound):
-    """A bound that holds on every GPU path (the fp16 K/V cache, the head's fp16 attention)."""
-    return fp32_kernel(bound)
+# an fp16 result against numpy's fp32, relative to the largest reference value: its one rounding (at most half an
+# fp16 ulp, 2^-11 of the value) over the fp32 kernels' own bound (2e-5: the norms'), with room
+FP16_OUT = 2.0 ** -11 + 3e-5
+
+
+def gemm_input_bound(bound):
+    """An op asked for a GEMM's input (``gemm_input``): fp16 where the row fuses and the GEMM has over 64 rows."""
+    return lambda row, inp, ref: (FP16_OUT if row.fused_elementwise and inp["x"].shape[0] > 64
+                                  else on_gpu(bound)(row, inp, ref))
 
 
 SPLIT_TOL, SPLIT8_TOL = 2e-5, 5e-5
@@ -184,19 +191,22 @@ def block_bound(row, inp, ref):
     return 0.0 if row.gemm is GemmOperands.FP32 else 6e-3 if row.gemm.fp16 else SPLIT_TOL
 
 
-def delta_rule_bound(row, inp, ref):
-    """From the error model: the kernels' roundings replayed in numpy on the same inputs."""
-    if row.delta_rule.module is None:
-        return 0.0
-    args = tuple(inp[n] for n in ("q", "k", "v", "g", "beta"))
-    S_model = None if inp["S0"] is None else inp["S0"].copy()
-    model = wy.gated_delta_rule(*args, inp["cu"], S_model, operands=wy.KERNEL_OPERANDS[row.delta_rule.module])
-    floor = wy.floor_of(*args[:3], args[4])
-    cap = bench_kernels.TOL_GDN if row.mode == "exact" else np.inf
-    bounds = {"out": (min(cap, wy.bound(wy.rel(model, ref["out"], floor))), floor)}
-    if S_model is not None:
-        bounds["state"] = min(cap, wy.bound(wy.rel(S_model, ref["state"])))
-    return bounds
+def delta_rule_bound(call):
+    """From the error model: the row's ``call`` run on the model (the kernels' roundings replayed in numpy, as a
+    backend) with the same inputs; exact's output within its contract too. A region outside the state view: bit
+    for bit."""
+    def bound(row, inp, ref):
+        if row.delta_rule.module is None:
+            return 0.0
+        rule = functools.partial(wy.gated_delta_rule, operands=wy.KERNEL_OPERANDS[row.delta_rule.module])
+        model = call(types.SimpleNamespace(asarray=np.asarray, to_host=np.asarray, gated_delta_rule=rule), inp)
+        floor = wy.floor_of(*(inp[n] for n in ("q", "k", "v", "beta")))
+        bounds = {"out": (min(bench_kernels.TOL_GDN if row.mode == "exact" else np.inf,
+                              wy.bound(wy.rel(model["out"], ref["out"], floor))), floor), "untouched": 0.0}
+        if "state" in ref:
+            bounds["state"] = wy.bound(wy.rel(model["state"], ref["state"]))
+        return {n: bounds[n] for n in ref}
+    return bound
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -238,19 +248,23 @@ def _norm_inputs(size):
     return {"x": r(R, D), "d": r(R, D), "w": r(D, scale=0.1), "z": r(R, D), "b": r(D)}
 
 
+def _as_gemm_input(b, i):
+    x, w = A(b, i["x"]), A(b, i["w"])
+    s, y = b.add_rmsnorm(x, A(b, i["d"]), w, 1e-6, gemm_input=True)
+    return {"rmsnorm": b.rmsnorm(x, w, 1e-6, gemm_input=True), "sum": s, "add_rmsnorm": y,
+            "gated_rmsnorm": b.gated_rmsnorm(x, A(b, i["z"]), w, 1e-6, gemm_input=True),
+            "sigmoid_gate": b.sigmoid_gate(x, A(b, i["g"])[:, 1], gemm_input=True)}
+
+
 def _head_view(b, proj, T, H, D):
     """The q/k columns of a wider projection viewed [T, H, D]: no single row stride."""
     return A(b, proj)[:, 5:5 + H * D].reshape(T, H, D)
 
 
-def _linear_inputs(size):
+def _linear_inputs(size, fp16=True):
     M, N, K = size
-    return {"x": r(M, K), "w": h16(r(N, K, scale=K ** -0.5)), "b": r(N)}
-
-
-def _small_linear_inputs(size):
-    M, N, K = size
-    return {"x": r(M, K), "w": r(N, K, scale=K ** -0.5), "b": r(N)}
+    w = r(N, K, scale=K ** -0.5)
+    return {"x": r(M, K), "w": h16(w) if fp16 else w, "b": r(N)}
 
 
 def _mlp_inputs(size):
@@ -270,15 +284,16 @@ def _rotary(b, inp):
 
 
 def _attention_inputs(size):
-    cu, D, hq, hkv = size
+    cu, D, hq, hkv, *block = size
     T = cu[-1]
-    return {"q": r(T, hq, D), "k": r(T, hkv, D), "v": r(T, hkv, D), "cu": np.array(cu), "scale": D ** -0.5}
+    return {"q": r(T, hq, D), "k": r(T, hkv, D), "v": r(T, hkv, D), "cu": np.array(cu), "scale": D ** -0.5,
+            "block": block[0] if block else T}
 
 
-def _attention_blocked(b, inp, block):
+def _attention_blocked(b, inp):
     """Token-blocked prefill: queries [t0, t1) against an fp16 K/V cache written block by block, whose rows
     past t1 hold NaN (never read)."""
-    q, k, v, cu, scale = (inp[n] for n in ("q", "k", "v", "cu", "scale"))
+    q, k, v, cu, scale, block = (inp[n] for n in ("q", "k", "v", "cu", "scale", "block"))
     T, hkv, D = k.shape
     kc, vc = b.kv_cache(T, hkv, D), b.kv_cache(T, hkv, D)
     kc.fill(np.nan)
@@ -301,9 +316,10 @@ def _conv_inputs(size):
 def _gdn_inputs(size):
     """size: (cu, (hk, hv, dk, dv), given states, decay: None for the kernel tests' gates, else a slow mean
     decay per token, which keeps the state long and carries every chunk's rounding forward)."""
-    cu, (hk, hv, dk, dv), with_state, decay = size
+    cu, (hk, hv, dk, dv), with_state, decay, *split = size
     (q, k, v, g, beta), S0 = wy.draw(RNG, cu, hk, hv, dk, dv, decay)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu": np.array(cu), "S0": S0 if with_state else None}
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu": np.array(cu), "S0": S0 if with_state else None,
+            "split": split[0] if split else None}
 
 
 def _gdn(b, inp):
@@ -321,9 +337,14 @@ def _gdn_state_view(b, inp):
     return {"out": out, "state": view, "untouched": big[..., S0.shape[-1]:]}
 
 
-def _untouched(bound):
-    """The state-view row's bound: the delta rule's, and the half outside the view bit for bit."""
-    return lambda row, inp, ref: {**_bounds(bound(row, inp, ref), ("out", "state")), "untouched": 0.0}
+def _gdn_two_calls(b, inp):
+    """Sequence 0 cut at ``split`` over two calls, the state carried; the second packs its rest with sequence 1."""
+    split, (_, T, T2) = inp["split"], inp["cu"]
+    S = A(b, inp["S0"].copy())
+    dev = [A(b, inp[n]) for n in ("q", "k", "v", "g", "beta")]
+    first = b.gated_delta_rule(*(a[:split] for a in dev), np.array([0, split]), S[:1])
+    second = b.gated_delta_rule(*(a[split:] for a in dev), np.array([0, T - split, T2 - split]), S)
+    return {"out": np.concatenate([b.to_host(first), b.to_host(second)]), "state": S}
 
 
 def _mha_inputs(size):
@@ -342,11 +363,6 @@ def _mha(b, inp):
     xq = A(b, inp["xq"])
     cross = b.mha(xq, A(b, inp["xkv"]), *w, (inp["gq"], inp["gk"]) if grouped else None)
     return {"cross": cross, "self": b.mha(xq, xq, *w, (inp["gq"], inp["gq"]) if grouped else None)}
-
-
-def _spans(size):
-    T, starts, ends = size
-    return {"x": r(T, 32), "st": np.array(starts), "en": np.array(ends)}
 
 
 def _segments(size):
@@ -384,21 +400,21 @@ VISION_BLOCK_PATHS = ("fp16", "split")   # split8's twinned GEMMs in the tower: 
 
 OPS = [
     Op("rmsnorm", NORM_SIZES, _norm_inputs,
-       lambda b, i: {"y": b.rmsnorm(A(b, i["x"]), A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+       lambda b, i: {"y": b.rmsnorm(A(b, i["x"]), A(b, i["w"]), 1e-6)}, on_gpu(2e-5)),
     Op("add_rmsnorm", NORM_SIZES, _norm_inputs,
        lambda b, i: dict(zip(("sum", "norm"), b.add_rmsnorm(A(b, i["x"]), A(b, i["d"]), A(b, i["w"]), 1e-6))),
-       lambda row, i, ref: {"sum": fp32_kernel(1e-6)(row, i, ref), "norm": fp32_kernel(2e-5)(row, i, ref)}),
+       lambda row, i, ref: {"sum": on_gpu(1e-6)(row, i, ref), "norm": on_gpu(2e-5)(row, i, ref)}),
     Op("gated_rmsnorm", NORM_SIZES, _norm_inputs,
-       lambda b, i: {"y": b.gated_rmsnorm(A(b, i["x"]), A(b, i["z"]), A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+       lambda b, i: {"y": b.gated_rmsnorm(A(b, i["x"]), A(b, i["z"]), A(b, i["w"]), 1e-6)}, on_gpu(2e-5)),
     Op("layernorm", NORM_SIZES, _norm_inputs,
-       lambda b, i: {"y": b.layernorm(A(b, i["x"]), A(b, i["w"]), A(b, i["b"]))}, fp32_kernel(2e-5)),
+       lambda b, i: {"y": b.layernorm(A(b, i["x"]), A(b, i["w"]), A(b, i["b"]))}, on_gpu(2e-5)),
     Op("l2norm", NORM_SIZES, _norm_inputs,
-       lambda b, i: {"y": b.l2norm(A(b, i["x"]), 1e-6, 0.25)}, fp32_kernel(2e-5)),
+       lambda b, i: {"y": b.l2norm(A(b, i["x"]), 1e-6, 0.25)}, on_gpu(2e-5)),
     # the norms on views the model passes: a strided slice of [T, H, 2, D], and head views of a projection's
     # columns (read through a token stride and a head stride)
     Op("norms of strided views", ((1, 3, 32), (65, 3, 32)), lambda s: {"qg": r(*s[:2], 2, s[2]), "w": r(s[2])},
        lambda b, i: {"rmsnorm": b.rmsnorm(A(b, i["qg"])[:, :, 0], A(b, i["w"]), 1e-6),
-                     "l2norm": b.l2norm(A(b, i["qg"])[:, :, 1], 1e-6)}, fp32_kernel(2e-5)),
+                     "l2norm": b.l2norm(A(b, i["qg"])[:, :, 1], 1e-6)}, on_gpu(2e-5)),
     Op("norms of head views", HEAD_VIEWS,
        lambda s: {"T,H,D": s, "proj": r(s[0], 5 + s[1] * s[2] + 7), "w": r(s[2], scale=0.1), "b": r(s[2]),
                   "z": r(*s)},
@@ -407,11 +423,19 @@ OPS = [
                      "layernorm": b.layernorm(_head_view(b, i["proj"], *i["T,H,D"]), A(b, i["w"]), A(b, i["b"])),
                      "gated_rmsnorm": b.gated_rmsnorm(_head_view(b, i["proj"], *i["T,H,D"]), A(b, i["z"]),
                                                       A(b, i["w"]), 1e-6)},
-       fp32_kernel(2e-5)),
+       on_gpu(2e-5)),
+    # gemm_input: where the row fuses (fp16 GEMM operands), a GEMM's input of more than 64 rows comes back as the
+    # fp16 rounding of the fp32 result; otherwise the fp32 kernels' result
+    Op("norms and the gate as a GEMM's input", NORM_SIZES + tuple((300, D) for D in (1, 63, 65, 256, 4096)),
+       lambda s: {**_norm_inputs(s), "g": r(s[0], 2, s[1])}, _as_gemm_input,
+       lambda row, i, ref: {"sum": on_gpu(1e-6)(row, i, ref),
+                            "sigmoid_gate": gemm_input_bound(1e-6)(row, i, ref),
+                            **dict.fromkeys(("rmsnorm", "add_rmsnorm", "gated_rmsnorm"),
+                                            gemm_input_bound(2e-5)(row, i, ref))}),
     Op("gated_rmsnorm on a projection slice", ((1, 3, 32), (65, 3, 32)),
        lambda s: {"T,H,D": s, "proj": r(s[0], 7 + s[1] * s[2] + 5), "x": r(*s), "w": r(s[2], scale=0.1)},
        lambda b, i: {"y": b.gated_rmsnorm(A(b, i["x"]), _head_view(b, i["proj"][:, 2:], *i["T,H,D"]),
-                                          A(b, i["w"]), 1e-6)}, fp32_kernel(2e-5)),
+                                          A(b, i["w"]), 1e-6)}, on_gpu(2e-5)),
     Op("linear", LINEAR_SIZES, _linear_inputs,
        lambda b, i: {"y": b.linear(A(b, i["x"]), b.weight(i["w"])),
                      "y+bias": b.linear(A(b, i["x"]), b.weight(i["w"]), A(b, i["b"]))},
@@ -419,7 +443,7 @@ OPS = [
     # a matrix with a side under 16 stays fp32 and runs as a reduction; each output is a sum of K products of
     # unit variance overall, so 1 is its size (a single output can cancel near 0)
     Op("linear (fp32 weight)", tuple((M, *NK) for M in (1, 63, 65) for NK in ((1, 4096), (4, 63), (15, 65), (32, 8))),
-       _small_linear_inputs,
+       lambda s: _linear_inputs(s, fp16=False),
        lambda b, i: {"y": b.linear(A(b, i["x"]), b.weight(i["w"])),
                      "3d+bias": b.linear(A(b, i["x"][:, None, :]), b.weight(i["w"]), A(b, i["b"]))},
        lambda row, i, ref: (0.0 if row.gemm is GemmOperands.FP32 else 1e-5, 1.0)),
@@ -429,49 +453,57 @@ OPS = [
        lambda b, i: {"y": b.mlp(A(b, i["x"]), b.weight(i["wg"]), b.weight(i["wu"]), b.weight(i["wd"]))}, mlp_bound,
        varies="gemm"),
     Op("rope_tables", ((1, 4, 64, 16), (70, 4, 64, 16), (65, 2, 64, 64)), _rope_inputs,
-       lambda b, i: dict(zip(("cos", "sin"), b.rope_tables(i["pos"], i["rd"], 1e7))), fp32_kernel(1e-6)),
-    Op("rotary", ((1, 4, 64, 16), (70, 4, 64, 16), (65, 2, 64, 64)), _rope_inputs, _rotary, fp32_kernel(1e-6)),
+       lambda b, i: dict(zip(("cos", "sin"), b.rope_tables(i["pos"], i["rd"], 1e7))), on_gpu(1e-6)),
+    Op("rotary", ((1, 4, 64, 16), (70, 4, 64, 16), (65, 2, 64, 64)), _rope_inputs, _rotary, on_gpu(1e-6)),
     Op("sigmoid_gate", ((1, 4, 64, 16), (70, 4, 64, 16), (63, 3, 65, 16)), _rope_inputs,
-       lambda b, i: {"y": b.sigmoid_gate(A(b, i["o"]), A(b, i["g"])[:, :, 1])}, fp32_kernel(1e-6)),
-    Op("attention", tuple((cu, *d) for cu in CU for d in ATTN_DIMS) + (([0, 2100, 2400], 256, 4, 2),),
+       lambda b, i: {"y": b.sigmoid_gate(A(b, i["o"]), A(b, i["g"])[:, :, 1])}, on_gpu(1e-6)),
+    Op("attention", tuple((cu, *d) for cu in CU for d in ATTN_DIMS) + (DeviceOnly(([0, 2100, 2400], 256, 4, 2)),),
        _attention_inputs,
-       lambda b, i: {"out": b.attention(*(A(b, i[n]) for n in "qkv"), i["cu"], i["scale"])}, gpu_bound(4e-3)),
-    *(Op(f"attention token blocks of {block}",
-         tuple((cu, *d) for cu in ([0, 300], [0, 1, 64, 129, 259], [0, 65, 130, 131])
-               for d in ((64, 4, 2), (256, 4, 1))),
-         _attention_inputs, lambda b, i, block=block: _attention_blocked(b, i, block), gpu_bound(4e-3))
-      for block in (1, 63, 64, 65, 100)),
+       lambda b, i: {"out": b.attention(*(A(b, i[n]) for n in "qkv"), i["cu"], i["scale"])}, on_gpu(4e-3)),
+    # as the model calls it: K/V in the fp16 cache (on compute capability 9.0 at head dim 256, attention_wgmma.cu),
+    # the queries in token blocks; clef-flash's 16 query heads on 4 K/V heads, and other ratios
+    Op("attention on the fp16 K/V cache",
+       tuple((cu, *d, blk) for cu in ([0, 300], [0, 1, 64, 129, 259], [0, 65, 130, 131])
+             for d in ((64, 4, 2), (256, 4, 1)) for blk in (1, 63, 64, 65, 100))
+       + tuple(([0, 65, 200], 256, hq, hkv, 200) for hq, hkv in ((2, 1), (8, 8), (32, 4), (16, 4)))
+       + tuple(DeviceOnly((cu, 256, 16, 4, blk)) for cu in ([0, 1000], [0, 1, 64, 129, 259, 700])
+               for blk in (1, 63, 64, 65, 128, 129, 300, 1000)),
+       _attention_inputs, _attention_blocked, on_gpu(4e-3)),
     # x as the model passes it: the middle third of the conv's input columns
     Op("conv1d_silu", tuple(itertools.product(CU, (1, 4, 8))), _conv_inputs,
        lambda b, i: {"y": b.conv1d_silu(A(b, i["x"])[:, i["C"]:2 * i["C"]], A(b, i["w"]), i["cu"])},
-       fp32_kernel(1e-5)),
+       on_gpu(1e-5)),
     Op("gdn_gates", ((1, 8), (65, 8), (300, 32)),
        lambda s: {"a": r(*s, scale=10), "b": r(*s), "al": r(s[1]), "dt": r(s[1])},
        lambda b, i: dict(zip(("g", "beta"), b.gdn_gates(*(A(b, i[n]) for n in ("a", "b", "al", "dt"))))),
-       lambda row, i, ref: {"g": fp32_kernel(1e-5)(row, i, ref), "beta": fp32_kernel(1e-6)(row, i, ref)}),
+       lambda row, i, ref: {"g": on_gpu(1e-5)(row, i, ref), "beta": on_gpu(1e-6)(row, i, ref)}),
     Op("gated_delta_rule", tuple((*s, None) for s in itertools.product(GDN_CU, GDN_SHAPES, (False, True)))
        # slow decay at the model's head size; clef-flash's heads (16 key, 32 value heads of 128) at 2,048 tokens
        + tuple(([0, 300], (1, 2, 128, 128), True, d) for d in (0.002, 0.02, 0.3))
        + (DeviceOnly(([0, 1000, 2048], (16, 32, 128, 128), True, None)),),
-       _gdn_inputs, _gdn, delta_rule_bound, varies="delta"),
+       _gdn_inputs, _gdn, delta_rule_bound(_gdn), varies="delta"),
     Op("gated_delta_rule into a state view", (([0, 65, 130], (1, 2, 128, 128), True, None),), _gdn_inputs,
-       _gdn_state_view, _untouched(delta_rule_bound), varies="delta"),
+       _gdn_state_view, delta_rule_bound(_gdn_state_view), varies="delta"),
+    Op("gated_delta_rule over two calls", tuple(([0, 200, 270], (1, 2, 128, 128), True, None, split)
+                                                for split in (1, 37, 63, 64, 65, 129)),
+       _gdn_inputs, _gdn_two_calls, delta_rule_bound(_gdn_two_calls), varies="delta"),
     # one token's row, not one value: a lone output near 0 (gelu(-3.4) ~ -1e-3) would measure the last bits of
     # erf against itself rather than the kernel
     Op("gelu", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s, scale=3.0)},
-       lambda b, i: {"y": b.gelu(A(b, i["x"]))}, fp32_kernel(1e-6)),
+       lambda b, i: {"y": b.gelu(A(b, i["x"]))}, on_gpu(1e-6)),
     Op("sigmoid", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
-       lambda b, i: {"y": b.sigmoid(A(b, i["x"]))}, fp32_kernel(1e-6)),
+       lambda b, i: {"y": b.sigmoid(A(b, i["x"]))}, on_gpu(1e-6)),
     Op("normalize", ((1, 32), (65, 32), (63, 77)), lambda s: {"x": r(*s)},
-       lambda b, i: {"y": b.normalize(A(b, i["x"]), 1e-8)}, fp32_kernel(1e-6)),
-    Op("span_means", ((1, [0], [1]), (65, [0, 5, 60], [1, 30, 65]), (300, [0, 17, 299], [17, 299, 300])), _spans,
-       lambda b, i: {"y": b.span_means(A(b, i["x"]), i["st"], i["en"])}, fp32_kernel(1e-6)),
+       lambda b, i: {"y": b.normalize(A(b, i["x"]), 1e-8)}, on_gpu(1e-6)),
+    Op("span_means", ((1, [0], [1]), (65, [0, 5, 60], [1, 30, 65]), (300, [0, 17, 299], [17, 299, 300])),
+       lambda s: {"x": r(s[0], 32), "st": np.array(s[1]), "en": np.array(s[2])},
+       lambda b, i: {"y": b.span_means(A(b, i["x"]), i["st"], i["en"])}, on_gpu(1e-6)),
     Op("segment_softmax_sum", ((1,), (2, 3, 4), (1, 63, 65, 2, 30)), _segments,
        lambda b, i: {"y": b.segment_softmax_sum(A(b, i["sc"]), A(b, i["vals"]), i["own"], i["n"])},
-       fp32_kernel(1e-6)),
+       on_gpu(1e-6)),
     Op("mha", (([7], [65], False), ([1], [1], True), ([7, 1, 3], [65, 63, 1], True), ([2, 300], [130, 17], True)),
        _mha_inputs, _mha,
-       gpu_bound(4e-3), paths=("split", "split8"), varies="gemm"),
+       on_gpu(4e-3), paths=("split", "split8"), varies="gemm"),
     Op("patch_rows", ([(32, 32)], [(64, 96)], [(32, 32), (96, 64), (1024, 1024)], []),
        lambda s: {"imgs": [RNG.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in s]},
        lambda b, i: {"rows": b.patch_rows(i["imgs"])}, lambda row, i, ref: 0.0),   # one IEEE division each side
@@ -507,14 +539,6 @@ def _bounds(bound, names):
     return {n: b if isinstance(b, tuple) else (b, 0.0) for n, b in bound.items()}
 
 
-def rel(got, ref, floor=0.0):
-    """max |got - ref| over max(max |ref|, floor): got finite and of ref's shape."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.all(np.isfinite(got)), "non-finite output"
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), floor, 1e-30)) if ref.size else 0.0
-
-
 @pytest.mark.parametrize("spec,op,size", list(_cases()))
 def test_op(spec, op, size):
     b = backend(spec)
@@ -524,6 +548,6 @@ def test_op(spec, op, size):
     got = {n: b.to_host(a) for n, a in op.call(b, inp).items()}
     assert got.keys() == ref.keys()
     for name, (bound, floor) in _bounds(op.bound(spec.row, inp, ref), got).items():
-        e = rel(got[name], ref[name], floor)
+        e = wy.rel(got[name], ref[name], floor)      # max |got - ref| / max(max |ref|, floor)
         print(f"ERR {spec.id} {op.name} {size} {name} {e:.3e} (bound {bound:.1e})")
         assert e <= bound, f"{op.name} {name} at {size} on {spec.id}: max rel error {e:.3e} > {bound:.1e}"

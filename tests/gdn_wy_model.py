@@ -208,7 +208,7 @@ def rel(got, ref, floor=0.0):
 
 
 def floor_of(q, k, v, beta):
-    """One token's output with q parallel to k (tests/test_kernels.py::_gdn_floor): a single token's q . k may cancel
+    """One token's output with q parallel to k: a single token's q . k may cancel
     far below |q| |k|, while its rounding error does not."""
     return float(np.max(beta) * np.max(np.linalg.norm(q, axis=-1)) * np.max(np.linalg.norm(k, axis=-1))
                  * np.max(np.abs(v)))

@@ -120,7 +120,7 @@ CU = [[0, 1], [0, 63], [0, 65], [0, 127], [0, 129], [0, 1, 64, 129, 256, 385], [
 @pytest.mark.parametrize("cu,hq,hkv", [(cu, 4, 1) for cu in CU] + [(cu, 16, 4) for cu in CU if cu[-1] <= 130])
 def test_model_matches_numpy(cu, hq, hkv):
     """The model, with fp16 q and the fp16 K/V cache the kernel reads, within the fp16 kernels' 4e-3 of the numpy
-    attention over the same cache values (tests/test_kernels.py: each operand's 11-bit rounding, fp32 sums)."""
+    attention over the same cache values (tests/test_ops.py: each operand's 11-bit rounding, fp32 sums)."""
     T = cu[-1]
     cu = np.array(cu)
     q = RNG.standard_normal((T, hq, model.D)).astype(np.float32)

@@ -1,12 +1,12 @@
 """The Hopper causal attention (cuda/attention_wgmma.cu, what kernel_select.causal_attention picks on compute
-capability 9.0) on the GPU, under the fast and the exact plans: against the numpy attention (clefcore/backends/cpu.py::attention) on
-awkward lengths, packed sequences, token-blocked prefill (q_offset, an fp16 cache whose later rows are NaN) and
-clef-flash's GQA ratio (16 query heads on 4 K/V heads, head dim 256); against attention.cu's kernel (what every
-other GPU runs) on the same inputs, whose error it must not exceed; and the cases causal_attention leaves on
-attention.cu (bit-identical to it).
+capability 9.0) on the GPU, under the fast and the exact plans, beyond the op table's rows (tests/test_ops.py: the
+numpy attention on the fp16 cache, token-blocked prefill, other head ratios): on awkward lengths, packed sequences
+and clef-flash's GQA ratio (16 query heads on 4 K/V heads, head dim 256) against attention.cu's kernel (what every
+other GPU runs) on the same inputs, whose error it must not exceed; long sequences; and the cases
+causal_attention leaves on attention.cu (bit-identical to it).
 Needs compute capability 9.0 running native code (the kernel's body is built for sm_90a only).
 
-Tolerance: 4e-3 of max |ref|, tests/test_kernels.py's bound for the fp16 attention (q, K, V and P rounded to fp16,
+Tolerance: 4e-3 of max |ref|, tests/test_ops.py's bound for the fp16 attention (q, K, V and P rounded to fp16,
 11 significant bits each, fp32 sums: well under 3e-3 on random data). The reference is given the fp16 cache's
 values, which is what both kernels read. Both kernels make the same roundings (q and P to fp16, fp32 scores,
 max, sum and rescale, exp2 of the scaled scores, 64-key tiles from the sequence's start), so they differ only in

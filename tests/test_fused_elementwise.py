@@ -20,7 +20,7 @@ from clefcore.backends.cuda.attention import Attention
 from clefcore.backends.cuda.device import DeviceContext
 from clefcore.backends.cuda.matmul import MMA_SWIGLU, Matmul, swiglu_paired_rows
 from clefcore.backends.cuda.norms import Norms
-from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, Device, GemmRoute, Setting
+from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute
 from clefcore.precision import RANGE_SAFE, TABLE, Plan
 
 GOLD = Path(__file__).parent / "golden"

@@ -21,12 +21,12 @@ ROW = 3 * 2 * PATCH * PATCH      # one patch row: channels x temporal slots x 16
 
 
 class Vision:
-    """The vision tower's ops on ``ctx``; ``matmul`` gives the GEMMs, ``attention`` the bidirectional attention."""
+    """The vision tower's ops on ``ctx``; ``matmul`` gives the GEMMs, ``attn`` the bidirectional attention."""
 
-    def __init__(self, ctx: DeviceContext, matmul: Matmul, attention: Attention):
+    def __init__(self, ctx: DeviceContext, matmul: Matmul, attn: Attention):
         self.ctx = ctx
         self.matmul = matmul
-        self.attention = attention
+        self.attn = attn
 
     def patch_rows(self, images):
         """See cpu.patch_rows: each uint8 image goes up as it is (3 bytes a pixel) and becomes its rows here."""
@@ -86,9 +86,9 @@ class Vision:
         del qkv
         scale = 1.0 / math.sqrt(D)
         if fast:
-            o = self.attention.run_kernel(q, k, v, cu_seqlens, scale, 0, causal=False)
+            o = self.attn.run_kernel(q, k, v, cu_seqlens, scale, 0, causal=False)
         else:
-            o = self.attention.bidirectional_fp32(q, k, v, cu_seqlens, scale)
+            o = self.attn.bidirectional_fp32(q, k, v, cu_seqlens, scale)
         del q, k, v
         return self.matmul.linear(o.reshape(n, W), proj_w, proj_b)
 

@@ -62,16 +62,16 @@ rel, _floor = wy.rel, wy.floor_of
 def _run(ops, args, cu, S0, blk=128, bv=None):
     """The kernels' output and final states (S0 None: zero states, none returned), with gdn_block_chunks blk and
     the scan width bv (None: the backend's choice)."""
-    ops.gdn_block_chunks = blk
+    ops.delta_rule.block_chunks = blk
     if bv is not None:
-        ops._gdn_bv = lambda *a: bv
+        ops.delta_rule.scan_columns = lambda *a: bv
     try:
         S = None if S0 is None else ops.asarray(S0)
         got = ops.gated_delta_rule(*(ops.asarray(a) for a in args), np.array(cu), S)
     finally:
-        ops.gdn_block_chunks = 128
+        ops.delta_rule.block_chunks = 128
         if bv is not None:
-            del ops._gdn_bv
+            del ops.delta_rule.scan_columns
     return ops.to_host(got), None if S is None else ops.to_host(S)
 
 
@@ -203,5 +203,5 @@ def test_golden_fixtures(ops):
         hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]):
             worst = max(worst, float(np.max(np.abs(_softmax(z) - np.array(q["probabilities"])))))
-    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
+    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
     assert worst <= BOUND[ops.mode]

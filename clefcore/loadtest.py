@@ -129,9 +129,11 @@ def summarize(run: Run, classes: list[RequestClass]) -> dict:
     for cls in classes:
         mine = [r for r in run.records if r.cls == cls.name]
         answered = [r for r in mine if r.status == 200]
+        refused = [r.latency_s for r in mine if r.status == 429]
         entry = {"sent": len(mine), "ok": len(answered), "target_tokens": cls.tokens,
                  "answered_share": round(len(answered) / len(mine), 4) if mine else None,
-                 "ok_per_s": round(len(answered) / seconds, 3)}
+                 "ok_per_s": round(len(answered) / seconds, 3), "refused": len(refused),
+                 "refused_p99_ms": _ms(refused, 99) if refused else None}
         if answered:
             latencies = [r.latency_s for r in answered]
             entry.update({f"p{q}_ms": round(percentile(latencies, q) * 1000, 1) for q in (50, 90, 99)},
@@ -186,10 +188,11 @@ def format_report(report: dict) -> str:
     for name, c in report["classes"].items():
         head = f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6} ({(c['answered_share'] or 0):>6.1%})"
         if c["ok"]:
-            lines.append(f"{head}  ~{c['mean_input_tokens']:>8} tokens  "
-                         f"p50 {c['p50_ms']:>9} ms  p90 {c['p90_ms']:>9} ms  p99 {c['p99_ms']:>9} ms")
-        else:
-            lines.append(head)
+            head += (f"  ~{c['mean_input_tokens']:>8} tokens  "
+                     f"p50 {c['p50_ms']:>9} ms  p90 {c['p90_ms']:>9} ms  p99 {c['p99_ms']:>9} ms")
+        if c["refused"]:
+            head += f"  429 {c['refused']}: p99 {c['refused_p99_ms']} ms"
+        lines.append(head)
     if report["non_200"]:
         lines.append("  non-200: " + ", ".join(f"{k}: {v}" for k, v in sorted(report["non_200"].items())))
     if "refused_p50_ms" in report:

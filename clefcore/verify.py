@@ -176,7 +176,7 @@ def run(args) -> int:
     dev = Device.parse(args.device).index
     options = EngineOptions.from_args(args)
     gpu = CudaOps(dev, **options.gpu())
-    bar = terminal_bar(f"loading onto {gpu.device_name}")
+    bar = terminal_bar(f"loading onto {gpu.ctx.device_name}")
     p_gpu = load_params(ck, gpu, progress=bar)
     vp, why = (None, "--no-images") if not options.images else vision.attach(ck, gpu, p_gpu, progress=bar)
     if vp is None:
@@ -186,9 +186,9 @@ def run(args) -> int:
     layer_bound, prob_bound = precision.VERIFY_BOUND[gpu.mode]
     layer_tol = layer_bound if args.layer_tol is None else args.layer_tol
     prob_tol = prob_bound if args.prob_tol is None else args.prob_tol
-    print(f"device: {gpu.device_name}, precision {gpu.mode} ({gpu.plan.path}), "
+    print(f"device: {gpu.ctx.device_name}, precision {gpu.mode} ({gpu.plan.path}), "
           f"gemm {gpu.gemm.pin or gpu_settings.GEMM_AUTO}"
-          + ("" if gpu.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
+          + ("" if gpu.ctx.cublas_missing is None else " (cuBLAS not loadable: clefcore's own kernels only)")
           + f", bounds: layer {layer_tol:g}, probability {prob_tol:g}")
     return 0 if compare(ck, gpu, p_gpu, layer_tol, prob_tol, vision_params=vp,
                         context_length=options.context_length) else 1

@@ -28,7 +28,8 @@ time in which whole prompts were waiting: when none come, the whole prompts ahea
 prompts before it, then its own run; when they keep coming, shorter ones pass it until its key comes up and
 between the chunks of every run, so it starts at the latest of its key, the end of the whole work sorted before
 it and the end of the runs before it, and runs slower than its tokens by what passes each chunk. A queued long
-prompt whose expected answer moves well past its promise is refused then (evicted). So when the device cannot
+prompt whose expected answer moves well past its promise (the later of the one made at admission and the
+budget the order gives its size now) is refused then (evicted). So when the device cannot
 keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
 alone exceeds what the device does.
 
@@ -395,18 +396,22 @@ class CostPolicy:
         return refusals[1] if all(refusals) else None
 
     def late(self, view: Snapshot) -> list[Eviction]:
-        """Queued long prompts, in the order they would start, whose expected answer has moved past the answer
-        time they were promised at admission by more than EVICT_SLACK of their budget (whole prompts passed them
-        meanwhile): refused now rather than answered late. (The slack: whole prompts are taken a step at a
-        time, so the work sorted before a long prompt swings by a step while it waits.) Only once the rate is
-        measured: promises are not weighed on a guess."""
+        """Queued long prompts, in the order they would start, whose expected answer has moved past their
+        promise by more than EVICT_SLACK of their budget (work passed them meanwhile): refused now rather than
+        answered late. The promise is the later of the one made at admission
+        and the budget the order gives a prompt of its size now (``budget``: what the shorter work passing its
+        chunks makes it wait), so a prompt that a fresh one of its size would be admitted beside is kept, and
+        a burst that follows a long prompt's admission does not turn it into a late 429. (The slack: whole
+        prompts are taken a step at a time, so the work sorted before a long prompt swings by a step while it
+        waits.) Only once the rate is measured: promises are not weighed on a guess."""
         if not view.long or not view.measured:
             return []
         evicted: list[Eviction] = []
         kept: list[tuple[float, int]] = []   # the long prompts kept before this one
         for entry, key in sorted(view.long, key=lambda item: item[1]):
             wait = self._long_wait(entry.tokens, key, view, kept)
-            if view.now + wait > entry.answer_by + EVICT_SLACK * (entry.answer_by - entry.enqueued_at):
+            promise = max(entry.answer_by, entry.enqueued_at + self.budget(entry.tokens, view))
+            if view.now + wait > promise + EVICT_SLACK * (promise - entry.enqueued_at):
                 evicted.append(self._eviction(entry, wait, view))
             else:
                 kept.append((key, entry.tokens))

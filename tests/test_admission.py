@@ -208,10 +208,12 @@ def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompt
     assert policy.refusal(500, ahead) is None
 
 
-def test_the_whole_work_queued_slows_chunked_runs_down_and_moves_a_queued_one_past_its_promise():
+def test_a_queued_long_prompt_slowed_by_the_order_is_kept_and_one_a_run_holds_back_is_evicted():
     """Before each chunk runs the whole work queued when it became due (here more than a chunk's aging lets
-    pass): a long prompt admitted at 17 s is evicted once that work makes it more than a quarter of its budget
-    late, not for any lateness (the work sorted before it swings by a step each time it is counted)."""
+    pass), which slows a queued long prompt down past the answer time it was promised at 17 s. The order gives a
+    prompt of its size a larger budget now (a fresh one would be admitted beside it), so it is kept: refusing it
+    would turn a request that finishes in time into a late 429. A chunked run that started before it moves it
+    out of that budget too: evicted."""
     policy = CostPolicy(BUDGETS)
     share = whole_prompts_kept_coming()
     waiting = promised(policy, entry(5_000, NOW))
@@ -219,10 +221,14 @@ def test_the_whole_work_queued_slows_chunked_runs_down_and_moves_a_queued_one_pa
     some = view(whole(*[(300, NOW)] * 5), (waiting,), share=share)      # 1.5 s of whole work before it
     assert policy.slow(some) == 2.5                    # 1,500 tokens queued per 1,000-token chunk
     assert policy.late(some) == []                     # 5 + 12.5 s: late by 0.5 s of 17
-    more = view(whole(*[(300, NOW)] * 10), (waiting,), share=share)     # 3 s: 5 + 20 s, late by 8 s
-    [eviction] = policy.late(more)
+    more = view(whole(*[(300, NOW)] * 10), (waiting,), share=share)     # 3 s: 5 + 20 s, 8 s past 17 s
+    assert policy.budget(5_000, more) == pytest.approx(5 + 2 + 20)     # what the order gives it now: 27 s
+    assert policy.late(more) == []
+    running = LaneView(0, 0.0, 4_000, NOW - 1.0)       # 4,000 tokens of a run, at 4x: 16 s before its start
+    held = view(whole(*[(300, NOW)] * 10), (waiting,), (running,), share=share)
+    [eviction] = policy.late(held)
     assert eviction.entry is waiting and eviction.refusal.reason is Reason.EVICTED
-    assert eviction.refusal.wait_s == pytest.approx((1 - share) * 8 + share * 25)
+    assert eviction.refusal.wait_s == pytest.approx((1 - share) * 12 + share * 36)   # past 27 + 6.75 s
 
 
 def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
@@ -240,8 +246,9 @@ def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
     first = promised(policy, entry(2_000, NOW))         # promised 2 + 2 + 4 = 8 s: evicted past 10 s
     second = promised(policy, entry(3_000, NOW))        # promised 3 + 2 + 6 = 11 s: past 13.75 s
     assert policy.late(view(long=(first, second))) == []   # answered at 2 s and 5 s
-    # 9 s of whole work arrives before them
-    [eviction] = policy.late(view(whole(*[(1_000, NOW)] * 9), (first, second)))
+    # a chunked run with 9,000 tokens left starts before them
+    running = LaneView(0, 0.0, 9_000, NOW - 1.0)
+    [eviction] = policy.late(view(long=(first, second), lanes=(running,)))
     assert eviction.entry is first and eviction.refusal.reason is Reason.EVICTED   # 11 s: past 10 s
     assert eviction.refusal.wait_s == pytest.approx(11.0) and eviction.refusal.retry_after_s >= 1
     # the second: 12 s without the first (14 s with it), kept

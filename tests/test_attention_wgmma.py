@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from clefcore.backends import cpu
-from clefcore.backends.cuda.attention import AttentionOps
+from clefcore.backends.cuda.attention import Attention
 from clefcore.kernel_select import ATTN, ATTN_WGMMA, WGMMA_DIMS, Device, Setting, causal_attention
 from clefcore.precision import TABLE
 
@@ -45,17 +45,18 @@ def test_causal_kernels_needs_every_condition():
 
 
 def _routed(cc=(9, 0), ptx70=False, D=256, kv=np.float16):
-    """The kernels CudaOps.attention hands to _attn_run, on a stand-in for the backend (no GPU)."""
+    """The kernels Attention.attention hands to run_kernel, on a stand-in for the device (no GPU)."""
     seen = {}
 
     def run(q, k, v, cu, scale, t0, causal, kernels):
         seen.update(kernels=kernels, causal=causal, t0=t0, rows=k.shape[0])
 
-    ops = types.SimpleNamespace(setting=Setting(TABLE["fp16"], frozenset(), Device(cc, not ptx70, 232448, True)),
-                                _attn_run=run)
+    ops = types.SimpleNamespace(ctx=types.SimpleNamespace(setting=Setting(TABLE["fp16"], frozenset(),
+                                                                          Device(cc, not ptx70, 232448, True))),
+                                run_kernel=run)
     q = np.zeros((5, 4, D), np.float32)
     k = np.zeros((12, 1, D), kv)
-    AttentionOps.attention(ops, q, k, k.copy(), np.array([0, 12]), 0.1, q_offset=3)
+    Attention.attention(ops, q, k, k.copy(), np.array([0, 12]), 0.1, q_offset=3)
     assert seen["causal"] and seen["t0"] == 3 and seen["rows"] == 8     # the cache up to the block's end
     return seen["kernels"]
 

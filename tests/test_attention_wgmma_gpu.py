@@ -62,9 +62,9 @@ def pair(request):
     """(attention_wgmma.cu, attention.cu) backends under one precision mode."""
     from clefcore.backends.cuda import CudaOps
     on = CudaOps(0, precision=request.param)
-    if causal_attention(on.setting, D, True) is not ATTN_WGMMA:
-        pytest.skip(f"attention_wgmma.cu runs on compute capability 9.0 only ({on.device_name} is "
-                    f"{on.cc[0]}.{on.cc[1]})")
+    if causal_attention(on.ctx.setting, D, True) is not ATTN_WGMMA:
+        pytest.skip(f"attention_wgmma.cu runs on compute capability 9.0 only ({on.ctx.device_name} is "
+                    f"{on.ctx.cc[0]}.{on.ctx.cc[1]})")
     return on, AttentionCu(CudaOps(0, precision=request.param))
 
 

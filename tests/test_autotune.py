@@ -1,12 +1,12 @@
-"""The GEMM autotune's choice logic (CudaOps._choose) on a fake event clock, and the route each candidate takes
-(CudaOps._gemm, gemm_with) with the kernels recorded: no GPU needed."""
+"""The GEMM autotune's choice logic (Matmul.choose) on a fake event clock, and the route each candidate takes
+(Matmul.gemm, gemm_with) with the kernels recorded: no GPU needed."""
 
 import types
 
 import numpy as np
 import pytest
 
-from clefcore.backends.cuda.ops import CudaOps
+from clefcore.backends.cuda.matmul import Matmul
 from clefcore.backends.cuda.state import GemmChoices
 from clefcore.kernel_select import Device, GemmRoute, Setting
 from clefcore.precision import Plan
@@ -29,101 +29,102 @@ class _Clock:
 
 
 def _ops(pin=None):
-    return types.SimpleNamespace(gemm=GemmChoices(pin), plan=Plan("split"), cp=_Clock())
+    """A Matmul's state: its choices, and a device context of the split plan on a fake clock."""
+    return types.SimpleNamespace(choices=GemmChoices(pin), ctx=types.SimpleNamespace(plan=Plan("split"), cp=_Clock()))
 
 
 def _route(ops, calls, name, cost, hiccup_on=None):
     def run():
         calls[name] = calls.get(name, 0) + 1
-        ops.cp.t += cost + (10.0 if calls[name] == hiccup_on else 0.0)
+        ops.ctx.cp.t += cost + (10.0 if calls[name] == hiccup_on else 0.0)
     return run
 
 
 def test_a_hiccup_on_one_timed_run_does_not_pick_the_slower_route():
     ops, calls = _ops(), {}
     routes = {C: _route(ops, calls, C, 1.0, hiccup_on=2), W: _route(ops, calls, W, 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") is C
+    assert Matmul.choose(ops, 300, 64, 64, routes, "t") is C
     assert calls == {C: 6, W: 6}                  # one warm-up run + 5 timed runs each
-    assert ops.gemm.chosen == {(64, 64, 512, "t", "split"): C}
+    assert ops.choices.chosen == {(64, 64, 512, "t", "split"): C}
 
 
 def test_the_choice_is_kept_per_shape_bucket_and_a_forced_mode_wins():
     ops, calls = _ops(), {}
     routes = {C: _route(ops, calls, C, 3.0), W: _route(ops, calls, W, 2.0)}
-    assert CudaOps._choose(ops, 300, 64, 64, routes, "t") is W
+    assert Matmul.choose(ops, 300, 64, 64, routes, "t") is W
     n = dict(calls)
-    assert CudaOps._choose(ops, 512, 64, 64, routes, "t") is W and calls == n     # same bucket: not re-timed
-    assert CudaOps._choose(ops, 513, 64, 64, routes, "t") is W and calls != n     # next bucket: timed
-    assert CudaOps._choose(_ops(C), 300, 64, 64, routes, "t") is C
+    assert Matmul.choose(ops, 512, 64, 64, routes, "t") is W and calls == n     # same bucket: not re-timed
+    assert Matmul.choose(ops, 513, 64, 64, routes, "t") is W and calls != n     # next bucket: timed
+    assert Matmul.choose(_ops(C), 300, 64, 64, routes, "t") is C
 
 
 def test_gemm_routes_records_each_choice_inside_its_block_only():
-    """CudaOps.gemm_routes: every _choose inside the block is recorded under the autotune's key, a pinned mode's
+    """Matmul.gemm_routes: every choose inside the block is recorded under the autotune's key, a pinned mode's
     too; nothing is recorded before or after it."""
     ops, calls = _ops(), {}
     routes = {C: _route(ops, calls, C, 1.0), W: _route(ops, calls, W, 2.0)}
-    CudaOps._choose(ops, 300, 64, 64, routes, "before")
-    with CudaOps.gemm_routes(ops) as seen:
-        CudaOps._choose(ops, 300, 64, 64, routes, "t")
-        ops.gemm.pin = W
-        CudaOps._choose(ops, 20, 128, 64, routes, "t")
-    ops.gemm.pin = None
-    CudaOps._choose(ops, 300, 64, 64, routes, "after")
+    Matmul.choose(ops, 300, 64, 64, routes, "before")
+    with Matmul.gemm_routes(ops) as seen:
+        Matmul.choose(ops, 300, 64, 64, routes, "t")
+        ops.choices.pin = W
+        Matmul.choose(ops, 20, 128, 64, routes, "t")
+    ops.choices.pin = None
+    Matmul.choose(ops, 300, 64, 64, routes, "after")
     assert seen == {(64, 64, 512, "t", "split"): C, (128, 64, 32, "t", "split"): W}
-    assert ops.gemm.seen is None
+    assert ops.choices.seen is None
 
 
 class _Routes:
-    """CudaOps's GEMM plumbing with every kernel call recorded instead of launched (no GPU): what _gemm and
+    """Matmul's GEMM plumbing with every kernel call recorded instead of launched (no GPU): what gemm and
     gemm_with run for a plan and an operand dtype."""
 
-    gemm_with = CudaOps.gemm_with
+    gemm, gemm_with = Matmul.gemm, Matmul.gemm_with
 
     def __init__(self, path, twinned=False, pick=C, mma=False):
         self.plan, self.twinned, self.pick, self.calls = Plan(path), twinned, pick, []
-        self.gemm = GemmChoices()
-        self.cp = types.SimpleNamespace(float32=np.float32, float16=np.float16)
-        # an sm_80 GPU where the mma route runs, else a Turing one
-        self.setting = Setting(self.plan.row, frozenset(), Device((8, 0) if mma else (7, 5), True, 166912, True))
+        # a device context of an sm_80 GPU where the mma route runs, else a Turing one
+        self.ctx = types.SimpleNamespace(
+            cp=types.SimpleNamespace(float32=np.float32, float16=np.float16), half=self._half,
+            setting=Setting(self.plan.row, frozenset(), Device((8, 0) if mma else (7, 5), True, 166912, True)))
 
-    def _choose(self, M, N, K, routes, tag):
+    def choose(self, M, N, K, routes, tag):
         want = {W, C} | ({R} if tag == "float32" and M <= 64 else set())
-        want |= {GemmRoute.MMA} if self.setting.device.cc >= (8, 0) and self.plan.row.gemm.fp16 and K % 8 == 0 \
+        want |= {GemmRoute.MMA} if self.ctx.setting.device.cc >= (8, 0) and self.plan.row.gemm.fp16 and K % 8 == 0 \
             else set()
         assert set(routes) == want
         return self.pick
 
-    def _mma(self, a, w, out, bias=None):
+    def mma(self, a, w, out, bias=None):
         self.calls.append(("mma", bias is not None))
 
-    def _has_twin(self, M, *ws):
+    def has_twin(self, M, *ws):
         return self.plan.row.gemm.fp8_lo and self.twinned
 
     def _half(self, x):
         self.calls.append("half")
         return x
 
-    def _cublas(self, a, w, out, accumulate=False):
+    def cublas(self, a, w, out, accumulate=False):
         self.calls.append("cublas")
 
-    def _split(self, x):
+    def split(self, x):
         self.calls.append("split")
         return x
 
-    def _split_gemm(self, s, w, out):
+    def split_gemm(self, s, w, out):
         self.calls.append("split_gemm")
 
-    def _split8(self, x):
+    def split8(self, x):
         self.calls.append("split8")
         return x
 
-    def _split8_gemm(self, s, w, out):
+    def split8_gemm(self, s, w, out):
         self.calls.append("split8_gemm")
 
-    def _wmma(self, a, w, out, bias=None):
+    def wmma(self, a, w, out, bias=None):
         self.calls.append(("wmma", bias is not None))
 
-    def _gemm_rows(self, a, w, out, bias=None):
+    def gemm_rows(self, a, w, out, bias=None):
         self.calls.append(("rows", bias is not None))
 
 
@@ -137,7 +138,7 @@ class _Routes:
 def test_the_cublas_candidate_follows_the_plan(path, twinned, dtype, want):
     ops = _Routes(path, twinned)
     x, w, out, bias = np.ones((100, 32), dtype), np.ones((16, 32)), np.zeros((100, 16), np.float32), np.ones(16)
-    assert CudaOps._gemm(ops, x, w, out, bias) is out
+    assert ops.gemm(x, w, out, bias) is out
     assert ops.calls == want
     np.testing.assert_array_equal(out, 1.0)                       # the bias added once, after the product
 
@@ -146,7 +147,7 @@ def test_the_cublas_candidate_follows_the_plan(path, twinned, dtype, want):
 def test_own_kernels_take_the_bias_themselves(pick):
     ops = _Routes("split", pick=pick)
     out = np.zeros((8, 16), np.float32)
-    CudaOps._gemm(ops, np.ones((8, 32), np.float32), np.ones((16, 32)), out, np.ones(16))
+    ops.gemm(np.ones((8, 32), np.float32), np.ones((16, 32)), out, np.ones(16))
     assert ops.calls == [(pick.value, True)] and not out.any()
 
 
@@ -156,7 +157,7 @@ def test_gemm_mma_is_a_candidate_of_the_fast_plan_where_it_runs(path, K, offered
     K % 8 == 0 (its 16-byte copies), converts an fp32 operand once, and adds the bias in its epilogue."""
     ops = _Routes(path, pick=GemmRoute.MMA if offered else W, mma=True)
     out = np.zeros((100, 16), np.float32)
-    CudaOps._gemm(ops, np.ones((100, K), np.float32), np.ones((16, K)), out, np.ones(16))
+    ops.gemm(np.ones((100, K), np.float32), np.ones((16, K)), out, np.ones(16))
     assert ops.calls == (["half", ("mma", True)] if offered else [("wmma", True)]) and not out.any()
 
 

@@ -177,7 +177,7 @@ def test_gemm_routes_records_each_shapes_route_within_the_block(ops):
     assert list(seen) == keys and seen == {k: ops.gemm.chosen[k] for k in keys}
     own = {GemmRoute.WMMA, GemmRoute.ROWS}
     assert set(seen.values()) <= (own | {GemmRoute.CUBLAS} if HAVE_CUBLAS else own)
-    assert "_choose" not in vars(ops)
+    assert "choose" not in vars(ops.matmul)
     ops.linear(cupy.random.standard_normal((1000, 256), dtype=cupy.float32), w)
     assert list(seen) == keys
 
@@ -230,7 +230,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
 
 @gpu
 def test_a_wrong_kernel_stops_the_bench(ops, monkeypatch):
-    monkeypatch.setattr(ops, "_gemm_rows", lambda x, w, o, bias=None: o.fill(0))
+    monkeypatch.setattr(ops.matmul, "gemm_rows", lambda x, w, o, bias=None: o.fill(0))
     with pytest.raises(DeviceError, match="gemm_rows 3x130x1024: max .* = 1.000e\\+00"):
         kernels.table(cupy, ops, {"precision": ops.plan.path}, **SMALL)
 

@@ -16,11 +16,11 @@ import pytest
 from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import attention
-from clefcore.backends.cuda.attention import AttentionOps
-from clefcore.backends.cuda.matmul import MMA_SWIGLU, MatmulOps, swiglu_paired_rows
-from clefcore.backends.cuda.norms import NormOps
-from clefcore.backends.cuda.ops import CudaOps
-from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, Device, GemmRoute, Setting
+from clefcore.backends.cuda.attention import Attention
+from clefcore.backends.cuda.device import DeviceContext
+from clefcore.backends.cuda.matmul import MMA_SWIGLU, Matmul, swiglu_paired_rows
+from clefcore.backends.cuda.norms import Norms
+from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute
 from clefcore.precision import RANGE_SAFE, TABLE, Plan
 
 GOLD = Path(__file__).parent / "golden"
@@ -35,31 +35,18 @@ def test_only_the_fast_row_fuses(path):
     assert RANGE_SAFE.row.fused_elementwise is False          # the fallback's plan: split
 
 
-class _Fake:
-    """CudaOps's routing with numpy arrays and every kernel recorded instead of launched."""
+class _FakeDevice(DeviceContext):
+    """A device context over numpy (an sm_80 GPU where the mma route runs, else a Turing one) that records every
+    kernel instead of launching it; its row maps and fp32 views are the real ones."""
 
-    _operand_dtype = MatmulOps._operand_dtype
-    _norm_out = NormOps._norm_out
-    _row_launch = NormOps._row_launch
-    _row_map = CudaOps._row_map
-    _f32 = CudaOps._f32
-    _map_args = staticmethod(CudaOps._map_args)
-    rmsnorm, add_rmsnorm, gated_rmsnorm = NormOps.rmsnorm, NormOps.add_rmsnorm, NormOps.gated_rmsnorm
-    sigmoid_gate = AttentionOps.sigmoid_gate
-    mlp = MatmulOps.mlp
+    def __init__(self, path, mma, calls):
+        self.cp, self.plan, self.switches, self.token_block, self.calls = np, Plan(path), frozenset(), 0, calls
+        self.cc, self.ptx70, self.max_smem_optin, self.cublas_missing = (8, 0) if mma else (7, 5), False, 166912, None
 
-    def __init__(self, path="fp16", pick=GemmRoute.MMA, mma=True):
-        self.plan, self.pick = Plan(path), pick
-        # an sm_80 GPU where the mma route runs, else a Turing one
-        self.setting = Setting(self.plan.row, frozenset(), Device((8, 0) if mma else (7, 5), True, 166912, True))
-        self.token_block = 0
-        self.cp = np
-        self.calls, self.offered = [], []
-
-    def _c(self, x):
+    def contiguous(self, x):
         return np.ascontiguousarray(x, dtype=np.float32)
 
-    def _half(self, x):
+    def half(self, x):
         if x.dtype == np.float16:
             return x
         self.calls.append("cast")
@@ -68,29 +55,49 @@ class _Fake:
     def kernel(self, module, name, smem=0):
         return lambda grid, block, args, **kw: self.calls.append(name)
 
-    def _grid1(self, n):
+    def grid1(self, n):
         return (1,)
 
-    def _choose(self, M, N, K, routes, tag=""):
+
+class _FakeMatmul(Matmul):
+    """Matmul's routing with the GEMMs recorded and the autotune answering ``pick``."""
+
+    def __init__(self, ctx, pick):
+        super().__init__(ctx, None, None)
+        self.pick, self.calls, self.offered = pick, ctx.calls, []
+
+    def choose(self, M, N, K, routes, tag=""):
         self.offered.append(set(routes))
         return self.pick
 
-    def _mma_swiglu(self, a16, wg, wu, h16):
+    def mma_swiglu(self, a16, wg, wu, h16):
         assert a16.dtype == np.float16 and h16.dtype == np.float16
         self.calls.append("mma_swiglu")
         return h16
 
-    def _cublas(self, a16, w, out, accumulate=False):
+    def cublas(self, a16, w, out, accumulate=False):
         assert a16.dtype == np.float16
         self.calls.append("cublas")
         return out
 
-    def _gemm(self, x, w, out, bias=None):
+    def gemm(self, x, w, out, bias=None):
         self.calls.append(f"gemm {x.dtype}")
         return out
 
-    def _range_amax(self, x):
+    def range_amax(self, x):
         return np.uint64(0)
+
+
+class _Fake:
+    """The CUDA backend's norms, output gate and MLP on a _FakeDevice: every kernel recorded in ``calls``, the
+    routes the MLP offered in ``offered``."""
+
+    def __init__(self, path="fp16", pick=GemmRoute.MMA, mma=True):
+        self.calls = []
+        ctx = _FakeDevice(path, mma, self.calls)
+        self.matmul = _FakeMatmul(ctx, pick)
+        self.offered = self.matmul.offered
+        self.norms, self.attention = Norms(ctx, self.matmul), Attention(ctx, self.matmul)
 
 
 @pytest.mark.parametrize("path,rows,want", [
@@ -99,7 +106,7 @@ class _Fake:
     ("split", 8192, np.float32), ("split8", 8192, np.float32),
 ])
 def test_the_operand_dtype_rule(path, rows, want):
-    assert _Fake(path)._operand_dtype(rows) is want
+    assert _Fake(path).matmul.operand_dtype(rows) is want
 
 
 @pytest.mark.parametrize("path,R,fused", [("fp16", 65, True), ("fp16", 64, False), ("split", 65, False)])
@@ -110,11 +117,11 @@ def test_the_norms_pick_their_kernels(path, R, fused):
     x, w = np.ones((R, 96), np.float32), np.ones(96, np.float32)
     h = "_h" if fused else ""
     want = np.float16 if fused else np.float32
-    assert ops.rmsnorm(x, w, 1e-6, gemm_input=True).dtype == want
-    assert ops.rmsnorm(x, w, 1e-6).dtype == np.float32
-    s, y = ops.add_rmsnorm(x, x, w, 1e-6, gemm_input=True)
+    assert ops.norms.rmsnorm(x, w, 1e-6, gemm_input=True).dtype == want
+    assert ops.norms.rmsnorm(x, w, 1e-6).dtype == np.float32
+    s, y = ops.norms.add_rmsnorm(x, x, w, 1e-6, gemm_input=True)
     assert s.dtype == np.float32 and y.dtype == want
-    g = ops.gated_rmsnorm(x.reshape(R, 3, 32), x.reshape(R, 3, 32), w[:32], 1e-6, gemm_input=True)
+    g = ops.norms.gated_rmsnorm(x.reshape(R, 3, 32), x.reshape(R, 3, 32), w[:32], 1e-6, gemm_input=True)
     assert g.dtype == want and g.shape == (R, 3, 32)
     assert ops.calls == ["rmsnorm_rows" + h, "rmsnorm_rows", "add_rmsnorm_rows" + h, "gated_rmsnorm_rows" + h]
 
@@ -125,8 +132,8 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
     monkeypatch.setattr(attention, "sigmoid_gate_k", lambda half=False: made.append(half) or (lambda o, g: None))
     ops = _Fake(path)
     o = np.ones((n, 4, 32), np.float32)
-    ops.sigmoid_gate(o, o, gemm_input=True)
-    ops.sigmoid_gate(o, o)
+    ops.attention.sigmoid_gate(o, o, gemm_input=True)
+    ops.attention.sigmoid_gate(o, o)
     assert made == [half, False]
 
 
@@ -144,7 +151,7 @@ def test_the_mlp_routes(pick, dtype, want):
     ops = _Fake("fp16", pick)
     x = np.ones((100, 64), dtype)
     w = np.ones((160, 64), np.float16)
-    ops.mlp(x, w, w, np.ones((64, 160), np.float16))
+    ops.matmul.mlp(x, w, w, np.ones((64, 160), np.float16))
     assert ops.calls == want and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS, GemmRoute.MMA}]
 
 
@@ -152,7 +159,7 @@ def test_exact_never_fuses_the_mlp():
     """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
     ops = _Fake("split", GemmRoute.WMMA)
     w = np.ones((160, 64), np.float16)
-    ops.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
+    ops.matmul.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
     assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS}]
 
 

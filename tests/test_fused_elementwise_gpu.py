@@ -77,8 +77,8 @@ def rel(o, got, ref):
 
 def always_fp16(monkeypatch, o):
     """Every gemm_input output in fp16, whatever its rows: the *_h kernels at 1 and 63 rows too, which the rule
-    (_operand_dtype: more than 64 rows) leaves to the fp32 kernels in a forward."""
-    monkeypatch.setattr(o, "_operand_dtype", lambda rows: o.cp.float16)
+    (Matmul.operand_dtype: more than 64 rows) leaves to the fp32 kernels in a forward."""
+    monkeypatch.setattr(o.matmul, "operand_dtype", lambda rows: o.cp.float16)
 
 
 # ------------------------------------------------------------------------------------------------------- norms
@@ -94,14 +94,14 @@ def test_norms_write_the_rounding_of_their_fp32_result(fused, monkeypatch, R, D)
     X, Dd, W, Z = (o.asarray(a) for a in (x, d, w, z))
     got = o.rmsnorm(X, W, 1e-6, gemm_input=True)
     assert got.dtype == np.float16
-    assert_bits(o, got, o._half(o.rmsnorm(X, W, 1e-6)), f"rmsnorm R{R} D{D}")
+    assert_bits(o, got, o.ctx.half(o.rmsnorm(X, W, 1e-6)), f"rmsnorm R{R} D{D}")
     s, y = o.add_rmsnorm(X, Dd, W, 1e-6, gemm_input=True)
     s0, y0 = o.add_rmsnorm(X, Dd, W, 1e-6)
     assert s.dtype == np.float32 and y.dtype == np.float16
     assert_bits(o, s, s0, f"add_rmsnorm sum R{R} D{D}")
-    assert_bits(o, y, o._half(y0), f"add_rmsnorm R{R} D{D}")
+    assert_bits(o, y, o.ctx.half(y0), f"add_rmsnorm R{R} D{D}")
     got = o.gated_rmsnorm(X, Z, W, 1e-6, gemm_input=True)
-    assert_bits(o, got, o._half(o.gated_rmsnorm(X, Z, W, 1e-6)), f"gated_rmsnorm R{R} D{D}")
+    assert_bits(o, got, o.ctx.half(o.gated_rmsnorm(X, Z, W, 1e-6)), f"gated_rmsnorm R{R} D{D}")
 
 
 @pytest.mark.parametrize("T", [1, 63, 65, 300])
@@ -116,7 +116,7 @@ def test_gated_rmsnorm_as_the_model_calls_it(fused, monkeypatch, T):
     X, W = o.asarray(x), o.asarray(w)
     got = o.gated_rmsnorm(X, zd, W, 1e-6, gemm_input=True)
     assert got.shape == (T, H, D) and got.flags.c_contiguous
-    assert_bits(o, got, o._half(o.gated_rmsnorm(X, zd, W, 1e-6)), f"gated_rmsnorm view T{T}")
+    assert_bits(o, got, o.ctx.half(o.gated_rmsnorm(X, zd, W, 1e-6)), f"gated_rmsnorm view T{T}")
 
 
 @pytest.mark.parametrize("R,half", [(1, False), (64, False), (65, True), (300, True)])
@@ -128,7 +128,7 @@ def test_the_rows_rule_in_a_forward(fused, R, half):
     got = o.rmsnorm(X, W, 1e-6, gemm_input=True)
     want = o.rmsnorm(X, W, 1e-6)
     assert got.dtype == (np.float16 if half else np.float32)
-    assert_bits(o, got, o._half(want) if half else want, f"rmsnorm rule R{R}")
+    assert_bits(o, got, o.ctx.half(want) if half else want, f"rmsnorm rule R{R}")
 
 
 def test_exact_writes_fp32(fused):
@@ -155,7 +155,7 @@ def test_sigmoid_gate_writes_the_rounding_of_its_fp32_result(fused, monkeypatch,
     Ov, G = o.asarray(ov), o.asarray(qg)[:, :, 1]
     got = o.sigmoid_gate(Ov, G, gemm_input=True)
     assert got.dtype == np.float16 and got.shape == (n, H, D)
-    assert_bits(o, got, o._half(o.sigmoid_gate(Ov, G)), f"sigmoid_gate n{n} {H}x{D}")
+    assert_bits(o, got, o.ctx.half(o.sigmoid_gate(Ov, G)), f"sigmoid_gate n{n} {H}x{D}")
 
 
 # ------------------------------------------------------------------------------------ GEMMs on fp16 operands
@@ -177,7 +177,7 @@ def test_every_route_takes_the_fp16_operand_as_its_own_rounding(fused, route, M,
     x, w = r(M, K), h16(r(N, K, scale=K ** -0.5))
     X, W = o.asarray(x), cp.asarray(w.astype(np.float16))
     want = o.gemm_with(route, X, W, cp.empty((M, N), cp.float32))
-    got = o.gemm_with(route, o._half(X), W, cp.full((M, N), np.nan, cp.float32))
+    got = o.gemm_with(route, o.ctx.half(X), W, cp.full((M, N), np.nan, cp.float32))
     assert_bits(o, got, want, f"{route} {M}x{N}x{K}")
 
 
@@ -187,8 +187,8 @@ def _mma_kernels(o):
     """The "mma" route's kernels this GPU runs: gemm_wgmma.cu on Hopper, and every gemm_mma.cu tile it has the
     shared memory for (test_kernels.py's test_gemm_mma lowers max_smem_optin the same way): (tile, the shared
     memory to report for it, None: as it is)."""
-    return (([(WGMMA_TILE[0], None)] if mma_tile(o.caps) == ("gemm_wgmma.cu", WGMMA_TILE) else [])
-            + [(name, smem) for name, _, _, smem in MMA_TILES if smem <= o.max_smem_optin])
+    return (([(WGMMA_TILE[0], None)] if mma_tile(o.ctx.caps) == ("gemm_wgmma.cu", WGMMA_TILE) else [])
+            + [(name, smem) for name, _, _, smem in MMA_TILES if smem <= o.ctx.max_smem_optin])
 
 
 @pytest.mark.parametrize("M", [1, 63, 65, 130, 300])
@@ -199,21 +199,21 @@ def test_gate_up_swiglu_kernel_is_two_gemms_and_swiglu_half(fused, monkeypatch, 
     (the last group of 8 pairs padding rows), I = 1, I past one tile; rows past a tile; against numpy within
     the fast MLP's hidden rounding."""
     o = fused
-    if mma_tile(o.caps) is None:
+    if mma_tile(o.ctx.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     cp = o.cp
     x = r(M, H)
     wg, wu = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5))
-    a16, Wg, Wu = o._half(o.asarray(x)), cp.asarray(wg.astype(np.float16)), cp.asarray(wu.astype(np.float16))
+    a16, Wg, Wu = o.ctx.half(o.asarray(x)), cp.asarray(wg.astype(np.float16)), cp.asarray(wu.astype(np.float16))
     for name, smem in _mma_kernels(o):
         if smem is not None:
-            monkeypatch.setattr(o, "max_smem_optin", smem)     # the largest tile that fits is this one
-        assert o._mma_tile()[1][0] == name
-        g = o._mma(a16, Wg, cp.empty((M, I), cp.float32))
-        u = o._mma(a16, Wu, cp.empty((M, I), cp.float32))
+            monkeypatch.setattr(o.ctx, "max_smem_optin", smem)     # the largest tile that fits is this one
+        assert o.matmul.mma_tile()[1][0] == name
+        g = o.matmul.mma(a16, Wg, cp.empty((M, I), cp.float32))
+        u = o.matmul.mma(a16, Wu, cp.empty((M, I), cp.float32))
         want = cp.empty((M, I), cp.float16)
-        o.kernel("gemm.cu", "swiglu_half")(o._grid1(g.size), (256,), (g, u, want, np.int64(g.size)))
-        got = o._mma_swiglu(a16, Wg, Wu, cp.full((M, I), np.nan, cp.float16))
+        o.ctx.kernel("gemm.cu", "swiglu_half")(o.ctx.grid1(g.size), (256,), (g, u, want, np.int64(g.size)))
+        got = o.matmul.mma_swiglu(a16, Wg, Wu, cp.full((M, I), np.nan, cp.float16))
         assert_bits(o, got, want, f"{name} swiglu {M}x{I}x{H}")
         assert rel(o, got, cpu.silu(h16(x) @ wg.T) * (h16(x) @ wu.T)) <= SWIGLU_OUT, name
 
@@ -223,13 +223,13 @@ def _prefer(o, route):
     them (which the test must not depend on), by seeding each choice before it is made: the choices are still
     recorded (gemm_routes)."""
     from clefcore.backends.cuda.matmul import shape_key
-    choose = o._choose
+    choose = o.matmul.choose
 
     def seeded(M, N, K, routes, tag=""):
         o.gemm.chosen[shape_key(M, N, K, tag, o.plan.path)] = route if route in routes else GemmRoute.WMMA
         return choose(M, N, K, routes, tag)
 
-    o._choose = seeded
+    o.matmul.choose = seeded
 
 
 @pytest.mark.parametrize("route", [r for r in _routes() if r is not GemmRoute.MMA])
@@ -246,7 +246,7 @@ def test_mlp_is_bit_equal_whoever_rounds_its_input(route, M, H, I):
     x = o.asarray(np.random.default_rng(M * 7 + I).standard_normal((M, H)).astype(np.float32))
     wts = [o.weight(h16(np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.1))
            for s, shape in ((1, (I, H)), (2, (I, H)), (3, (H, I)))]
-    operand = o._half(x) if o._operand_dtype(M) == o.cp.float16 else x
+    operand = o.ctx.half(x) if o.matmul.operand_dtype(M) == o.cp.float16 else x
     assert_bits(o, o.mlp(operand, *wts), o.mlp(x, *wts), f"mlp {route} M{M} {H}x{I}")
 
 

@@ -20,7 +20,7 @@ import pytest
 from clefcore import kernel_select, precision
 from clefcore.backends import cpu
 from clefcore.backends.cuda.compile import kernel_dir
-from clefcore.backends.cuda.delta_rule import DeltaRuleOps
+from clefcore.backends.cuda.delta_rule import DeltaRule
 from clefcore.precision import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -116,14 +116,13 @@ def _halves(w, lo: bool):
     return x + w[..., 1, :, :].astype(np.float32) if lo else x
 
 
-class TwinOps(DeltaRuleOps):
-    """DeltaRuleOps over numpy: ``kernel`` hands out numpy twins of the WY kernels, which take the launches' own
-    grids and arguments and read and write the workspaces in the kernels' layouts (cuda/gated_delta_wy.cu), with
-    the module's operand roundings (gdn_wy_model.KERNEL_OPERANDS)."""
+class TwinDevice:
+    """The device context DeltaRule reads, over numpy: ``kernel`` hands out numpy twins of the WY kernels, which
+    take the launches' own grids and arguments and read and write the workspaces in the kernels' layouts
+    (cuda/gated_delta_wy.cu), with the module's operand roundings (gdn_wy_model.KERNEL_OPERANDS)."""
 
     cp = NUMPY_CP
     sm_count = 132
-    gdn_block_chunks = 128
 
     def __init__(self, path: str):
         self.plan = Plan(path)
@@ -137,13 +136,13 @@ class TwinOps(DeltaRuleOps):
     def to_host(self, x):
         return np.asarray(x)
 
-    def _c(self, x):
+    def contiguous(self, x):
         return np.ascontiguousarray(x, np.float32).view(Arr)
 
-    def _f32(self, x):
+    def f32(self, x):
         return _arr(x, np.float32)
 
-    def _upload(self, a):
+    def upload(self, a):
         return _arr(a)
 
     def kernel(self, module, name, smem=0):
@@ -194,6 +193,11 @@ class TwinOps(DeltaRuleOps):
             out[t0:t0 + n] = O.transpose(1, 0, 2)[:n]
 
 
+def twin_rule(path: str) -> DeltaRule:
+    """The backend's DeltaRule on a TwinDevice of the plan ``path``, in launch groups of 128 chunks."""
+    return DeltaRule(TwinDevice(path), 128)
+
+
 MODES = {"fast": "fp16", "exact": "split"}
 
 
@@ -210,11 +214,11 @@ def test_host_code_on_numpy_twins_lands_on_the_reference(mode, cu, with_state, b
     cu = np.array(cu)
     S_ref, S_model = S0.copy(), S0.copy()
     ref = cpu.gated_delta_rule(*args, cu, S_ref if with_state else None)
-    ops = TwinOps(MODES[mode])
-    ops.gdn_block_chunks = blk
+    ops = twin_rule(MODES[mode])
+    ops.block_chunks = blk
     S = _arr(S0.copy()) if with_state else None
     got = ops.gated_delta_rule(*(_arr(a) for a in args), cu, S)
-    operands = wy.KERNEL_OPERANDS[ops.gdn_kernels().module]
+    operands = wy.KERNEL_OPERANDS[ops.kernels().module]
     model = wy.gated_delta_rule(*args, cu, S_model if with_state else None, operands=operands)
     fl = floor_of(args[0], args[1], args[2], args[4])
     assert rel(got, ref, fl) <= 1.25 * rel(model, ref, fl) + FP32_TOL
@@ -222,7 +226,7 @@ def test_host_code_on_numpy_twins_lands_on_the_reference(mode, cu, with_state, b
         assert rel(S, S_ref) <= 1.25 * rel(S_model, S_ref) + FP32_TOL
         for b in np.nonzero(np.diff(cu) == 0)[0]:
             np.testing.assert_array_equal(S[b], S0[b])
-    names = [n for _, n, _ in ops.launched]
+    names = [n for _, n, _ in ops.ctx.launched]
     assert names[:3] == ["gdn_wy_prep", "gdn_wy_scan", "gdn_wy_out"]
 
 
@@ -233,7 +237,7 @@ def test_host_code_takes_a_strided_value_view():
     wide = np.concatenate([np.zeros((T, 3 * hv * dv), np.float32), args[2].reshape(T, hv * dv)], axis=1)
     v = _arr(wide)[:, 3 * hv * dv:].reshape(T, hv, dv)
     assert v.strides[0] == 4 * 4 * hv * dv
-    ops = TwinOps("split")
+    ops = twin_rule("split")
     got = ops.gated_delta_rule(_arr(args[0]), _arr(args[1]), v, _arr(args[3]), _arr(args[4]), np.array([0, T]))
     ref = cpu.gated_delta_rule(*args, np.array([0, T]))
     assert rel(got, ref) <= FP32_TOL * 5
@@ -245,11 +249,11 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
     """Every WY launch asks for at most the 96 KB a block may have on sm_70; the model's 128 x 128 heads take the
     _d128 entries."""
     args, _ = inputs([0, 130], hk, hv, dk, dv, seed=1)
-    ops = TwinOps(MODES[mode])
+    ops = twin_rule(MODES[mode])
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 130]))
-    assert {n for _, n, _ in ops.launched} == {f"gdn_wy_{k}{'_d128' if dk == dv == 128 else ''}"
+    assert {n for _, n, _ in ops.ctx.launched} == {f"gdn_wy_{k}{'_d128' if dk == dv == 128 else ''}"
                                               for k in ("prep", "scan", "out")}
-    assert max(s for _, _, s in ops.launched) <= SM70_SMEM
+    assert max(s for _, _, s in ops.ctx.launched) <= SM70_SMEM
 
 
 # ------------------------------------------------------------------------------------------------- routing
@@ -257,11 +261,11 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
 def test_each_path_runs_its_modes_wy_module(path):
     """Every GPU path runs the WY kernels of its mode: fast's module, or exact's."""
     args, _ = inputs([0, 65], 2, 4, 16, 16, seed=0)
-    ops = TwinOps(path)
+    ops = twin_rule(path)
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 65]))
     want = precision.DELTA_FAST if precision.TABLE[path].mode == "fast" else precision.DELTA_EXACT
-    assert ops.gdn_kernels() == want
-    assert [(m, n) for m, n, _ in ops.launched] == [(want.module, f"gdn_wy_{k}") for k in ("prep", "scan", "out")]
+    assert ops.kernels() == want
+    assert [(m, n) for m, n, _ in ops.ctx.launched] == [(want.module, f"gdn_wy_{k}") for k in ("prep", "scan", "out")]
 
 
 def test_every_wy_module_has_an_error_model():

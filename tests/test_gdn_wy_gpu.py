@@ -71,5 +71,5 @@ def test_golden_fixtures(ops):
         hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]):
             worst = max(worst, float(np.max(np.abs(_softmax(z) - np.array(q["probabilities"])))))
-    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
+    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
     assert worst <= BOUND[ops.mode]

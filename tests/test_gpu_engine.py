@@ -90,7 +90,7 @@ def test_golden_probabilities(loaded):
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
             worst = max(worst, err)
             assert err <= BOUND[ops.mode], f"{rec['name']} / {q['id']}: probability error {err:.2e} ({ops.mode})"
-    print(f"GOLDEN worst probability error ({'ptx70' if ops.ptx70 else 'native'}, {ops.mode} = {ops.plan.path}, "
+    print(f"GOLDEN worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode} = {ops.plan.path}, "
           f"gemm {ops.gemm.pin}): {worst:.3e}")
 
 

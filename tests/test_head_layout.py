@@ -25,7 +25,7 @@ from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import graphs as graphs_module
 from clefcore.backends.cuda.graphs import GraphCache
-from clefcore.backends.cuda.head import HeadOps
+from clefcore.backends.cuda.head import Head
 from clefcore.checkpoint import Checkpoint
 from clefcore.model import head as head_module
 from clefcore.model.head import HeadLayout, graph_tokens, head_rows, heads, padded_readout, readout
@@ -376,7 +376,7 @@ def test_the_readouts_indices(cpu_model):
 
 
 def test_the_cuda_attentions_launches_depend_on_shapes_alone():
-    """HeadOps.mha on a numpy stand-in, its batched products recorded: with the table's group ids alone (a
+    """Head.mha on a numpy stand-in, its batched products recorded: with the table's group ids alone (a
     padded layout) the products' shapes are the same for other ids of the same lengths, and the result is the
     masked attention's (each query over its own group's keys only, against cpu.mha per group); with host groups
     the key ranges follow the ids."""
@@ -385,14 +385,15 @@ def test_the_cuda_attentions_launches_depend_on_shapes_alone():
     w = [rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((3 * W, W), (3 * W,), (W, W), (W,))]
     xq, xkv = rng.standard_normal((n, W)).astype(np.float32), rng.standard_normal((m, W)).astype(np.float32)
     products = []
-    fake = types.SimpleNamespace(cp=np, linear=cpu.linear, _upload=np.asarray,
-                                 _bmm=lambda a, b: products.append((a.shape, b.shape)) or a @ b)
+    fake = types.SimpleNamespace(ctx=types.SimpleNamespace(cp=np, upload=np.asarray),
+                                 matmul=types.SimpleNamespace(
+                                     linear=cpu.linear, bmm=lambda a, b: products.append((a.shape, b.shape)) or a @ b))
     layouts = [(np.array([0, 0, 0, 1, 1, 1, 1]), np.repeat([0, 1, 2], [10, 20, 10])),
                (np.array([0, 0, 0, 0, 0, 0, 1]), np.repeat([0, 1, 2], [30, 5, 5]))]
     shapes = []
     for gq, gk in layouts:
         products.clear()
-        out = HeadOps.mha(fake, xq, xkv, *w, heads_n, None, (gq, gk))
+        out = Head.mha(fake, xq, xkv, *w, heads_n, None, (gq, gk))
         shapes.append(list(products))
         for g in (0, 1):
             want = cpu.mha(xq[gq == g], xkv[gk == g], *w, heads_n)
@@ -402,7 +403,7 @@ def test_the_cuda_attentions_launches_depend_on_shapes_alone():
     planned = []
     for gq, gk in layouts:
         products.clear()
-        HeadOps.mha(fake, xq, xkv, *w, heads_n, (gq, gk), (gq, gk))
+        Head.mha(fake, xq, xkv, *w, heads_n, (gq, gk), (gq, gk))
         planned.append(list(products))
     assert planned[0] != planned[1]
 
@@ -431,9 +432,9 @@ def test_the_segment_softmax_runs_one_kernel(monkeypatch):
             return out
 
     monkeypatch.setattr("clefcore.backends.cuda.head.segment_softmax_sum_k", Kernel)
-    fake = types.SimpleNamespace(cp=np, _f32=lambda x: np.asarray(x, np.float32),
-                                 _c=np.ascontiguousarray, asarray=np.asarray)
-    HeadOps.segment_softmax_sum(fake, np.zeros(5, np.float32), np.zeros((5, 3), np.float32),
+    fake = types.SimpleNamespace(ctx=types.SimpleNamespace(cp=np, f32=lambda x: np.asarray(x, np.float32),
+                                                           contiguous=np.ascontiguousarray, asarray=np.asarray))
+    Head.segment_softmax_sum(fake, np.zeros(5, np.float32), np.zeros((5, 3), np.float32),
                                 np.array([0, 0, 1, 1, 1]), 2)
     assert launched == [((5,), (15,), np.int64, 5, 3, (2, 3))]
 

@@ -101,26 +101,26 @@ def test_gemm_mma(ops_fp16, monkeypatch, M, N, K, tile):
     the other fp16 paths; rows and columns past a tile, K past a k-tile (the cp.async zero fill, K % 8 == 0), an
     odd N (the scalar stores), with bias and a residual; every output is written (it starts as NaN)."""
     o = ops_fp16
-    if mma_tile(o.caps) is None:
+    if mma_tile(o.ctx.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     name, _, _, smem = tile
-    if smem > o.max_smem_optin:
-        pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.max_smem_optin}")
-    monkeypatch.setattr(o, "max_smem_optin", smem)   # the largest tile that fits is this one (gemm_mma.cu on
-    assert o._mma_tile() == ("gemm_mma.cu", tile)     # Hopper too: no shared memory for gemm_wgmma.cu's)
+    if smem > o.ctx.max_smem_optin:
+        pytest.skip(f"{name} needs {smem} bytes of shared memory per block; this GPU has {o.ctx.max_smem_optin}")
+    monkeypatch.setattr(o.ctx, "max_smem_optin", smem)   # the largest tile that fits is this one (gemm_mma.cu on
+    assert o.matmul.mma_tile() == ("gemm_mma.cu", tile)     # Hopper too: no shared memory for gemm_wgmma.cu's)
     check_mma_route(o, "gemm_mma", M, N, K)
 
 
 def check_mma_route(o, name, M, N, K):
-    """The "mma" route's kernel (``_mma``) against numpy: plain, with bias and residual, and through gemm_with;
+    """The "mma" route's kernel (``Matmul.mma``) against numpy: plain, with bias and residual, and through gemm_with;
     every output is written (it starts as NaN)."""
     cp = o.cp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
-    a16, W = o._half(o.asarray(x)), cp.asarray(w.astype(np.float16))
+    a16, W = o.ctx.half(o.asarray(x)), cp.asarray(w.astype(np.float16))
     out = cp.full((M, N), np.nan, dtype=cp.float32)
-    check(f"{name} {M}x{N}x{K}", o._mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
+    check(f"{name} {M}x{N}x{K}", o.matmul.mma(a16, W, out), cpu.linear(x, w), 4e-3, o)
     out[...] = np.nan
-    check(f"{name}+bias+res {M}x{N}x{K}", o._mma(a16, W, out, o.asarray(b), o.asarray(res)),
+    check(f"{name}+bias+res {M}x{N}x{K}", o.matmul.mma(a16, W, out, o.asarray(b), o.asarray(res)),
           cpu.linear(x, w, b) + res, 4e-3, o)
     check(f"{name} gemm_with {M}x{N}x{K}", o.gemm_with(GemmRoute.MMA, o.asarray(x), W, cp.empty((M, N), cp.float32)),
           cpu.linear(x, w), 4e-3, o)
@@ -133,7 +133,7 @@ def test_gemm_wgmma(ops_fp16, M, N, K):
     past its 128 x 256 tile, K past a 64-deep k-tile (zero-filled copies into the swizzled stages), an odd N,
     bias and a residual, every output written."""
     o = ops_fp16
-    if mma_tile(o.caps) != ("gemm_wgmma.cu", WGMMA_TILE):
+    if mma_tile(o.ctx.caps) != ("gemm_wgmma.cu", WGMMA_TILE):
         pytest.skip("gemm_wgmma.cu runs on compute capability 9.0 (native code) only")
     check_mma_route(o, "gemm_wgmma", M, N, K)
 
@@ -163,10 +163,10 @@ def test_gemm_rows(ops, M, N, K, aligned):
     # fp32-grade error is relative to the operands' size (outputs ~1 here), not to a result that cancelled: at
     # 1 x 1 x 8 the one output can land near 0 (the H200 run at 580879e read 1.6e-5 of an output ~1e-2, i.e.
     # ~1.6e-7 absolute, fp32 rounding of eight products)
-    check(f"gemm_rows {M}x{N}x{K}", ops._gemm_rows(xd, W, out), cpu.linear(x, w), 1e-5, ops, floor=1.0)
+    check(f"gemm_rows {M}x{N}x{K}", ops.matmul.gemm_rows(xd, W, out), cpu.linear(x, w), 1e-5, ops, floor=1.0)
     out[...] = np.nan
-    check(f"gemm_rows+bias {M}x{N}x{K}", ops._gemm_rows(xd, W, out, ops.asarray(b)), cpu.linear(x, w, b), 1e-5, ops,
-          floor=1.0)
+    check(f"gemm_rows+bias {M}x{N}x{K}", ops.matmul.gemm_rows(xd, W, out, ops.asarray(b)), cpu.linear(x, w, b), 1e-5,
+          ops, floor=1.0)
 
 
 @pytest.mark.parametrize("M", [1, 65, 300])
@@ -176,7 +176,7 @@ def test_mlp_mma(M):
     from clefcore.backends.cuda import CudaOps
     from clefcore.backends.cuda.matmul import shape_key
     o = CudaOps(0, gemm="auto", precision="fp16")
-    if mma_tile(o.caps) is None:
+    if mma_tile(o.ctx.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
     H, I = 96, 200
     o.gemm.chosen[shape_key(M, 2 * I, H, "swiglu", o.plan.path)] = GemmRoute.MMA
@@ -238,7 +238,7 @@ def test_tables(ops):
     full = to_float32(ref)
     ids = RNG.integers(0, 300, 65)
     for mode in ("host", "device"):
-        o = CudaOps(0, tables=mode, ptx70=ops.ptx70)
+        o = CudaOps(0, tables=mode, ptx70=ops.ctx.ptx70)
         t = o.table(ref)
         check(f"embed {mode}", o.embed(t, ids), cpu.embed(full, ids), 0.0, o)
         check(f"gather_rows {mode}", o.gather_rows(t, ids[:7]), cpu.gather_rows(full, ids[:7]), 0.0, o)
@@ -355,13 +355,13 @@ def test_to_half_split(ops, n, big):
     if big:
         x[n // 2] = -3.0e5
         amax = ops.cp.zeros(1, ops.cp.uint32)
-        ops.kernel("gemm.cu", "abs_amax")((4,), (256,), (ops.asarray(x), np.int64(n), amax))
+        ops.ctx.kernel("gemm.cu", "abs_amax")((4,), (256,), (ops.asarray(x), np.int64(n), amax))
         assert int(ops.to_host(amax)[0]) == int(np.float32(3.0e5).view(np.uint32))
     xin = ops.asarray(x)
     if big:                                  # what the kernel must feed the GEMM: x times an exact power of two
         x = x * np.float32(2.0 ** -(int(np.floor(np.log2(3.0e5))) - 14))
     hl = ops.cp.empty((2, n), ops.cp.float16)
-    ops.kernel("gemm.cu", "to_half_split")(ops._grid1(n), (256,), (xin, hl[0], hl[1], np.int64(n), amax))
+    ops.ctx.kernel("gemm.cu", "to_half_split")(ops.ctx.grid1(n), (256,), (xin, hl[0], hl[1], np.int64(n), amax))
     hi = x.astype(np.float16)
     np.testing.assert_array_equal(_bits(ops.to_host(hl[0])), _bits(hi))
     np.testing.assert_array_equal(_bits(ops.to_host(hl[1])), _bits((x - hi.astype(np.float32)).astype(np.float16)))
@@ -377,7 +377,7 @@ def test_lo_amax(ops, n):
     """fp8.cu's scale input, both builds: lo_amax = max |x - fp16(x)| over n / 4 float4s, exactly."""
     x = r(n, scale=2.0)
     amax = ops.cp.zeros(1, ops.cp.uint32)
-    ops.kernel("fp8.cu", "lo_amax")(ops._amax_grid(n // 4), (256,), (ops.asarray(x), np.int64(n // 4), amax))
+    ops.ctx.kernel("fp8.cu", "lo_amax")(ops.matmul.amax_grid(n // 4), (256,), (ops.asarray(x), np.int64(n // 4), amax))
     assert ops.to_host(amax).view(np.float32)[0] == _host_lo_amax(x)
 
 
@@ -390,7 +390,7 @@ def test_swiglu_inplace(ops, n, with_amax):
     g, u = r(n, scale=4.0), r(n)
     gd, ud = ops.asarray(g), ops.asarray(u)
     amax = cp.zeros(1, cp.uint32) if with_amax else np.uint64(0)
-    ops.kernel("fp8.cu", "swiglu_inplace")(ops._amax_grid(-(-n // 4)), (256,), (ud, gd, np.int64(n), amax))
+    ops.ctx.kernel("fp8.cu", "swiglu_inplace")(ops.matmul.amax_grid(-(-n // 4)), (256,), (ud, gd, np.int64(n), amax))
     h = ops.to_host(gd)
     check(f"swiglu_inplace n{n}", h, cpu.silu(g) * u, 1e-6)
     np.testing.assert_array_equal(ops.to_host(ud), u)
@@ -411,7 +411,7 @@ def test_e4m3_rounding(ops):
                         *(r(4097, scale=s) for s in (1e-3, 0.05, 1.0, 40.0))]).astype(np.float32)
     x = x[np.abs(x) <= 448]
     y = ops.cp.empty(x.size, dtype=ops.cp.uint8)
-    ops.kernel("fp8.cu", "f32_to_e4m3")(ops._grid1(x.size), (256,), (ops.asarray(x), y, np.int64(x.size)))
+    ops.ctx.kernel("fp8.cu", "f32_to_e4m3")(ops.ctx.grid1(x.size), (256,), (ops.asarray(x), y, np.int64(x.size)))
     np.testing.assert_array_equal(ops.to_host(y), x.astype(f8).view(np.uint8))
 
 

@@ -57,6 +57,10 @@ def test_percentiles_and_report_by_class():
     assert report["refused_by_reason"] == {"evicted": {"count": 1, "p50_ms": 1500.0, "p99_ms": 1500.0},
                                            "queued_work": {"count": 2, "p50_ms": 4.0, "p99_ms": 6.0}}
     assert "queued_work 2: p50 4.0 ms, p99 6.0 ms" in format_report(report)
+    # which class the slow 429s came from
+    assert report["classes"]["long"]["refused"] == 3 and report["classes"]["long"]["refused_p99_ms"] == 1500.0
+    assert report["classes"]["short"]["refused"] == 0 and report["classes"]["short"]["refused_p99_ms"] is None
+    assert "429 3: p99 1500.0 ms" in format_report(report)
     assert report["loop_lag"] == {"client": None, "server": None}
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import clefcore
 from clefcore import cli, precision
-from clefcore.backends.cuda.delta_rule import DeltaRuleOps
+from clefcore.backends.cuda.delta_rule import DeltaRule
 from clefcore.errors import ClefError
 from clefcore.kernel_select import Device, Setting
 from clefcore.precision import FP32, TABLE, GemmOperands, Plan
@@ -142,8 +142,7 @@ def test_the_delta_rules_kernels_follow_the_row(path):
     """fast runs the WY form with the output's products in one pass, the exact plans with every product split;
     fused producers only where the GEMMs round their operand once to fp16 (fast)."""
     device = Device((9, 0), True, 232448, True)
-    ops = types.SimpleNamespace(setting=Setting(Plan(path).row, frozenset(), device))
-    rule = DeltaRuleOps.gdn_kernels(ops)
+    rule = DeltaRule(types.SimpleNamespace(setting=Setting(Plan(path).row, frozenset(), device)), 128).kernels()
     fast = TABLE[path].mode == "fast"
     assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)
     assert TABLE[path].fused_elementwise is fast

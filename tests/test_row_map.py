@@ -1,11 +1,11 @@
-"""The stride logic that lets the norm kernels read views in place (``ops.row_map``), checked on numpy views of
+"""The stride logic that lets the norm kernels read views in place (``device.row_map``), checked on numpy views of
 the shapes the model passes (no GPU needed): every row it promises must be where it says, and what it cannot
 walk must come back None (the caller copies)."""
 
 import numpy as np
 import pytest
 
-from clefcore.backends.cuda.ops import row_map
+from clefcore.backends.cuda.device import row_map
 
 
 def rows_at(x, m):

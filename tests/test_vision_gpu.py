@@ -40,7 +40,7 @@ def reference():
 
 def _label(engine) -> str:
     ops = engine.ops
-    return f"{'ptx70' if ops.ptx70 else 'native'}, {ops.mode} = {ops.plan.path}, gemm {ops.gemm.pin}"
+    return f"{'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode} = {ops.plan.path}, gemm {ops.gemm.pin}"
 
 
 def _prob_error(logits, questions) -> float:

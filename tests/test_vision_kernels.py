@@ -107,7 +107,7 @@ def test_gelu_tanh(ops, shape):
     # -9.1e-4 at x = -3.4 that a one-element draw once was. So the error is measured against the inputs' scale
     # (where gelu(x) ~ x), not against an output that cancellation made tiny.
     x = r(*shape, scale=3.0)
-    got = ops.to_host(ops.gelu_tanh(ops.asarray(x))).astype(np.float64)
+    got = ops.to_host(ops.vision.gelu_tanh(ops.asarray(x))).astype(np.float64)
     ref = cpu.gelu_tanh(x).astype(np.float64)
     assert got.shape == ref.shape and np.all(np.isfinite(got))
     e = np.max(np.abs(got - ref)) / np.max(np.abs(x))
@@ -126,7 +126,7 @@ def test_bidirectional_attention(ops, cu, heads, D):
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     d = ops.asarray(qkv)
     cu = np.array(cu)
-    got = ops.bidirectional_attention(d[:, 0], d[:, 1], d[:, 2], cu, D ** -0.5)
+    got = ops.attn.bidirectional_attention(d[:, 0], d[:, 1], d[:, 2], cu, D ** -0.5)
     check(f"bidirectional D{D} H{heads} cu{list(cu)}", ops.to_host(got),
           cpu.bidirectional_attention(q, k, v, cu, D ** -0.5), ATTN_TOL)
 
@@ -139,7 +139,7 @@ def test_bidirectional_attention_long(ops, cu, heads):
     N, D = cu[-1], 72
     q, k, v = r(N, heads, D), r(N, heads, D), r(N, heads, D)
     cu = np.array(cu)
-    got = ops.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), cu, D ** -0.5)
+    got = ops.attn.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), cu, D ** -0.5)
     check(f"bidirectional long D{D} cu{list(cu)}", ops.to_host(got),
           cpu.bidirectional_attention(q, k, v, cu, D ** -0.5), ATTN_TOL)
 
@@ -151,8 +151,9 @@ def test_bidirectional_attention_fp16_inputs(ops, D):
     the same bits."""
     cu = np.array([0, 65, 195])
     qkv = [r(195, 3, D) for _ in range(3)]
-    want = ops.to_host(ops.bidirectional_attention(*(ops.asarray(a) for a in qkv), cu, D ** -0.5))
-    got = ops.to_host(ops.bidirectional_attention(*(ops.asarray(a.astype(np.float16)) for a in qkv), cu, D ** -0.5))
+    attention = ops.attn.bidirectional_attention
+    want = ops.to_host(attention(*(ops.asarray(a) for a in qkv), cu, D ** -0.5))
+    got = ops.to_host(attention(*(ops.asarray(a.astype(np.float16)) for a in qkv), cu, D ** -0.5))
     np.testing.assert_array_equal(got, want)
 
 
@@ -162,7 +163,7 @@ def test_bidirectional_attention_more_tiles_than_grid_y(ops):
     gets all the weight: each output row is its value row (fp16-rounded)."""
     N, heads, D = 65537, 2, 72
     q, k, v = r(N, heads, D), r(N, heads, D), r(N, heads, D)
-    got = ops.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.arange(N + 1), 0.25)
+    got = ops.attn.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.arange(N + 1), 0.25)
     check("bidirectional 65,537 images", ops.to_host(got), v.astype(np.float16).astype(np.float32), 1e-6)
 
 
@@ -172,7 +173,7 @@ def test_bidirectional_attention_unsupported_dims(ops, D, Dv):
     from clefcore.errors import DeviceError
     q, k, v = r(5, 2, D), r(5, 2, D), r(5, 2, Dv)
     with pytest.raises(DeviceError, match=f"head dim {D} \\(value dim {Dv}\\)"):
-        ops.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.array([0, 5]), 0.25)
+        ops.attn.bidirectional_attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), np.array([0, 5]), 0.25)
 
 
 # fp32 products: the only differences from numpy are summation order and the exponential's last bits
@@ -192,7 +193,7 @@ def test_bidirectional_attention_exact(precision, cu, heads, D):
     qkv = r(N, 3, heads, D)
     d = exact.asarray(qkv)
     cu = np.array(cu)
-    got = exact.bidirectional_attention(d[:, 0], d[:, 1], d[:, 2], cu, D ** -0.5)
+    got = exact.attn.bidirectional_attention(d[:, 0], d[:, 1], d[:, 2], cu, D ** -0.5)
     check(f"bidirectional exact D{D} H{heads} cu{list(cu)}", exact.to_host(got),
           cpu.bidirectional_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, D ** -0.5), EXACT_TOL)
 

@@ -5,7 +5,8 @@ reference) and ``clefcore.backends.cuda.CudaOps`` (one GPU). ``clefcore.model`` 
 ``clefcore.engine`` call only what is listed here, under these names and parameter names, and never probe a
 backend for anything else (tests/test_backend_interface.py holds both backends to it). A new op starts here: its
 numpy reference in cpu.py (a function, and the ``CpuOps`` method of that name that runs it), then its kernel
-in cuda/ and its method in a ``CudaOps`` mixin.
+in cuda/, its method in the op object of its family (clefcore/backends/cuda/, e.g. ``Norms`` in norms.py) and
+the ``CudaOps`` method that calls it.
 
 Activations are ``[tokens, ...]`` row-major arrays of the backend's array module (``xp``); several sequences may
 be packed into one token stream, described by ``cu_seqlens`` (sequence starts plus the total, like

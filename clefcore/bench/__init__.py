@@ -21,7 +21,8 @@ same request (its image processor on the same PNG, then tower and backbone) and 
 One module per job: this one is the command (flags, the run, the summary); ``timing`` (GPU events, wall clock),
 ``provenance`` (what ran), ``records`` (the requests), ``kernels`` (the kernel table), ``weights`` (random weights
 on the GPU), ``end_to_end`` (the text cases), ``image`` (the image case) and ``peers`` (transformers). The backend
-is reached through its public methods only (``CudaOps.gemm_with``, ``plan``, ``twins``, ``gemm``).
+is reached through its public methods only (``CudaOps.gemm_with``, ``plan``, ``twins``, ``gemm``) and its device
+context (``CudaOps.ctx``: the GPU's name, capability and switches).
 """
 
 from __future__ import annotations
@@ -109,13 +110,14 @@ def run(args) -> int:
     text_cfg = vision_cfg = section = ck = None
     for i, prec in enumerate(precisions):
         ops = CudaOps(dev, tables="device", **dict(options.gpu(), precision=prec))
-        out.update(device=ops.device_name, token_block=ops.token_block, graph_tokens=ops.graphs.max_tokens)
-        out["kernel_switches"] = sorted(s.name for s in ops.switches)
+        gpu = ops.ctx
+        out.update(device=gpu.device_name, token_block=ops.token_block, graph_tokens=ops.graphs.max_tokens)
+        out["kernel_switches"] = sorted(s.name for s in gpu.switches)
         out["paths"][prec] = ops.plan.path
-        print(f"clefcore bench on {ops.device_name} (cc {ops.cc[0]}.{ops.cc[1]}): clefcore {out['version']}, sources "
+        print(f"clefcore bench on {gpu.device_name} (cc {gpu.cc[0]}.{gpu.cc[1]}): clefcore {out['version']}, sources "
               f"{out['sources']}, commit {out['commit']}; precision {prec} ({ops.plan.path}), token block "
               f"{ops.token_block}, CUDA graphs up to {ops.graphs.max_tokens} tokens"
-              + ("" if ops.cublas_missing is None else "; cuBLAS not loadable: own GEMM kernels"))
+              + ("" if gpu.cublas_missing is None else "; cuBLAS not loadable: own GEMM kernels"))
         if i == 0 and not args.no_kernels:
             print(f"kernels (under {prec}):")
             out["kernels_precision"] = prec

@@ -2,7 +2,7 @@
 same run (a device-to-device copy, cuBLAS's fp16 GEMM). Every op is checked against the numpy backend before
 it is timed, so that a wrong kernel is never reported as a fast one. The GEMM rows name their route
 (``CudaOps.gemm_with``) and set the precision plan they run under (``CudaOps.plan``); nothing else of the
-backend is reached past its public methods."""
+backend is reached past its public methods and its device context (``CudaOps.ctx``)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
     split, split8) are left out, said in ``out["kernels_note"]``, and clefcore's GEMMs are given in TFLOP/s alone."""
     from ..backends import cpu
     rows, checks = [], {}
-    cublas = ops.cublas_missing is None
+    cublas = ops.ctx.cublas_missing is None
     if not cublas:
-        out["kernels_note"] = f"no cuBLAS rows: cuBLAS cannot be loaded ({ops.cublas_missing})"
+        out["kernels_note"] = f"no cuBLAS rows: cuBLAS cannot be loaded ({ops.ctx.cublas_missing})"
         print(f"  {out['kernels_note']}")
     host = ops.to_host
     plan = ops.plan               # the plan CudaOps resolved; the wmma rows below switch its path and restore it
@@ -126,7 +126,7 @@ def table(cp, ops, out, gemm_shapes=GEMM_SHAPES, head_gemm=HEAD_GEMM, seq_lens=S
                       TOL_FP16 if ops.plan.row.gemm.fp16 else tol_k(TOL_SPLIT, K), inner=10)
             rows.append((f"wmma GEMM {path} {M}x{N}x{K}", tw, rate(tw)))
         ops.plan = plan
-        if mma_tile(ops.caps) is not None and K % 8 == 0:   # sm_80+: on the fp16 operand, as cuBLAS's ceiling
+        if mma_tile(ops.ctx.caps) is not None and K % 8 == 0:   # sm_80+: on the fp16 operand, as cuBLAS's ceiling
             tm = gemm(f"mma fp16 {M}x{N}x{K}", GemmRoute.MMA, x16, w, o, ref, TOL_FP16, inner=10)
             rows.append((f"mma GEMM fp16 {M}x{N}x{K} (fp16 operand)", tm, rate(tm)))
     M, N, K = head_gemm

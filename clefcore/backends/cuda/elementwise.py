@@ -1,5 +1,5 @@
 """CuPy elementwise and reduction kernels of the CUDA backend (each names its numpy twin), and the launch
-constants the kernel-calling mixins share."""
+constants the op objects share."""
 
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ compiles the kernels and autotunes the GEMM shapes, neither of which may happen 
 time it captures ``fn`` on a side stream into a graph that owns a private memory pool; later calls copy the
 inputs into the graph's static input buffers and launch it. What the graph reads and writes therefore stays
 valid for its whole life: its activations live in its own pool (never handed to anyone else), and the entry
-pins every index table ``CudaOps._upload`` returned during the capture and the weights the graph reads. A
+pins every index table ``DeviceContext.upload`` returned during the capture and the weights the graph reads. A
 capture that fails for any reason falls back to eager runs for that key and is logged: a graph may make a
 forward faster, never wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
-memsets are captured) and handed back to ``CudaOps`` after every launch, so ``check_watched`` reads them.
+memsets are captured) and handed back to the device context after every launch, so ``check_watched`` reads them.
 Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under
 the head_graph switch, the joint head's (per question schema and padded length, clefcore/model/head.py). A cache
 remembers the keys it has seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the
@@ -62,10 +62,11 @@ class _Entry:
 
 class GraphCache:
     """At most ``capacity`` graphs (least recently used dropped first); ``bucket`` tokens of padding granularity
-    for the callers that pad (model.backbone); graphs only for prompts of at most ``max_tokens``."""
+    for the callers that pad (model.backbone); graphs only for prompts of at most ``max_tokens``. ``ctx``: the
+    device context (device.py) whose uploads and guard records a capture collects."""
 
-    def __init__(self, ops, max_tokens: int = 1024, capacity: int = 4, bucket: int = 128):
-        self.ops = ops
+    def __init__(self, ctx, max_tokens: int = 1024, capacity: int = 4, bucket: int = 128):
+        self.ctx = ctx
         self.max_tokens = int(max_tokens)
         self.capacity = int(capacity)
         self.bucket = int(bucket)
@@ -117,24 +118,24 @@ class GraphCache:
                 return fn(*inputs)
         else:
             self._graphs.move_to_end(key)
-        cp = self.ops.cp
+        cp = self.ctx.cp
         for dst, src in zip(e.inputs, inputs):
             cp.copyto(dst, src)
         e.graph.launch(stream=cp.cuda.get_current_stream())
         self.launches += 1
-        self.ops._watched.extend(e.watched)
+        self.ctx.watched.extend(e.watched)
         return e.output
 
     def _capture(self, key, fn, inputs, reads):
-        ops, cp = self.ops, self.ops.cp
+        ctx, cp = self.ctx, self.ctx.cp
         pool = cp.cuda.MemoryPool()
         # one side stream for all of them: what a library keeps per stream (a cuBLAS workspace) is made once, not
         # once per capture, and the head's captures come with the traffic
         if self._stream is None:
             self._stream = cp.cuda.Stream(non_blocking=True)
         stream = self._stream
-        before = ops._watched
-        ops._watched, ops._pinned = [], []
+        before = ctx.watched
+        ctx.watched, ctx.pinned = [], []
         graph = out = None
         cp.cuda.get_current_stream().synchronize()       # the inputs are ready before the side stream copies them
         try:
@@ -154,8 +155,8 @@ class GraphCache:
             self._failed.add(key)
             return None
         finally:
-            watched, pinned = ops._watched, ops._pinned
-            ops._watched, ops._pinned = before, None
+            watched, pinned = ctx.watched, ctx.pinned
+            ctx.watched, ctx.pinned = before, None
         e = _Entry(graph, static, out, watched, pool, reads, pinned)
         self._graphs[key] = e
         self.captures += 1

@@ -5,8 +5,9 @@ chunked prompt carried beside it; counting it by hand goes stale with every kern
 the largest work it will ever ask for as a callable, and it runs three times:
 
 0. outside any arena, to compile, autotune and fill the backend's caches (a cache entry made inside the trial
-   arena would keep its whole reservation alive). The index tables that CudaOps memoises across forwards get an
-   arena of their own (``UPLOADS``), made first: in the forwards' arena they would pin holes between forwards;
+   arena would keep its whole reservation alive). The index tables that the device context memoises across
+   forwards get an arena of their own (``UPLOADS``), made first: in the forwards' arena they would pin holes
+   between forwards;
 1. in a trial arena of all the free memory but ``HEADROOM``: the highest byte it touched (``Arena.extent``) is
    the need;
 2. in the arena kept, of that need plus ``MARGIN`` for fragmentation, rounded up to ``GRANULE``. This run is the

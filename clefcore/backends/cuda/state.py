@@ -1,6 +1,6 @@
-"""The CUDA backend's shared state, in named objects: what the mixins of ``CudaOps`` (norms, matmul, attention,
-delta_rule, head, vision) read and write besides the device itself. The precision plan is
-``clefcore.precision.Plan`` (``CudaOps.plan``, with its row of the precision table); the GEMM choices, split8's
+"""The CUDA backend's shared state, in named objects: what its op objects (norms, matmul, attention, delta_rule,
+head, vision) read and write besides the device context (device.py). The precision plan is
+``clefcore.precision.Plan`` (``DeviceContext.plan``, with its row of the precision table); the GEMM choices, split8's
 fp8 twins and the memos are here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ...kernel_select import GemmRoute
 
 @dataclass
 class GemmChoices:
-    """Which GEMM routes ran (``CudaOps.gemm``; matmul.py's ``_choose``); clefcore/kernel_select.py says which
+    """Which GEMM routes ran (``CudaOps.gemm``; ``Matmul.choose``); clefcore/kernel_select.py says which
     may."""
 
     pin: GemmRoute | None = None     # --gemm: None = auto (timed per shape the first time it is seen)
@@ -50,9 +50,9 @@ class Fp8Twins:
 
 @dataclass
 class Caches:
-    """Memos kept for the life of a ``CudaOps`` (``CudaOps.caches``): compiled functions by (module, name), the
+    """Memos kept for the life of a ``CudaOps`` (``DeviceContext.caches``): compiled functions by (module, name), the
     dynamic shared memory each was opted into, the attention kernels' launch shape per (file, head dim), and the
-    small index tables uploaded by content (``CudaOps._upload``), with the arena they live in once reserve() made
+    small index tables uploaded by content (``DeviceContext.upload``), with the arena they live in once reserve() made
     one: kept apart from the forwards' arena, where an entry that outlives its forward would pin a hole."""
 
     functions: dict = field(default_factory=dict)

@@ -1,16 +1,12 @@
 """Every backend op against the fp32 numpy reference (clefcore/backends/cpu.py's functions), as one table.
 
-``OPS`` holds one row per op (or per way of calling it): how to draw fresh random inputs at a size, the call
-(written once, run on the backend under test and on the reference), the awkward sizes (1, 63, 65, non-multiples
-of 16, packed batches of several sequences) and the bound, which comes from the backend's precision row
-(clefcore/precision.py) or, for the delta rule, from its error model (tests/gdn_wy_model.py). ``BACKENDS`` holds
-each backend and variant: numpy; CUDA built natively and as compute_70 PTX (the Volta code path), each kernel
-path (fp16, split, split8) and each ``--gemm`` choice. The test runs every row on every backend whose path the row
-covers. A new kernel variant is a new entry of ``BACKENDS``; a new op, a new row of ``OPS``.
-
-Calls go through the ``Backend`` protocol only (clefcore/backends/interface.py). The numpy backend runs the
-reference's own functions, so its rows hold it to the reference bit for bit; the CUDA rows need a GPU (marked
-``gpu``, skipped without one).
+``OPS``: one row per op (or way of calling it): fresh random inputs at awkward sizes (1, 63, 65, non-multiples of
+16, packed batches), the call (written once, run on the backend and on the reference) and the bound, from the
+precision row (clefcore/precision.py) or the delta rule's error model (tests/gdn_wy_model.py). ``BACKENDS``: numpy;
+CUDA built natively and as compute_70 PTX (the Volta code path) by kernel path and ``--gemm`` choice. A new kernel
+variant is an entry of ``BACKENDS``, a new op a row of ``OPS``. Calls go through the ``Backend`` protocol only
+(clefcore/backends/interface.py). The numpy backend runs the reference's own functions: its rows hold it to the
+reference bit for bit. The CUDA rows are marked ``gpu`` and skip without one.
 
 Bounds (max |got - ref| / max |ref|, with a floor where the result can cancel far below its operands):
 * fp32 kernels (norms, rotary, conv, gates, elementwise) differ from numpy by summation order and the last bits
@@ -299,12 +295,6 @@ def _attention_blocked(b, inp):
     return {"out": np.concatenate(got)}
 
 
-def _conv_inputs(size):
-    cu, K = size
-    C = 72
-    return {"x": r(cu[-1], 3 * C), "w": r(C, K), "cu": np.array(cu), "C": C}
-
-
 def _gdn_inputs(size):
     """size: (cu, (hk, hv, dk, dv), given states, decay: None for the kernel tests' gates, else a slow mean
     decay per token, which keeps the state long and carries every chunk's rounding forward)."""
@@ -462,7 +452,8 @@ OPS = [
                for blk in (1, 63, 64, 65, 128, 129, 300, 1000)),
        _attention_inputs, _attention_blocked, on_gpu(4e-3)),
     # x as the model passes it: the middle third of the conv's input columns
-    Op("conv1d_silu", tuple(itertools.product(CU, (1, 4, 8))), _conv_inputs,
+    Op("conv1d_silu", tuple(itertools.product(CU, (1, 4, 8))),
+       lambda s: {"x": r(s[0][-1], 3 * 72), "w": r(72, s[1]), "cu": np.array(s[0]), "C": 72},
        lambda b, i: {"y": b.conv1d_silu(A(b, i["x"])[:, i["C"]:2 * i["C"]], A(b, i["w"]), i["cu"])},
        on_gpu(1e-5)),
     Op("gdn_gates", ((1, 8), (65, 8), (300, 32)),

@@ -70,6 +70,7 @@ class Record:
     latency_s: float
     input_tokens: int = 0
     reason: str | None = None   # a 429's error.reason: queued_work, queue_full, evicted (it had waited)
+    done_at: float = 0.0        # when it ended (time.monotonic())
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Run:
     records: list = field(default_factory=list)
     sizing: Sizing = field(default_factory=Sizing)
     started: float = 0.0
+    offered_s: float = 0.0     # how long load was offered; the run ends later, when the requests in flight do
     ended: float = 0.0
     busy_s: float | None = None    # device-seconds the server counted between start and end, per device
     lanes_busy_s: dict | None = None   # the same for each device of one server process on several (by lane)
@@ -119,9 +121,15 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(run: Run, classes: list[RequestClass]) -> dict:
     seconds = max(run.ended - run.started, 1e-9)
     ok = [r for r in run.records if r.status == 200]
+    # while load was offered: a server that queues deeper than another ends its run later by its queue's drain
+    offered = [r for r in ok if r.done_at <= run.started + run.offered_s] if run.offered_s > 0 else []
     report = {"duration_s": round(seconds, 3), "requests": len(run.records), "ok": len(ok),
               "requests_per_s": round(len(ok) / seconds, 3),
               "prompt_tokens_per_s": round(sum(r.input_tokens for r in ok) / seconds, 1),
+              "offered_s": run.offered_s,
+              "offered_requests_per_s": round(len(offered) / run.offered_s, 3) if run.offered_s > 0 else None,
+              "offered_prompt_tokens_per_s": (round(sum(r.input_tokens for r in offered) / run.offered_s, 1)
+                                              if run.offered_s > 0 else None),
               "device_busy_fraction": None if run.busy_s is None else round(run.busy_s / seconds, 3),
               "device_busy_by_lane": None if run.lanes_busy_s is None else {
                   lane: round(busy / seconds, 3) for lane, busy in run.lanes_busy_s.items()},
@@ -185,6 +193,9 @@ def format_report(report: dict) -> str:
              f"{report['requests_per_s']} req/s, {report['prompt_tokens_per_s']} prompt tokens/s; "
              + (f"device busy {busy:.1%}" if busy is not None else "device busy: not reported by the server")
              + "".join(f", device {lane} {share:.1%}" for lane, share in (report["device_busy_by_lane"] or {}).items())]
+    if report["offered_requests_per_s"] is not None:
+        lines.append(f"  while offered ({report['offered_s']} s): {report['offered_requests_per_s']} req/s, "
+                     f"{report['offered_prompt_tokens_per_s']} prompt tokens/s")
     for name, c in report["classes"].items():
         head = f"  {name:<8} sent {c['sent']:>6} ok {c['ok']:>6} ({(c['answered_share'] or 0):>6.1%})"
         if c["ok"]:
@@ -218,7 +229,8 @@ async def _one(http, path: str, cls: RequestClass, body: bytes, headers: dict,
     try:
         async with http.post(path, data=body, headers=headers) as reply:
             data = await reply.read()
-            record = Record(cls.name, reply.status, time.monotonic() - sent)
+            done = time.monotonic()
+            record = Record(cls.name, reply.status, done - sent, done_at=done)
             if reply.status == 200:
                 answer = json.loads(data)
                 answer = answer.get("result", answer)  # the Workers AI envelope
@@ -230,7 +242,8 @@ async def _one(http, path: str, cls: RequestClass, body: bytes, headers: dict,
                 return reply.status, float(reply.headers.get("Retry-After", "1") or 1)
             return reply.status, 0.0
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as error:
-        run.records.append(Record(cls.name, type(error).__name__, time.monotonic() - sent))
+        done = time.monotonic()
+        run.records.append(Record(cls.name, type(error).__name__, done - sent, done_at=done))
         return type(error).__name__, 0.1
 
 
@@ -343,6 +356,7 @@ async def _drive(args: argparse.Namespace, classes: list[RequestClass]) -> Run:
         at_start = await server_counts(http)
         run.started = time.monotonic()
         stop_at = run.started + args.duration
+        run.offered_s = args.duration
         lag = asyncio.ensure_future(_sample_lag(run.client_lag_s, stop_at))
 
         def pick() -> tuple[RequestClass, bytes]:

@@ -62,6 +62,18 @@ def test_percentiles_and_report_by_class():
     assert report["classes"]["short"]["refused"] == 0 and report["classes"]["short"]["refused_p99_ms"] is None
     assert "429 3: p99 1500.0 ms" in format_report(report)
     assert report["loop_lag"] == {"client": None, "server": None}
+    assert report["offered_requests_per_s"] is None                # no offered time: not judged
+
+
+def test_what_was_answered_while_load_was_offered_leaves_the_drain_out():
+    classes = [RequestClass("only", 1.0, 100)]
+    # load offered for 10 s; 8 answers within it, 4 more while the queue drained, until 13 s
+    records = [Record("only", 200, 1.0, 100, done_at=100.0 + t) for t in (1, 2, 3, 4, 5, 6, 7, 10)]
+    records += [Record("only", 200, 3.0, 100, done_at=100.0 + t) for t in (10.5, 11, 12, 13)]
+    report = summarize(Run(records, started=100.0, offered_s=10.0, ended=113.0), classes)
+    assert report["requests_per_s"] == round(12 / 13, 3) and report["prompt_tokens_per_s"] == round(1200 / 13, 1)
+    assert report["offered_requests_per_s"] == 0.8 and report["offered_prompt_tokens_per_s"] == 80.0
+    assert "while offered (10.0 s): 0.8 req/s, 80.0 prompt tokens/s" in format_report(report)
 
 
 def test_the_report_gives_both_sides_event_loop_lag():

@@ -335,6 +335,12 @@ def registry():
         r.close()
 
 
+@pytest.fixture
+def image(tmp_path) -> dict:
+    """make_layout's default image at tmp_path/oci."""
+    return make_layout(tmp_path / "oci")
+
+
 def write_blob(layout: Path, data: bytes) -> dict:
     (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (layout / "blobs" / "sha256" / sha256(data)[7:]).write_bytes(data)
@@ -403,12 +409,11 @@ def failure_lines(err: str, plain_http_login: bool = True) -> list[str]:
 
 # ---- the whole push ---------------------------------------------------------------------------------------
 
-def test_push_in_chunks_with_bearer_token(registry, tmp_path):
+def test_push_in_chunks_with_bearer_token(registry, tmp_path, image):
     """Every body at most --chunk-bytes (the registry refuses more than 70,000 bytes), every blob in
     ceil(size / chunk) PATCHes, a blob already there skipped after its HEAD, the manifest last; all
     byte-identical."""
     reg = registry()
-    image = make_layout(tmp_path / "oci")
     config, big, exact, small = image["order"]
     reg.blobs[small] = image["blobs"][small]              # pushed before: only its HEAD may happen
     env = login_env(tmp_path, reg)
@@ -500,8 +505,8 @@ def push(inproc, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("counts_bytes", [False, True], ids=["spec-range", "forgejo-range"])
 @pytest.mark.parametrize("nth", [1, 4], ids=["config-patch", "layer-patch"])
 @pytest.mark.parametrize("failure", ["drop", "500", "502", "503"])
-def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc, push, failure, nth,
-                                                      counts_bytes):
+def test_failed_patch_resumes_where_the_registry_says(
+        registry, image, inproc, push, failure, nth, counts_bytes):
     """The n-th PATCH fails; the push asks the registry (GET <upload>) what it holds and goes on from there:
     inside the chunk where the registry kept half of it, after it where it kept all. The 1st PATCH (the
     config's one chunk) fails before push.py learned how this registry's GET Range reads: where the two
@@ -509,7 +514,6 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     416 sends it to the other. The 4th (the first layer's third chunk) fails after that: no 416."""
     reg = registry(counts_bytes=counts_bytes)
     reg.fail[nth] = failure
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     assert inproc.waits == [1]
     patches = patches_of(reg)
@@ -533,12 +537,11 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     assert resuming and resuming.group(2 if ambiguous else 1) == str(held)
 
 
-def test_a_lost_upload_starts_again(registry, tmp_path, push):
+def test_a_lost_upload_starts_again(registry, image, push):
     """The registry forgets the upload whose PATCH broke off (404 from then on): the blob goes again in a new
     upload from byte 0, and the image arrives whole."""
     reg = registry()
     reg.fail[3] = "forget"                                 # the first layer's second chunk
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     failed = patches_of(reg)[2]
     assert failed["range"] == f"{CHUNK}-{2 * CHUNK - 1}" and failed["status"] == "dropped"
@@ -549,21 +552,19 @@ def test_a_lost_upload_starts_again(registry, tmp_path, push):
     assert sum(e["method"] == "POST" for e in reg.log) == 4 + 1
 
 
-def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, tmp_path, inproc, push):
+def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, image, inproc, push):
     """A PATCH answered 202 whose Range says the registry kept half of it: the next PATCH starts there."""
     reg = registry()
     reg.fail[3] = "short"
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     ranges = [p["range"] for p in patches_of(reg)[2:4]]
     assert ranges == [f"{CHUNK}-{2 * CHUNK - 1}", f"{CHUNK + CHUNK // 2}-{2 * CHUNK + CHUNK // 2 - 1}"]
     assert not inproc.waits
 
 
-def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_path, inproc, push):
+def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, image, inproc, push):
     reg = registry()
     reg.fail.update({n: "503" for n in range(1, 100)})
-    image = make_layout(tmp_path / "oci")
     rc, _, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err
     config = image["order"][0]
@@ -591,13 +592,12 @@ def answered_after(reg: Registry, entry: dict) -> list[tuple[str, object]]:
     ("429", "soon", [1]),        # not seconds: the backoff
 ])
 def test_a_failed_completion_goes_again_and_a_committed_blob_is_not_sent_again(
-        registry, tmp_path, inproc, push, fault, retry_after, waits):
+        registry, image, inproc, push, fault, retry_after, waits):
     """The first layer's (300,001 bytes, 5 chunks) `PUT ?digest=` fails: it goes again, and where the
     registry already committed the blob, a HEAD says so; no chunk is sent twice, no second upload begun."""
     reg = registry()
     reg.faults[("PUT blob", 2)] = fault
     reg.retry_after = retry_after
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     assert inproc.waits == [inproc.MAX_RETRY_AFTER if w == "cap" else w for w in waits]
     assert inproc.MAX_RETRY_AFTER < 100000
@@ -614,12 +614,11 @@ def test_a_failed_completion_goes_again_and_a_committed_blob_is_not_sent_again(
     assert f"layer 1/3 {layer}: completing the upload: " in out and f"again in {inproc.waits[0]}s" in out
 
 
-def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(registry, tmp_path, inproc, push):
+def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(registry, image, inproc, push):
     """The registry drops the upload at the `PUT ?digest=` without storing the blob: the PUT again meets 404,
     the HEAD 404, and the blob goes again in a new upload from byte 0."""
     reg = registry()
     reg.faults[("PUT blob", 2)] = "forget"
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     failed = next(e for e in reg.log if e.get("fault") == "forget")
     assert answered_after(reg, failed)[:4] == [("PUT", 404), ("HEAD", 404), ("POST", 202), ("PATCH", 202)]
@@ -632,13 +631,12 @@ def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(regist
 @pytest.mark.parametrize("kind, fault", [("POST", "drop"), ("POST", "429"), ("PUT manifest", "lost"),
                                          ("PUT manifest", "503"), ("token", "drop"), ("token", "503"),
                                          ("HEAD", "drop")])
-def test_other_requests_go_again(registry, tmp_path, inproc, push, kind, fault):
+def test_other_requests_go_again(registry, image, inproc, push, kind, fault):
     """A connection lost or a 429/503 (with Retry-After: 3) on starting an upload, the manifest, the token
     request or a HEAD: that request goes again after the wait, the push completes, every chunk sent once."""
     reg = registry()
     reg.faults[(kind, 1)] = fault
     reg.retry_after = "3"
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     assert inproc.waits == [3 if fault.isdigit() else 1]
     assert [p["status"] for p in patches_of(reg)] == [202] * chunks(image)
@@ -658,12 +656,11 @@ def test_other_requests_go_again(registry, tmp_path, inproc, push, kind, fault):
     ("token", "503", "token from http://{host}/token: failed 3 times in a row, last answer: 503"),
     ("HEAD", "drop", "HEAD blob {config}: failed 3 times in a row, last answer: RemoteDisconnected"),
 ])
-def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, push, kind, fault, message):
+def test_a_persistent_failure_gives_up_in_one_line(registry, image, inproc, push, kind, fault, message):
     """Every request of one kind fails: after --retries 2 (waits 1 s, 2 s) the push stops with one line
     naming the request and its last answer; a completion that never got its 201 is first checked by a HEAD."""
     reg = registry()
     reg.faults.update({(kind, n): fault for n in range(1, 50)})
-    image = make_layout(tmp_path / "oci")
     rc, out, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err and len(failure_lines(err)) == 1
     assert message.format(config=image["order"][0], host=reg.host) in err
@@ -675,17 +672,15 @@ def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, p
         assert reg.log[-1]["path"].endswith(image["order"][0])
 
 
-def test_an_expired_token_is_renewed(registry, tmp_path, inproc, push):
+def test_an_expired_token_is_renewed(registry, image, inproc, push):
     """Each token is good for 4 requests: the push meets 401 mid-upload, fetches a new token, goes on."""
     reg = registry(token_uses=4)
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     assert reg.token_requests >= 5 and not inproc.waits
 
 
-def test_corrupt_layout_fails_before_any_request_naming_the_file(registry, tmp_path):
+def test_corrupt_layout_fails_before_any_request_naming_the_file(registry, tmp_path, image):
     reg = registry()
-    image = make_layout(tmp_path / "oci")
     layer = tmp_path / "oci" / "blobs" / "sha256" / image["order"][2][7:]
     data = bytearray(layer.read_bytes())
     data[1000] ^= 1
@@ -836,11 +831,10 @@ def tls_cert(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("auth", ["bearer", "basic"])
-def test_uploads_sent_to_another_host_get_no_credentials(registry, tmp_path, push, auth):
+def test_uploads_sent_to_another_host_get_no_credentials(registry, image, push, auth):
     """The registry's Locations send every upload to a second host (another port: another origin), which takes
     them without credentials: the push completes, and not one request to that host carries Authorization."""
     reg = registry(auth=auth, upload_host="open")
-    image = make_layout(tmp_path / "oci")
     _, out, err = push(reg, image=image)
     elsewhere = [e for e in reg.log if e["host"] == reg.upload_host]
     assert [e for e in elsewhere if e["method"] == "PATCH"] == patches_of(reg)
@@ -851,10 +845,9 @@ def test_uploads_sent_to_another_host_get_no_credentials(registry, tmp_path, pus
     assert home and all(e["auth"] for e in home)       # the registry itself got them on every request
 
 
-def test_another_hosts_401_is_an_error_not_a_login(registry, tmp_path, push):
+def test_another_hosts_401_is_an_error_not_a_login(registry, image, push):
     """The host the uploads are sent to asks for credentials: it gets none, and the push stops saying why."""
     reg = registry(upload_host="locked")
-    make_layout(tmp_path / "oci")
     rc, out, err = push(reg)
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err)
@@ -865,12 +858,11 @@ def test_another_hosts_401_is_an_error_not_a_login(registry, tmp_path, push):
 
 
 @pytest.mark.parametrize("location", ["https://{host}", "http://{host}"], ids=["https", "down-to-http"])
-def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, tmp_path, push, location):
+def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, image, push, location):
     """Over HTTPS (no --plain-http), with the token flow: absolute https Locations push the image; a Location
     that goes down to plain http is refused before anything is sent there, naming it. No plain-HTTP
     warning."""
     reg = registry(tls=tls_cert, location=location)
-    image = make_layout(tmp_path / "oci")
     rc, out, err = push(reg, ca=tls_cert[0])
     if location.startswith("https"):
         assert rc == 0, out + err
@@ -934,12 +926,11 @@ def test_a_head_saying_a_large_blob_size_is_no_large_answer(registry, tmp_path, 
     assert not patches_of(reg) and out.count("already in the registry, skipped") == 2
 
 
-def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, tmp_path, inproc, push):
+def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, image, inproc, push):
     """Every PATCH is answered 202 with one byte taken: after --retries 2, three in a row, the push stops
     naming the blob, the offset and the bytes taken."""
     reg = registry()
     reg.fail.update({n: "trickle" for n in range(1, 100)})
-    image = make_layout(tmp_path / "oci")
     rc, out, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err)
@@ -953,12 +944,11 @@ def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, tmp_path, i
 
 
 @pytest.mark.parametrize("retries, pushed", [("2", True), ("1", False)])
-def test_stalls_count_in_a_row(registry, tmp_path, push, retries, pushed):
+def test_stalls_count_in_a_row(registry, image, push, retries, pushed):
     """Two PATCHes in a row take one byte each (the first layer's second chunk, then its rest), then the
     registry takes whole chunks again: --retries 2 rides it out, --retries 1 gives up at the second."""
     reg = registry()
     reg.fail.update({3: "trickle", 4: "trickle"})
-    image = make_layout(tmp_path / "oci")
     rc, out, err = push(reg, "--retries", retries)
     starts = [int(p["range"].split("-")[0]) for p in patches_of(reg)]
     if pushed:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import clefcore
 
 MODEL = Path(__file__).parent / "golden" / "model"
@@ -35,20 +37,15 @@ def test_version():
     assert done.returncode == 0 and done.stdout == f"clefcore {clefcore.__version__}\n"
 
 
-def test_a_missing_request_file(tmp_path):
-    missing = tmp_path / "nope.json"
-    assert one_line(clefcore_cli("decide", "--model", str(MODEL), str(missing))) == \
-        f"clefcore decide: {missing}: No such file or directory"
-
-
-def test_a_directory_given_as_the_request_file(tmp_path):
-    assert one_line(clefcore_cli("decide", "--model", str(MODEL), str(tmp_path))) == \
-        f"clefcore decide: {tmp_path}: Is a directory"
-
-
-def test_a_wrong_model_path(tmp_path):
-    line = one_line(clefcore_cli("demo", "--model", str(tmp_path / "clef-flash")))
-    assert line.startswith(f"clefcore demo: {tmp_path / 'clef-flash'}: model directory not found")
+@pytest.mark.parametrize("args, message", [
+    (("decide", "--model", str(MODEL), "{tmp}/no.json"), "decide: {tmp}/no.json: No such file or directory"),
+    (("decide", "--model", str(MODEL), "{tmp}"), "decide: {tmp}: Is a directory"),
+    (("demo", "--model", "{tmp}/clef-flash"),
+     "demo: {tmp}/clef-flash: model directory not found (nor is it a Hub id, owner/name)"),
+], ids=["missing-request", "directory-request", "wrong-model"])
+def test_a_wrong_path(tmp_path, args, message):
+    line = one_line(clefcore_cli(*(a.format(tmp=tmp_path) for a in args)))
+    assert line == "clefcore " + message.format(tmp=tmp_path)
 
 
 def test_serving_a_wrong_model_path(tmp_path):

@@ -1,12 +1,8 @@
-"""The client libraries that System One services are really called with, at their default settings, against a
-real `clefcore serve` (tiny golden checkpoint, CPU): TypeSafe's SDK on /v1/systemone, Cloudflare's SDK on the
-Workers AI route, and OpenAI's SDK as a generic OpenAI-style client of /v1/systemone. Each answer must equal
-what the engine in this process answers for the same body; each refusal must reach the client as the 4xx it
-maps to, with the reason it can show.
-
-Two things these clients send broke the server before: TypeSafe's SDK zstd-compresses every body of 1 KiB
-or more when zstd is importable (Python 3.14, or backports.zstd, which clefcore itself now depends on), and
-Cloudflare's SDK percent-encodes the model as one path segment (`run/@cf%2Fcloudflare%2Fclef-flash`)."""
+"""The client SDKs System One services are called with (TypeSafe's, Cloudflare's, OpenAI's as a generic
+client), at their defaults, against a real `clefcore serve` (tiny golden checkpoint, CPU): each answer equals
+the in-process engine's, each refusal reaches the client as its 4xx. Two of their habits broke the server
+before: TypeSafe's SDK zstd-compresses bodies of 1 KiB or more, and Cloudflare's percent-encodes the model as
+one path segment (`run/@cf%2Fcloudflare%2Fclef-flash`)."""
 
 from __future__ import annotations
 

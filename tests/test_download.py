@@ -1,22 +1,7 @@
-"""`clefcore download` against a stand-in for the Hugging Face Hub on loopback, reached through huggingface_hub's
-own endpoint setting (HF_ENDPOINT), no network.
-
-The stand-in answers what huggingface_hub's download path asks: the revision's commit
-(GET /api/models/{repo}/revision/{rev}), the commit's file listing with each file's hashes
-(GET /api/models/{repo}/tree/{commit}: the git blob id, and the sha256 of LFS files), each file's metadata
-(HEAD /{repo}/resolve/{commit}/{file}: X-Repo-Commit, and the ETag, which is the git blob id of a regular file; an
-LFS file redirects to a storage host on another origin with X-Linked-Etag, its sha256, and X-Linked-Size) and the
-bytes (GET, honouring Range). It serves the golden model as a release, its tokenizer.json padded with trailing
-whitespace to 16 MiB: huggingface_hub writes what it receives in 10 MiB pieces, so only a file longer than that
-can be resumed partway (the release's shards are gigabytes).
-
-- Into the cache: only the release's files come, refs/main names the commit, a file whose connection drops
-  halfway is resumed from where it stopped (a Range request), every file matches, and `--model OWNER/NAME` loads.
-- A file whose bytes differ from the Hub's hash fails the command naming it, is removed from the snapshot and its
-  blob, and the next run fetches only that file.
-- Into a directory (--dir) at a tag: the files of the tag's commit, a plain model directory; the cache untouched.
-- An unknown revision, or a Hub that cannot be reached, is an error message, not a traceback; without
-  huggingface_hub the command says what to install.
+"""`clefcore download` against a stand-in for the Hugging Face Hub on loopback (HF_ENDPOINT), no network. The
+stand-in answers the requests huggingface_hub's download path makes (StandInHub says which), LFS files through a
+storage host on another origin. Its tokenizer.json is padded to 16 MiB: huggingface_hub writes in 10 MiB
+pieces, so only a longer file can be resumed partway.
 """
 
 from __future__ import annotations

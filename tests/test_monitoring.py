@@ -1,20 +1,8 @@
-"""deploy/monitoring: the Grafana dashboard and the Prometheus alert rules, held to what `clefcore serve` exports
-and to what each alert promises.
-
-- Every PromQL expression (the dashboard's panels and its variable, the alert rules) is parsed by a PromQL parser.
-  Each series it selects must be one that a live server's /metrics exports (the tiny model on the CPU, after
-  answers on both decision routes, a 429 and a 500, so that every labelled series has a sample). Each label it
-  matches, groups by, or names in a legend or an annotation must be one that those series carry, or one that
-  Prometheus adds to every target (TARGET_LABELS). Each value it matches must be one the server sends.
-- The alerts are replayed through promtool's rule unit tests on made-up series: each fires when its description
-  says, and stays quiet beside a healthy server. promtool is required (Debian's `prometheus` package, which
-  .ci/run installs): without it these tests fail rather than skip.
-- Every alert waits (`for:`), NotReady waits out the startup probe's budget, and docs/operations.md lists every
-  alert with what to do.
-- The dashboard is checked as a JSON that Grafana imports: a Prometheus datasource variable, used by every panel
-  and query, unique panel ids, panels that fit the 24-column grid without overlapping.
-
-The PrometheusRule's Kubernetes shape is checked with the other manifests, in tests/test_k8s.py.
+"""deploy/monitoring's dashboard and alert rules, held to what `clefcore serve` exports and to what each alert
+promises. Every PromQL expression is parsed, and each series, label and value it names must be one a live
+server's /metrics exports (after traffic that gives every labelled series a sample) or one Prometheus adds
+(TARGET_LABELS, PROMETHEUS_SERIES). The alerts are replayed through promtool's rule unit tests (required: .ci/run
+installs it). The PrometheusRule's Kubernetes shape is tests/test_k8s.py's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""deploy/image/push.py against a registry made here: an in-process HTTP(S) server speaking the OCI
-distribution API (HEAD blob, POST/PATCH/GET/PUT uploads, PUT manifest) that refuses any request body over its
-limit with 413, asks for the Bearer token flow (or Basic), hands out Locations with a query string that must
-come back, checks each PATCH's Content-Range against what it holds, and fails a chosen request the ways a
-registry behind a proxy does. A hostile one sends uploads to a second host or from https to http, names a
-plain-http or non-http token realm, answers with a 1 GB body, or takes one byte per PATCH. No network, no GPU.
-The push runs as a subprocess where the command line matters, in-process (main()) where the test replaces the
-backoff's sleep."""
+"""deploy/image/push.py against an in-process fake OCI registry (Registry below: its limits, auth flows and
+injected failures), hostile ones included. No network, no GPU. The push runs as a subprocess where the command
+line matters, in-process (main()) where the test replaces the backoff's sleep."""
 
 from __future__ import annotations
 
@@ -340,6 +335,12 @@ def registry():
         r.close()
 
 
+@pytest.fixture
+def image(tmp_path) -> dict:
+    """make_layout's default image at tmp_path/oci."""
+    return make_layout(tmp_path / "oci")
+
+
 def write_blob(layout: Path, data: bytes) -> dict:
     (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
     (layout / "blobs" / "sha256" / sha256(data)[7:]).write_bytes(data)
@@ -378,6 +379,11 @@ def clean_env(tmp_path: Path, **extra) -> dict:
     return {**env, "HOME": str(tmp_path), **extra}
 
 
+def login_env(tmp_path: Path, reg: Registry, **extra) -> dict:
+    """clean_env with the registry's credentials in REGISTRY_AUTH_FILE."""
+    return clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)), **extra)
+
+
 def run_push(*args, env):
     return subprocess.run([sys.executable, str(PUSH), *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -403,15 +409,14 @@ def failure_lines(err: str, plain_http_login: bool = True) -> list[str]:
 
 # ---- the whole push ---------------------------------------------------------------------------------------
 
-def test_push_in_chunks_with_bearer_token(registry, tmp_path):
+def test_push_in_chunks_with_bearer_token(registry, tmp_path, image):
     """Every body at most --chunk-bytes (the registry refuses more than 70,000 bytes), every blob in
     ceil(size / chunk) PATCHes, a blob already there skipped after its HEAD, the manifest last; all
     byte-identical."""
     reg = registry()
-    image = make_layout(tmp_path / "oci")
     config, big, exact, small = image["order"]
     reg.blobs[small] = image["blobs"][small]              # pushed before: only its HEAD may happen
-    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    env = login_env(tmp_path, reg)
     out = run_push(tmp_path / "oci", f"docker://{reg.host}/{NAME}:test", "--chunk-bytes", CHUNK,
                    "--plain-http", "--digestfile", tmp_path / "digest", env=env)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -445,8 +450,7 @@ def test_chunk_over_the_proxy_limit_gets_413_and_a_smaller_one_passes(registry, 
     push still reads the 413 and says so in one line, no traceback. 1,000,000-byte chunks then push it."""
     reg = registry(limit=1_000_000)
     image = make_layout(tmp_path / "oci", sizes=(20_000_001,))
-    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)),
-                    CLEFCORE_IMAGE_PUSH_TLS="0")
+    env = login_env(tmp_path, reg, CLEFCORE_IMAGE_PUSH_TLS="0")
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--chunk-bytes", 20_000_000, env=env)
     assert out.returncode == 1
     assert "413: request body too large - lower --chunk-bytes" in out.stderr
@@ -479,24 +483,30 @@ def inproc(tmp_path, monkeypatch):
     return push
 
 
-def push_here(inproc, reg: Registry, tmp_path, monkeypatch, capsys, *args,
-              ca: Path | None = None) -> tuple[int, str, str]:
-    """main() in-process, pushing tmp_path/oci to reg with its credentials: exit status, stdout, stderr. Over
-    HTTPS trusting the certificate `ca` when that is given, else --plain-http."""
-    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    if ca:
-        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
-    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
-                      *([] if ca else ["--plain-http"]), *args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+@pytest.fixture
+def push(inproc, tmp_path, monkeypatch, capsys):
+    """main() in-process, pushing tmp_path/oci to `reg` with its credentials: (exit status, stdout,
+    stderr). Over HTTPS trusting the certificate `ca` when that is given, else --plain-http. Given `image`,
+    the push must succeed with the registry holding it."""
+    def run(reg: Registry, *args, ca: Path | None = None, image: dict | None = None) -> tuple[int, str, str]:
+        monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
+        if ca:
+            monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test", "--chunk-bytes", str(CHUNK),
+                          *([] if ca else ["--plain-http"]), *args])
+        out = capsys.readouterr()
+        if image is not None:
+            assert rc == 0, out.out + out.err
+            assert_pushed(reg, image)
+        return rc, out.out, out.err
+    return run
 
 
 @pytest.mark.parametrize("counts_bytes", [False, True], ids=["spec-range", "forgejo-range"])
 @pytest.mark.parametrize("nth", [1, 4], ids=["config-patch", "layer-patch"])
 @pytest.mark.parametrize("failure", ["drop", "500", "502", "503"])
-def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc, capsys, monkeypatch,
-                                                      failure, nth, counts_bytes):
+def test_failed_patch_resumes_where_the_registry_says(
+        registry, image, inproc, push, failure, nth, counts_bytes):
     """The n-th PATCH fails; the push asks the registry (GET <upload>) what it holds and goes on from there:
     inside the chunk where the registry kept half of it, after it where it kept all. The 1st PATCH (the
     config's one chunk) fails before push.py learned how this registry's GET Range reads: where the two
@@ -504,10 +514,7 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     416 sends it to the other. The 4th (the first layer's third chunk) fails after that: no 416."""
     reg = registry(counts_bytes=counts_bytes)
     reg.fail[nth] = failure
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     assert inproc.waits == [1]
     patches = patches_of(reg)
     failed = patches[nth - 1]
@@ -530,15 +537,12 @@ def test_failed_patch_resumes_where_the_registry_says(registry, tmp_path, inproc
     assert resuming and resuming.group(2 if ambiguous else 1) == str(held)
 
 
-def test_a_lost_upload_starts_again(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_a_lost_upload_starts_again(registry, image, push):
     """The registry forgets the upload whose PATCH broke off (404 from then on): the blob goes again in a new
     upload from byte 0, and the image arrives whole."""
     reg = registry()
     reg.fail[3] = "forget"                                 # the first layer's second chunk
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     failed = patches_of(reg)[2]
     assert failed["range"] == f"{CHUNK}-{2 * CHUNK - 1}" and failed["status"] == "dropped"
     after = [e for e in reg.log[reg.log.index(failed) + 1:] if e["status"] != 401]
@@ -548,25 +552,20 @@ def test_a_lost_upload_starts_again(registry, tmp_path, inproc, capsys, monkeypa
     assert sum(e["method"] == "POST" for e in reg.log) == 4 + 1
 
 
-def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_a_chunk_taken_in_part_goes_on_from_the_range(registry, image, inproc, push):
     """A PATCH answered 202 whose Range says the registry kept half of it: the next PATCH starts there."""
     reg = registry()
     reg.fail[3] = "short"
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     ranges = [p["range"] for p in patches_of(reg)[2:4]]
     assert ranges == [f"{CHUNK}-{2 * CHUNK - 1}", f"{CHUNK + CHUNK // 2}-{2 * CHUNK + CHUNK // 2 - 1}"]
     assert not inproc.waits
 
 
-def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, tmp_path, inproc, capsys,
-                                                                  monkeypatch):
+def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, image, inproc, push):
     reg = registry()
     reg.fail.update({n: "503" for n in range(1, 100)})
-    image = make_layout(tmp_path / "oci")
-    rc, _, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
+    rc, _, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err
     config = image["order"][0]
     assert f"config {config}" in err and "chunk at offset 0 failed 3 times" in err
@@ -593,16 +592,13 @@ def answered_after(reg: Registry, entry: dict) -> list[tuple[str, object]]:
     ("429", "soon", [1]),        # not seconds: the backoff
 ])
 def test_a_failed_completion_goes_again_and_a_committed_blob_is_not_sent_again(
-        registry, tmp_path, inproc, capsys, monkeypatch, fault, retry_after, waits):
+        registry, image, inproc, push, fault, retry_after, waits):
     """The first layer's (300,001 bytes, 5 chunks) `PUT ?digest=` fails: it goes again, and where the
     registry already committed the blob, a HEAD says so; no chunk is sent twice, no second upload begun."""
     reg = registry()
     reg.faults[("PUT blob", 2)] = fault
     reg.retry_after = retry_after
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     assert inproc.waits == [inproc.MAX_RETRY_AFTER if w == "cap" else w for w in waits]
     assert inproc.MAX_RETRY_AFTER < 100000
     assert sum(e["method"] == "POST" for e in reg.log) == len(image["blobs"])
@@ -618,16 +614,12 @@ def test_a_failed_completion_goes_again_and_a_committed_blob_is_not_sent_again(
     assert f"layer 1/3 {layer}: completing the upload: " in out and f"again in {inproc.waits[0]}s" in out
 
 
-def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(registry, tmp_path, inproc, capsys,
-                                                                         monkeypatch):
+def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(registry, image, inproc, push):
     """The registry drops the upload at the `PUT ?digest=` without storing the blob: the PUT again meets 404,
     the HEAD 404, and the blob goes again in a new upload from byte 0."""
     reg = registry()
     reg.faults[("PUT blob", 2)] = "forget"
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     failed = next(e for e in reg.log if e.get("fault") == "forget")
     assert answered_after(reg, failed)[:4] == [("PUT", 404), ("HEAD", 404), ("POST", 202), ("PATCH", 202)]
     layer_chunks = -(-len(image["blobs"][image["order"][1]]) // CHUNK)
@@ -639,16 +631,13 @@ def test_a_completion_whose_upload_the_registry_lost_sends_the_blob_again(regist
 @pytest.mark.parametrize("kind, fault", [("POST", "drop"), ("POST", "429"), ("PUT manifest", "lost"),
                                          ("PUT manifest", "503"), ("token", "drop"), ("token", "503"),
                                          ("HEAD", "drop")])
-def test_other_requests_go_again(registry, tmp_path, inproc, capsys, monkeypatch, kind, fault):
+def test_other_requests_go_again(registry, image, inproc, push, kind, fault):
     """A connection lost or a 429/503 (with Retry-After: 3) on starting an upload, the manifest, the token
     request or a HEAD: that request goes again after the wait, the push completes, every chunk sent once."""
     reg = registry()
     reg.faults[(kind, 1)] = fault
     reg.retry_after = "3"
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     assert inproc.waits == [3 if fault.isdigit() else 1]
     assert [p["status"] for p in patches_of(reg)] == [202] * chunks(image)
     failed = [e for e in reg.log if e.get("fault") == fault]
@@ -667,14 +656,12 @@ def test_other_requests_go_again(registry, tmp_path, inproc, capsys, monkeypatch
     ("token", "503", "token from http://{host}/token: failed 3 times in a row, last answer: 503"),
     ("HEAD", "drop", "HEAD blob {config}: failed 3 times in a row, last answer: RemoteDisconnected"),
 ])
-def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, capsys, monkeypatch, kind,
-                                                   fault, message):
+def test_a_persistent_failure_gives_up_in_one_line(registry, image, inproc, push, kind, fault, message):
     """Every request of one kind fails: after --retries 2 (waits 1 s, 2 s) the push stops with one line
     naming the request and its last answer; a completion that never got its 201 is first checked by a HEAD."""
     reg = registry()
     reg.faults.update({(kind, n): fault for n in range(1, 50)})
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
+    rc, out, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err and len(failure_lines(err)) == 1
     assert message.format(config=image["order"][0], host=reg.host) in err
     assert inproc.waits == [1, 2]
@@ -685,24 +672,20 @@ def test_a_persistent_failure_gives_up_in_one_line(registry, tmp_path, inproc, c
         assert reg.log[-1]["path"].endswith(image["order"][0])
 
 
-def test_an_expired_token_is_renewed(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_an_expired_token_is_renewed(registry, image, inproc, push):
     """Each token is good for 4 requests: the push meets 401 mid-upload, fetches a new token, goes on."""
     reg = registry(token_uses=4)
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     assert reg.token_requests >= 5 and not inproc.waits
 
 
-def test_corrupt_layout_fails_before_any_request_naming_the_file(registry, tmp_path):
+def test_corrupt_layout_fails_before_any_request_naming_the_file(registry, tmp_path, image):
     reg = registry()
-    image = make_layout(tmp_path / "oci")
     layer = tmp_path / "oci" / "blobs" / "sha256" / image["order"][2][7:]
     data = bytearray(layer.read_bytes())
     data[1000] ^= 1
     layer.write_bytes(data)
-    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    env = login_env(tmp_path, reg)
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert str(layer) in out.stderr and "corrupt" in out.stderr and image["order"][2] in out.stderr
@@ -775,7 +758,7 @@ def test_credentials_lookup(tmp_path, inproc, monkeypatch):
 def test_manifest_over_the_chunk_size_fails_before_any_request(registry, tmp_path):
     reg = registry()
     image = make_layout(tmp_path / "oci", sizes=(1000,))
-    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    env = login_env(tmp_path, reg)
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--chunk-bytes", 300, env=env)
     assert out.returncode == 1
     assert f"the manifest is {len(image['manifest'])} bytes, over --chunk-bytes 300" in out.stderr
@@ -785,7 +768,7 @@ def test_manifest_over_the_chunk_size_fails_before_any_request(registry, tmp_pat
 def test_registry_digest_must_match_the_manifest(registry, tmp_path):
     reg = registry(lie_digest=True)
     make_layout(tmp_path / "oci", sizes=(1000,))
-    env = clean_env(tmp_path, REGISTRY_AUTH_FILE=str(auth_file(tmp_path / "auth.json", reg.host)))
+    env = login_env(tmp_path, reg)
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--digestfile",
                    tmp_path / "digest", env=env)
     assert out.returncode == 1 and "the registry answered digest" in out.stderr
@@ -811,20 +794,15 @@ def test_layout_with_several_images_needs_a_tag(tmp_path, inproc):
      "CLEFCORE_IMAGE_PUSH_TLS must be 1 (HTTPS) or 0 (plain HTTP), not 'no'"),
     ("registry.example/owner/clefcore", [], {}, "expected [docker://]HOST[:PORT]/NAME:TAG"),
     ("owner/clefcore:1", [], {}, "expected [docker://]HOST[:PORT]/NAME:TAG"),
+    ("registry.example/owner/clefcore:1", [], {"SSL_CERT_FILE": "{tmp}/no-such-ca.pem"},
+     "CA bundle {tmp}/no-such-ca.pem (SSL_CERT_FILE"),
 ])
 def test_bad_options_are_named(tmp_path, inproc, capsys, monkeypatch, ref, args, env, message):
     make_layout(tmp_path / "oci", sizes=(100,))
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v.format(tmp=tmp_path))
     assert inproc.main([str(tmp_path / "oci"), ref, *args]) == 1
-    assert message in capsys.readouterr().err
-
-
-def test_a_missing_ca_bundle_is_named(tmp_path, inproc, capsys, monkeypatch):
-    make_layout(tmp_path / "oci", sizes=(100,))
-    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-ca.pem"))
-    assert inproc.main([str(tmp_path / "oci"), "registry.example/owner/clefcore:1"]) == 1
-    assert f"CA bundle {tmp_path / 'no-such-ca.pem'} (SSL_CERT_FILE" in capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
 def test_https_is_the_default(registry, tmp_path, inproc, capsys, monkeypatch):
@@ -853,15 +831,11 @@ def tls_cert(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("auth", ["bearer", "basic"])
-def test_uploads_sent_to_another_host_get_no_credentials(registry, tmp_path, inproc, capsys, monkeypatch,
-                                                         auth):
+def test_uploads_sent_to_another_host_get_no_credentials(registry, image, push, auth):
     """The registry's Locations send every upload to a second host (another port: another origin), which takes
     them without credentials: the push completes, and not one request to that host carries Authorization."""
     reg = registry(auth=auth, upload_host="open")
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     elsewhere = [e for e in reg.log if e["host"] == reg.upload_host]
     assert [e for e in elsewhere if e["method"] == "PATCH"] == patches_of(reg)
     assert len(elsewhere) > chunks(image)
@@ -871,11 +845,10 @@ def test_uploads_sent_to_another_host_get_no_credentials(registry, tmp_path, inp
     assert home and all(e["auth"] for e in home)       # the registry itself got them on every request
 
 
-def test_another_hosts_401_is_an_error_not_a_login(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_another_hosts_401_is_an_error_not_a_login(registry, image, push):
     """The host the uploads are sent to asks for credentials: it gets none, and the push stops saying why."""
     reg = registry(upload_host="locked")
-    make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    rc, out, err = push(reg)
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err)
     assert f"push.py sends the credentials for {reg.host} to no other host" in line and "401" in line
@@ -885,14 +858,12 @@ def test_another_hosts_401_is_an_error_not_a_login(registry, tmp_path, inproc, c
 
 
 @pytest.mark.parametrize("location", ["https://{host}", "http://{host}"], ids=["https", "down-to-http"])
-def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, tmp_path, inproc, capsys,
-                                                           monkeypatch, location):
+def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, image, push, location):
     """Over HTTPS (no --plain-http), with the token flow: absolute https Locations push the image; a Location
     that goes down to plain http is refused before anything is sent there, naming it. No plain-HTTP
     warning."""
     reg = registry(tls=tls_cert, location=location)
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, ca=tls_cert[0])
+    rc, out, err = push(reg, ca=tls_cert[0])
     if location.startswith("https"):
         assert rc == 0, out + err
         assert_pushed(reg, image)
@@ -907,8 +878,7 @@ def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, t
 
 @pytest.mark.parametrize("realm, plain", [("http://{plain}/token", False), ("ftp://{host}/token", True),
                                           ("file:///etc/passwd", True)], ids=["http", "ftp", "file"])
-def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path, inproc, capsys, monkeypatch,
-                                                    realm, plain):
+def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path, push, realm, plain):
     """An https registry whose challenge names a plain-http realm (a recording server here): refused, and the
     password never goes there. Under --plain-http an http realm is allowed (every push above), but any other
     scheme is refused all the same."""
@@ -916,7 +886,7 @@ def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path
     realm = realm.format(plain=listener.host, host="{host}")
     reg = registry(realm=realm, **({} if plain else {"tls": tls_cert}))
     make_layout(tmp_path / "oci", sizes=(1000,))
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, ca=None if plain else tls_cert[0])
+    rc, out, err = push(reg, ca=None if plain else tls_cert[0])
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err, plain_http_login=False)
     assert f"the token realm {reg.realm!r} is not https: refused" in line
@@ -926,7 +896,7 @@ def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path
 
 @pytest.mark.parametrize("fault", ["flood", "flood-stream"], ids=["content-length", "streamed"])
 @pytest.mark.parametrize("kind", ["token", "POST"])
-def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, capsys, monkeypatch, kind, fault):
+def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, push, kind, fault):
     """The token request or the upload's start is answered with a 1 GB body, generated as it is sent: with its
     Content-Length said, the push refuses it unread; streamed without one, it stops after MAX_ANSWER bytes and
     hangs up. Either way one line names the limit, and the server sent a sliver of the gigabyte (what the
@@ -934,7 +904,7 @@ def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, capsys, mon
     reg = registry()
     reg.faults[(kind, 1)] = fault
     make_layout(tmp_path / "oci", sizes=(1000,))
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
+    rc, out, err = push(reg)
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err)
     said = f"the answer's body is {FLOOD} bytes, over the {inproc.MAX_ANSWER} push.py reads"
@@ -946,25 +916,22 @@ def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, capsys, mon
     assert not reg.manifests
 
 
-def test_a_head_saying_a_large_blob_size_is_no_large_answer(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_a_head_saying_a_large_blob_size_is_no_large_answer(registry, tmp_path, push):
     """A HEAD's Content-Length is the blob's size (3 MB here, over MAX_ANSWER) and no body follows: the blobs
     the registry holds are skipped, and the manifest goes."""
     reg = registry()
     image = make_layout(tmp_path / "oci", sizes=(3_000_000,))
     reg.blobs.update(image["blobs"])
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys)
-    assert rc == 0, out + err
-    assert_pushed(reg, image)
+    _, out, err = push(reg, image=image)
     assert not patches_of(reg) and out.count("already in the registry, skipped") == 2
 
 
-def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, tmp_path, inproc, capsys, monkeypatch):
+def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, image, inproc, push):
     """Every PATCH is answered 202 with one byte taken: after --retries 2, three in a row, the push stops
     naming the blob, the offset and the bytes taken."""
     reg = registry()
     reg.fail.update({n: "trickle" for n in range(1, 100)})
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", "2")
+    rc, out, err = push(reg, "--retries", "2")
     assert rc == 1 and "Traceback" not in err
     (line,) = failure_lines(err)
     config = image["order"][0]
@@ -977,13 +944,12 @@ def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, tmp_path, i
 
 
 @pytest.mark.parametrize("retries, pushed", [("2", True), ("1", False)])
-def test_stalls_count_in_a_row(registry, tmp_path, inproc, capsys, monkeypatch, retries, pushed):
+def test_stalls_count_in_a_row(registry, image, push, retries, pushed):
     """Two PATCHes in a row take one byte each (the first layer's second chunk, then its rest), then the
     registry takes whole chunks again: --retries 2 rides it out, --retries 1 gives up at the second."""
     reg = registry()
     reg.fail.update({3: "trickle", 4: "trickle"})
-    image = make_layout(tmp_path / "oci")
-    rc, out, err = push_here(inproc, reg, tmp_path, monkeypatch, capsys, "--retries", retries)
+    rc, out, err = push(reg, "--retries", retries)
     starts = [int(p["range"].split("-")[0]) for p in patches_of(reg)]
     if pushed:
         assert rc == 0, out + err

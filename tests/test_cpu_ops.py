@@ -1,7 +1,4 @@
-"""The numpy ops against independent, naive formulations (token recurrences, dense loops).
-
-The chunked gated delta rule is the engine's; the token-by-token recurrence lives only here as its check.
-"""
+"""The numpy ops against naive formulations (token recurrences, dense loops)."""
 
 from __future__ import annotations
 

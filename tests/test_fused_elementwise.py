@@ -1,8 +1,5 @@
-"""The fused elementwise producers without a GPU: where they apply (the fast row of the precision table, one
-property), what each op routes to (recorded, not launched: exact never fuses, short blocks keep fp32), that the
-model asks for GEMM operands where a GEMM is the only reader, a numpy model of the
-fused gate/up GEMM's column pairing and epilogue on both tile layouts, and the PTX of the fp16-writing norms
-(the same fp32 arithmetic as the fp32 ones, one cvt.rn before the store). The GPU side:
+"""The fused elementwise producers without a GPU: where they apply, what each op routes to (recorded, not
+launched), a numpy model of the fused gate/up GEMM's epilogue, and the fp16-writing norms' PTX. GPU side:
 tests/test_fused_elementwise_gpu.py."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The carried state of the numpy gated delta rule (clefcore/backends/cpu.py::gated_delta_rule, state=...):
-a sequence split anywhere, with the state carried from one call to the next, gives the outputs and final
-state of one whole call, and both match a float64 token-by-token recurrence started from the same state."""
+"""The numpy gated delta rule's carried state: a split sequence gives one whole call's outputs and state, and
+both match a float64 token-by-token recurrence."""
 
 from __future__ import annotations
 

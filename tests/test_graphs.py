@@ -1,11 +1,5 @@
-"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, the padding in model/backbone.py).
-
-CPU: padding a single prompt to its graph bucket changes none of its rows (every op is causal), through the
-real backbone with a stand-in cache that pads but runs eagerly. GPU: a replayed graph gives the eager result
-for the same padded prompt, takes fresh inputs on every replay, keeps per-length graphs apart, still trips the
-guard when a weight dies after the capture, and falls back to eager runs (and the same numbers) for packed
-batches and long prompts.
-"""
+"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, padding in model/backbone.py): padding
+changes no row on the CPU; on a GPU replays match eager runs, and packed or long prompts fall back."""
 
 from __future__ import annotations
 

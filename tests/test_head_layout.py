@@ -1,17 +1,6 @@
-"""The joint head's layouts and its graph routing without a GPU (clefcore/model/head.py).
-
-The graph key is the question schema and the stream's token count rounded up to the bucket: two requests of one
-schema whose states differ in length have one key, and any change of the schema, the bucket or the token block
-changes it. Each padded layout's index table holds its own positions. A numpy model of a replay: the head run with
-one layout's shapes on another layout's inputs (what a graph captured on the first does when the second replays
-it) gives the second's own result bit for bit, the op calls and their shapes are the same for every layout of a
-key, and the pad rows never reach a value (NaN pad rows change no bit). Against the exact layout (what runs beyond
-the graphs' token limit, and in a chunked prefill): the same bits where no padding and no planned key range differ, within fp32 reordering elsewhere.
-
-Also: the one routing decision (graph_tokens) and heads() through a graph cache; the readouts' indices; the
-bounded memory of a GraphCache's keys; the segment softmax is one kernel and the CUDA attention's launches depend
-on shapes alone (checked on stand-ins); a numpy model of the deterministic segment kernel
-(clefcore/backends/cuda/elementwise.py::segment_softmax_sum_k) against its numpy twin, bit for bit."""
+"""The joint head's layouts and graph routing without a GPU (clefcore/model/head.py): one graph key per schema
+and bucket, a numpy model of a replay (bit for bit, pad rows never reach a value), the exact layout within fp32
+reordering, and a numpy model of the deterministic segment kernel against its numpy twin."""
 
 from __future__ import annotations
 

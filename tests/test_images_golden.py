@@ -1,7 +1,5 @@
-"""Requests with images end to end on the CPU (numpy) path against shared/golden-images: the CLI with --debug,
-the engine's logits, responses and per-layer states, packing with text-only requests, chunked prefill, and a
-deployment without images. Tolerances are the fixture README's (logits 2e-4 absolute, states 2e-4 relative,
-response numbers 1e-4)."""
+"""Requests with images end to end on the CPU path against shared/golden-images. Tolerances are the fixture
+README's (logits 2e-4 absolute, states 2e-4 relative, response numbers 1e-4)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Hostile image bodies through Engine.prepare (validate -> decode -> preprocess -> encode): every one is refused
-with a RequestError (a 422 at the server) or, where the damage leaves a decodable image, answered; nothing else
-escapes (no crash, no 500). More than 200 bodies, built from the fixture images and by hand."""
+"""Over 200 hostile image bodies through Engine.prepare: each refused with a RequestError (a 422) or, where
+still decodable, answered; nothing else escapes."""
 
 from __future__ import annotations
 

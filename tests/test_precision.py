@@ -1,7 +1,5 @@
-"""The precision names users can give (clefcore/precision.py): fast and exact, the kernel-path aliases, what each
-resolves to, and that every command and clefcore.load accept them (and refuse anything else, or any of them on the
-CPU, where they would be silently ignored). The precision table: a row for every kernel path, what each op family
-runs on it, and unknown paths refused."""
+"""The precision names (clefcore/precision.py): what each resolves to, every command and clefcore.load accepting
+them (refused on the CPU), and the precision table's rows."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The kernel switches (clefcore/switches.py): one definition, set by the kernels option, the environment or the
-default, in that order; unknown names and values refused, naming the choices; every command that loads an engine
-takes --kernels, and the server's config carries it."""
+"""The kernel switches (clefcore/switches.py): option, environment, default in that order; bad names refused;
+every engine-loading command takes --kernels."""
 
 import argparse
 

@@ -1,6 +1,5 @@
-"""`clefcore verify`'s comparison on the golden tiny checkpoint (which has a one-block vision tower, so a request
-with an image is packed beside the text one): it passes when the two paths agree, flags the layer or the tower a
-broken weight touches, and (on a GPU) passes for the CUDA backend through the command line with each GEMM choice."""
+"""`clefcore verify` on the golden tiny checkpoint (its one-block vision tower packs an image request beside the
+text one): passes when the paths agree, names what a broken weight touches; on a GPU, each GEMM choice."""
 
 from __future__ import annotations
 

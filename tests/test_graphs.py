@@ -57,10 +57,8 @@ def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
 
 def test_no_padding_for_packed_or_long_prompts():
     pad = _PadOnly(bucket=128, max_tokens=1024)
-    assert pad.padded_length(346, 1) == 384
-    assert pad.padded_length(1024, 1) == 1024
-    assert pad.padded_length(1025, 1) is None
-    assert pad.padded_length(346, 2) is None
+    got = [pad.padded_length(T, n) for T, n in ((346, 1), (1024, 1), (1025, 1), (346, 2))]
+    assert got == [384, 1024, None, None]
     assert _PadOnly(bucket=128, max_tokens=0).padded_length(10, 1) is None
 
 

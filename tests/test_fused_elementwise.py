@@ -186,21 +186,14 @@ class _Recording(CpuOps):
         super().__init__()
         self.asked = []
 
-    def rmsnorm(self, x, w, eps, gemm_input=False):
-        self.asked.append(("rmsnorm", gemm_input))
-        return cpu.rmsnorm(x, w, eps, gemm_input)
+    def _asked(name):                      # the model passes gemm_input by keyword
+        def op(self, *args, gemm_input=False):
+            self.asked.append((name, gemm_input))
+            return getattr(cpu, name)(*args, gemm_input)
+        return op
 
-    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False):
-        self.asked.append(("add_rmsnorm", gemm_input))
-        return cpu.add_rmsnorm(x, delta, w, eps, gemm_input)
-
-    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False):
-        self.asked.append(("gated_rmsnorm", gemm_input))
-        return cpu.gated_rmsnorm(x, z, w, eps, gemm_input)
-
-    def sigmoid_gate(self, o, gate, gemm_input=False):
-        self.asked.append(("sigmoid_gate", gemm_input))
-        return cpu.sigmoid_gate(o, gate, gemm_input)
+    rmsnorm, add_rmsnorm = _asked("rmsnorm"), _asked("add_rmsnorm")
+    gated_rmsnorm, sigmoid_gate = _asked("gated_rmsnorm"), _asked("sigmoid_gate")
 
 
 def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader():

@@ -60,7 +60,7 @@ def test_flag_reaches_load_options_and_is_checked_at_parse_time():
 
 def test_service_config_refuses_an_unknown_switch():
     assert ServiceConfig(model="m", engine=EngineOptions(kernels=NAME)).engine.kernels == NAME
-    with pytest.raises(ValueError, match="unknown switch"):
+    with pytest.raises(ValueError, match="unknown switch 'nope'"):
         ServiceConfig(model="m", engine=EngineOptions(kernels="nope"))
 
 

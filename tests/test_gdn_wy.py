@@ -126,17 +126,13 @@ class TwinDevice:
         """What the delta rule's choice reads (kernel_select.delta_rule): the plan's row, on an H100."""
         return kernel_select.Setting(self.plan.row, frozenset(), kernel_select.Device((9, 0), True, 232_448, True))
 
-    def to_host(self, x):
-        return np.asarray(x)
+    to_host, upload = staticmethod(np.asarray), staticmethod(_arr)
 
     def contiguous(self, x):
         return np.ascontiguousarray(x, np.float32).view(Arr)
 
     def f32(self, x):
         return _arr(x, np.float32)
-
-    def upload(self, a):
-        return _arr(a)
 
     def kernel(self, module, name, smem=0):
         self.launched.append((module, name, smem))

@@ -136,28 +136,23 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
 
 # ---------------------------------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("pick,dtype,want", [
-    (GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
-    (GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
-    (GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
-    (GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
-    (GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
-    (GemmRoute.CUBLAS, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
+@pytest.mark.parametrize("path,pick,dtype,want", [
+    ("fp16", GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
+    ("fp16", GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),     # a short block's fp32 input
+    ("fp16", GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
+    ("fp16", GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
+    ("fp16", GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
+    ("fp16", GemmRoute.CUBLAS, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
+    # exact never fuses: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)
+    ("split", GemmRoute.WMMA, np.float16, ["gemm_swiglu_f32a_split", "gemm float32"]),
 ])
-def test_the_mlp_routes(pick, dtype, want):
-    ops = _Fake("fp16", pick)
+def test_the_mlp_routes(path, pick, dtype, want):
+    ops = _Fake(path, pick)
     x = np.ones((100, 64), dtype)
     w = np.ones((160, 64), np.float16)
     ops.matmul.mlp(x, w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == want and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS, GemmRoute.MMA}]
-
-
-def test_exact_never_fuses_the_mlp():
-    """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
-    ops = _Fake("split", GemmRoute.WMMA)
-    w = np.ones((160, 64), np.float16)
-    ops.matmul.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS}]
+    offered = {GemmRoute.WMMA, GemmRoute.CUBLAS} | ({GemmRoute.MMA} if path == "fp16" else set())
+    assert ops.calls == want and ops.offered == [offered]
 
 
 def test_every_mma_tile_has_its_fused_twin():

@@ -1,5 +1,5 @@
-"""Token-blocked prefill (clefcore/model/backbone.py) equals the unblocked computation, blocks cutting sequences
-at awkward places; the ops that carry state across a block boundary on their own too."""
+"""Token-blocked prefill (clefcore/model/backbone.py) equals the unblocked computation, blocks cutting
+sequences at awkward places; the ops that carry state across a block boundary on their own too."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Chunked prefill (clefcore/model/prefill.py, Engine.chunked) answers as the whole prompt does, for chunk sizes
-that cut it anywhere, with other forwards run between its steps."""
+"""Chunked prefill (clefcore/model/prefill.py, Engine.chunked) answers as the whole prompt does, for chunk
+sizes that cut it anywhere, with other forwards run between its steps."""
 
 from __future__ import annotations
 

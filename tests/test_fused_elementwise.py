@@ -138,7 +138,7 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
 
 @pytest.mark.parametrize("path,pick,dtype,want", [
     ("fp16", GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
-    ("fp16", GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),     # a short block's fp32 input
+    ("fp16", GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),   # a short block: fp32 input
     ("fp16", GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
     ("fp16", GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
     ("fp16", GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),

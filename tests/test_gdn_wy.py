@@ -1,5 +1,6 @@
-"""The WY-form delta rule on the CPU (kernels: tests/test_gdn_wy_gpu.py): its numpy model (tests/gdn_wy_model.py)
-against cpu.gated_delta_rule, and backends/cuda/delta_rule.py's host code driving numpy twins of the kernels."""
+"""The WY-form delta rule on the CPU (kernels: tests/test_gdn_wy_gpu.py): its numpy model
+(tests/gdn_wy_model.py) against cpu.gated_delta_rule, and backends/cuda/delta_rule.py's host code driving
+numpy twins of the kernels."""
 
 from __future__ import annotations
 

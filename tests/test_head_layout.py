@@ -1,6 +1,6 @@
 """The joint head's layouts and graph routing without a GPU (clefcore/model/head.py): one graph key per schema
-and bucket, a numpy model of a replay (bit for bit, pad rows never reach a value), the exact layout within fp32
-reordering, and a numpy model of the deterministic segment kernel against its numpy twin."""
+and bucket, a numpy model of a replay (bit for bit, pad rows never reach a value), the exact layout within
+fp32 reordering, and a numpy model of the deterministic segment kernel against its numpy twin."""
 
 from __future__ import annotations
 

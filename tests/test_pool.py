@@ -1,4 +1,5 @@
-"""The GPU arena (clefcore.pool): FreeList against a brute-force model of the bytes; the device part on a GPU."""
+"""The GPU arena (clefcore.pool): FreeList against a brute-force model of the bytes; the device part on a
+GPU."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The precision names (clefcore/precision.py): what each resolves to, every command and clefcore.load accepting
-them (refused on the CPU), and the precision table's rows."""
+"""The precision names (clefcore/precision.py): what each resolves to, every command and clefcore.load
+accepting them (refused on the CPU), and the precision table's rows."""
 
 from __future__ import annotations
 

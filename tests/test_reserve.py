@@ -1,5 +1,6 @@
-"""Engine.reserve (clefcore/backends/cuda/reserve.py): nothing on the CPU, the synthetic work it sizes with, its
-procedure on a bookkeeping arena; on a GPU, traffic after it takes nothing from CuPy's pool, answers unchanged."""
+"""Engine.reserve (clefcore/backends/cuda/reserve.py): nothing on the CPU, the synthetic work it sizes with,
+its procedure on a bookkeeping arena; on a GPU, traffic after it takes nothing from CuPy's pool, answers
+unchanged."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`clefcore verify` on the golden tiny checkpoint (its one-block vision tower packs an image request beside the
-text one): passes when the paths agree, names what a broken weight touches; on a GPU, each GEMM choice."""
+"""`clefcore verify` on the golden tiny checkpoint (its one-block vision tower packs an image request beside
+the text one): passes when the paths agree, names what a broken weight touches; on a GPU, each GEMM choice."""
 
 from __future__ import annotations
 

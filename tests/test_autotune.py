@@ -94,38 +94,18 @@ class _Routes:
         assert set(routes) == want
         return self.pick
 
-    def mma(self, a, w, out, bias=None):
-        self.calls.append(("mma", bias is not None))
-
     def has_twin(self, M, *ws):
         return self.plan.row.gemm.fp8_lo and self.twinned
 
-    def _half(self, x):
-        self.calls.append("half")
-        return x
+    def _step(name, passes=False):          # a conversion (passes its operand on) or a GEMM, recorded
+        return lambda self, x, *args, **kw: self.calls.append(name) or (x if passes else None)
 
-    def cublas(self, a, w, out, accumulate=False):
-        self.calls.append("cublas")
+    def _kernel(name):                      # one of clefcore's GEMMs: it adds the bias itself
+        return lambda self, a, w, out, bias=None: self.calls.append((name, bias is not None))
 
-    def split(self, x):
-        self.calls.append("split")
-        return x
-
-    def split_gemm(self, s, w, out):
-        self.calls.append("split_gemm")
-
-    def split8(self, x):
-        self.calls.append("split8")
-        return x
-
-    def split8_gemm(self, s, w, out):
-        self.calls.append("split8_gemm")
-
-    def wmma(self, a, w, out, bias=None):
-        self.calls.append(("wmma", bias is not None))
-
-    def gemm_rows(self, a, w, out, bias=None):
-        self.calls.append(("rows", bias is not None))
+    _half, split, split8 = _step("half", True), _step("split", True), _step("split8", True)
+    cublas, split_gemm, split8_gemm = _step("cublas"), _step("split_gemm"), _step("split8_gemm")
+    mma, wmma, gemm_rows = _kernel("mma"), _kernel("wmma"), _kernel("rows")
 
 
 @pytest.mark.parametrize("path, twinned, dtype, want", [

@@ -1,9 +1,5 @@
-"""The numpy backbone against Hugging Face transformers' Qwen3_5 text model in fp32 (torch fallback path).
-
-Three random tiny configurations with different head geometries; sequence lengths that are not multiples of
-the 64-token GDN chunk; every parameter randomised (norm weights too, so 1 + w vs w is tested); the checkpoint
-goes through clefcore's loader as a single fp32 ``model.safetensors`` in the plain text-model layout.
-"""
+"""The numpy backbone against transformers' Qwen3_5 text model in fp32: three random tiny configurations,
+lengths off the 64-token GDN chunk, every parameter randomised (norm weights too: 1 + w vs w)."""
 
 from __future__ import annotations
 

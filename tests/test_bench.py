@@ -1,15 +1,16 @@
-"""`clefcore bench`'s kernel table checks every op against numpy before timing it: the check itself (no GPU),
-then on a GPU the whole table at small, awkward shapes with each check recorded, and a kernel that writes wrong
-values stopping the bench instead of being reported as fast. Without cuBLAS (tests/no_cublas) the bench runs on
-clefcore's own GEMMs and says so: no cuBLAS rows, cuBLAS recorded as not loadable, each case's GEMM paths."""
+"""`clefcore bench`: its numpy check of every timed op, provenance, GEMM routes, the image case and the
+transformers peer; on a GPU the kernel table, a wrong kernel stopping it, and runs without cuBLAS."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_MMA, MARKS  # noqa: E402
 
+import clefcore  # noqa: E402
+from clefcore import images  # noqa: E402
 from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights  # noqa: E402
+from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
+from clefcore.checkpoint import Checkpoint  # noqa: E402
+from clefcore.config import read_json  # noqa: E402
+from clefcore.encode import mrope_positions  # noqa: E402
 from clefcore.errors import DeviceError  # noqa: E402
 from clefcore.kernel_select import GemmRoute  # noqa: E402
+from clefcore.model import vision  # noqa: E402
+from clefcore.model.head import HeadLayout  # noqa: E402
+from clefcore.model.params import load_params  # noqa: E402
+from clefcore.synth import picture_png  # noqa: E402
 
 cupy = pytest.importorskip("cupy")
 
@@ -46,7 +57,6 @@ def test_check_records_within_the_bound_and_stops_beyond_it():
 
 
 def test_provenance_names_the_code_that_ran(tmp_path, monkeypatch):
-    import clefcore
     p = provenance.code()
     assert p["version"] == clefcore.__version__ and re.fullmatch("[0-9a-f]{12}", p["sources"]), p
     monkeypatch.chdir(tmp_path)                  # git is asked about the package's own checkout, not the cwd's
@@ -82,7 +92,6 @@ def test_the_breakdowns_series_is_one_schema_with_other_states(lens):
     states are shorter by distinct numbers of tokens while the case leaves room, the total within the case's
     128-token bucket, fresh tokens each: one key of the head's graphs (the schema and the bucket) for them all,
     and never one stream twice."""
-    from clefcore.model.head import HeadLayout
     rng = np.random.default_rng(0)
     series = end_to_end.state_series(lens, 128, 6, 1000, rng)
     totals = [sum(len(r.input_ids) for r in s) for s in series]
@@ -242,10 +251,6 @@ IMAGES_MODEL = Path(__file__).parent / "golden_images" / "model"
 
 @pytest.fixture(scope="module")
 def tiny_with_tower():
-    from clefcore.model import vision
-    from clefcore.backends.cpu import CpuOps
-    from clefcore.checkpoint import Checkpoint
-    from clefcore.model.params import load_params
     ck, cpu = Checkpoint(IMAGES_MODEL), CpuOps()
     params = load_params(ck, cpu)
     vp, why = vision.attach(ck, cpu, params)
@@ -257,12 +262,6 @@ def test_image_record_is_the_engines_layout_and_its_run_decodes_each_time(tiny_w
     """The bench's image request without a tokenizer: 32 text tokens, the image's pads, 224 text tokens; M-RoPE
     positions as the encoder makes them; runs from the PNG bytes and from the decoded RGB answer as a run from its
     pixels."""
-    from dataclasses import replace
-
-    from clefcore import images
-    from clefcore.backends.cpu import CpuOps
-    from clefcore.encode import mrope_positions
-    from clefcore.synth import picture_png
     _, params, vp = tiny_with_tower
     cpu = CpuOps()
     data = picture_png(64, 48)                          # -> 320x224: 14 x 20 patches, 70 image tokens
@@ -290,8 +289,6 @@ def test_transformers_image_peer_runs_the_same_request(tiny_with_tower):
     the request is accepted (the pad count matches its processor's grid) and both times are recorded."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from clefcore.model import vision
-    from clefcore.config import read_json
     ck, params, vp = tiny_with_tower
     cfg = vision.VisionConfig.from_dict(read_json(IMAGES_MODEL / "config.json")["vision_config"])
     out = {}
@@ -338,10 +335,6 @@ def test_random_tower_has_the_release_shapes():
 def _fake_fla(monkeypatch, torch):
     """A stand-in for flash-linear-attention's causal conv (its interface: x [B, T, D], weight [D, K] ->
     (y [B, T, D], final state)), computed with torch on the CPU, and a find_spec that sees it."""
-    import importlib.util
-    import sys
-    import types
-
     def causal_conv1d(x, weight, bias=None, activation=None, **_):
         K = weight.shape[1]
         xp = torch.nn.functional.pad(x.transpose(1, 2), (K - 1, 0))
@@ -380,7 +373,6 @@ def test_peer_conv_routes_transformers_conv_through_fla_and_restores_it(monkeypa
 
 def test_peer_conv_says_when_no_fused_conv_is_installed(monkeypatch):
     """Without either package the peer keeps transformers' reference conv and says so."""
-    import importlib.util
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

@@ -1,10 +1,5 @@
-"""Token-blocked prefill (clefcore/model/backbone.py, layer-outer / block-inner) equals the unblocked computation.
-
-Block sizes cut sequences at awkward places (1, 2, 63, 64, 65, odd), packed batches put a block boundary
-inside a sequence and several sequences inside one block. The ops that carry state across a block boundary
-(attention's query offset against a K/V cache, the conv's previous rows, the delta rule's state) are checked
-on their own too. CPU always; the same model-level checks on the GPU when CuPy sees one.
-"""
+"""Token-blocked prefill (clefcore/model/backbone.py) equals the unblocked computation, blocks cutting
+sequences at awkward places; the ops that carry state across a block boundary on their own too."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Chunked prefill (ChunkedPrefill in clefcore/model/prefill.py, Engine.chunked): a prompt run chunk by chunk through every layer, with the
-conv tail, the delta-rule state and each attention layer's K/V rows carried between chunks, answers as the whole
-prompt does, for chunk sizes that cut the prompt anywhere (1 token, odd sizes, one short of it, bigger than it),
-with other forwards run between its steps."""
+"""Chunked prefill (clefcore/model/prefill.py, Engine.chunked) answers as the whole prompt does, for chunk
+sizes that cut it anywhere, with other forwards run between its steps."""
 
 from __future__ import annotations
 

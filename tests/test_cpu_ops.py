@@ -1,33 +1,23 @@
-"""The numpy ops against independent, naive formulations (token recurrences, dense loops).
-
-The chunked gated delta rule is the engine's; the token-by-token recurrence lives only here as its check.
-"""
+"""The numpy ops against naive formulations (token recurrences, dense loops)."""
 
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clefcore.backends import cpu
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gdn_state import recurrence  # noqa: E402
+
 
 def recurrent_delta_rule(q, k, v, g, beta):
-    """qwen35-backbone.md §3.6 step 7, one token at a time (decay first, predict from the decayed state)."""
-    T, hk, dk = k.shape
-    hv, dv = v.shape[1:]
-    r = hv // hk
-    out = np.zeros((T, hv, dv))
-    for j in range(hv):
-        S = np.zeros((dk, dv))
-        for t in range(T):
-            kt, qt = k[t, j // r].astype(np.float64), q[t, j // r].astype(np.float64)
-            S = math.exp(g[t, j]) * S
-            u = beta[t, j] * (v[t, j] - S.T @ kt)
-            S = S + np.outer(kt, u)
-            out[t, j] = S.T @ qt
-    return out
+    """The float64 token recurrence from a zero state."""
+    return recurrence(q, k, v, g, beta, np.zeros((v.shape[1], k.shape[2], v.shape[2])))[0]
 
 
 @pytest.mark.parametrize("lengths", [[1], [63], [65], [130, 7, 64]])

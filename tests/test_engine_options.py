@@ -35,11 +35,6 @@ def test_a_bad_value_names_the_field_and_the_limit(field, value, limit):
         EngineOptions(**{field: value})
 
 
-def test_an_unknown_kernel_switch_is_refused():
-    with pytest.raises(ValueError, match="unknown switch 'nope'"):
-        EngineOptions(kernels="nope")
-
-
 def test_gpu_holds_only_the_gpu_options_given():
     assert EngineOptions(context_length=10, images=False).gpu() == {}
     assert EngineOptions(gemm="wmma", token_block=0).gpu() == {"gemm": "wmma", "token_block": 0}

@@ -1,12 +1,6 @@
-"""Fast precision is never silently wrong: a batch whose per-layer guard trips (here, an activation beyond fp16's
-range) is answered again on the range-safe exact path, counted and logged with its layer.
-
-CPU part: the engine's fallback logic, over the numpy backend wrapped to round every GEMM input to fp16 as the fast
-path does (so an overflow becomes Inf, which the guard sees). GPU part: the real fast path and the range-safe split
-kernels, whose answer must match the fp32 numpy engine within the exact mode's bar.
-
-The overflow is forced by scaling one layer's MLP gate and up projections: their product silu(g) * u then exceeds
-65504, while the weights themselves stay well inside fp16."""
+"""Fast precision is never silently wrong: a batch whose guard trips is answered again on the range-safe exact
+path, counted and logged. The CPU part rounds every GEMM input to fp16 as fast does; the overflow is forced by
+scaling one layer's MLP gate and up projections (silu(g) * u beyond 65504, the weights well inside fp16)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The fused elementwise producers without a GPU: where they apply (the fast row of the precision table, one
-property), what each op routes to (recorded, not launched: exact never fuses, short blocks keep fp32), that the
-model asks for GEMM operands where a GEMM is the only reader, a numpy model of the
-fused gate/up GEMM's column pairing and epilogue on both tile layouts, and the PTX of the fp16-writing norms
-(the same fp32 arithmetic as the fp32 ones, one cvt.rn before the store). The GPU side:
+"""The fused elementwise producers without a GPU: where they apply, what each op routes to (recorded, not
+launched), a numpy model of the fused gate/up GEMM's epilogue, and the fp16-writing norms' PTX. GPU side:
 tests/test_fused_elementwise_gpu.py."""
 
 from __future__ import annotations
@@ -139,28 +136,23 @@ def test_the_output_gate_picks_its_kernel(monkeypatch, path, n, half):
 
 # ---------------------------------------------------------------------------------------------------- the MLP
 
-@pytest.mark.parametrize("pick,dtype,want", [
-    (GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
-    (GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),             # a short block's fp32 input
-    (GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
-    (GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
-    (GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
-    (GemmRoute.CUBLAS, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
+@pytest.mark.parametrize("path,pick,dtype,want", [
+    ("fp16", GemmRoute.MMA, np.float16, ["mma_swiglu", "gemm float16"]),
+    ("fp16", GemmRoute.MMA, np.float32, ["cast", "mma_swiglu", "gemm float16"]),   # a short block: fp32 input
+    ("fp16", GemmRoute.WMMA, np.float32, ["gemm_swiglu_f32a", "gemm float16"]),
+    ("fp16", GemmRoute.WMMA, np.float16, ["gemm_swiglu_f16a", "gemm float16"]),
+    ("fp16", GemmRoute.CUBLAS, np.float32, ["cast", "cublas", "cublas", "swiglu_half", "cublas"]),
+    ("fp16", GemmRoute.CUBLAS, np.float16, ["cublas", "cublas", "swiglu_half", "cublas"]),   # no cast pass
+    # exact never fuses: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)
+    ("split", GemmRoute.WMMA, np.float16, ["gemm_swiglu_f32a_split", "gemm float32"]),
 ])
-def test_the_mlp_routes(pick, dtype, want):
-    ops = _Fake("fp16", pick)
+def test_the_mlp_routes(path, pick, dtype, want):
+    ops = _Fake(path, pick)
     x = np.ones((100, 64), dtype)
     w = np.ones((160, 64), np.float16)
     ops.matmul.mlp(x, w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == want and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS, GemmRoute.MMA}]
-
-
-def test_exact_never_fuses_the_mlp():
-    """split: no mma route offered, the split kernel on fp32 (an fp16 input widened back, exactly)."""
-    ops = _Fake("split", GemmRoute.WMMA)
-    w = np.ones((160, 64), np.float16)
-    ops.matmul.mlp(np.ones((100, 64), np.float16), w, w, np.ones((64, 160), np.float16))
-    assert ops.calls == ["gemm_swiglu_f32a_split", "gemm float32"] and ops.offered == [{GemmRoute.WMMA, GemmRoute.CUBLAS}]
+    offered = {GemmRoute.WMMA, GemmRoute.CUBLAS} | ({GemmRoute.MMA} if path == "fp16" else set())
+    assert ops.calls == want and ops.offered == [offered]
 
 
 def test_every_mma_tile_has_its_fused_twin():
@@ -189,21 +181,14 @@ class _Recording(CpuOps):
         super().__init__()
         self.asked = []
 
-    def rmsnorm(self, x, w, eps, gemm_input=False):
-        self.asked.append(("rmsnorm", gemm_input))
-        return cpu.rmsnorm(x, w, eps, gemm_input)
+    def _asked(name):                      # the model passes gemm_input by keyword
+        def op(self, *args, gemm_input=False):
+            self.asked.append((name, gemm_input))
+            return getattr(cpu, name)(*args, gemm_input)
+        return op
 
-    def add_rmsnorm(self, x, delta, w, eps, gemm_input=False):
-        self.asked.append(("add_rmsnorm", gemm_input))
-        return cpu.add_rmsnorm(x, delta, w, eps, gemm_input)
-
-    def gated_rmsnorm(self, x, z, w, eps, gemm_input=False):
-        self.asked.append(("gated_rmsnorm", gemm_input))
-        return cpu.gated_rmsnorm(x, z, w, eps, gemm_input)
-
-    def sigmoid_gate(self, o, gate, gemm_input=False):
-        self.asked.append(("sigmoid_gate", gemm_input))
-        return cpu.sigmoid_gate(o, gate, gemm_input)
+    rmsnorm, add_rmsnorm = _asked("rmsnorm"), _asked("add_rmsnorm")
+    gated_rmsnorm, sigmoid_gate = _asked("gated_rmsnorm"), _asked("sigmoid_gate")
 
 
 def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader():

@@ -1,12 +1,6 @@
-"""The WY-form delta rule on the CPU (its kernels run in tests/test_gdn_wy_gpu.py):
-
-* its numpy model (tests/gdn_wy_model.py) with fp32 products is clefcore/backends/cpu.py::gated_delta_rule
-  regrouped, and its roundings are the ones it names;
-* the CUDA backend's host code (backends/cuda/delta_rule.py: chunk list, launch groups, the scan's sequence rows,
-  state slots, workspaces, grids, shared memory) drives numpy twins of gdn_wy_prep / gdn_wy_scan / gdn_wy_out that
-  read and write the kernels' workspace layout, and lands on the numpy reference;
-* each mode runs its WY module.
-"""
+"""The WY-form delta rule on the CPU (kernels: tests/test_gdn_wy_gpu.py): its numpy model
+(tests/gdn_wy_model.py) against cpu.gated_delta_rule, and backends/cuda/delta_rule.py's host code driving
+numpy twins of the kernels."""
 
 from __future__ import annotations
 
@@ -133,17 +127,13 @@ class TwinDevice:
         """What the delta rule's choice reads (kernel_select.delta_rule): the plan's row, on an H100."""
         return kernel_select.Setting(self.plan.row, frozenset(), kernel_select.Device((9, 0), True, 232_448, True))
 
-    def to_host(self, x):
-        return np.asarray(x)
+    to_host, upload = staticmethod(np.asarray), staticmethod(_arr)
 
     def contiguous(self, x):
         return np.ascontiguousarray(x, np.float32).view(Arr)
 
     def f32(self, x):
         return _arr(x, np.float32)
-
-    def upload(self, a):
-        return _arr(a)
 
     def kernel(self, module, name, smem=0):
         self.launched.append((module, name, smem))

@@ -1,8 +1,6 @@
-"""The golden fixtures (Cloudflare's reference + transformers, fp32) reproduced through the CLI and the API.
-
-Tolerances are the fixture README's: ids/spans/option ids/error texts exact; logits 2e-4 absolute; hidden
-states 1e-4 relative per layer; response numbers 1e-4 (last-digit rounding ties), everything else exact.
-"""
+"""The golden fixtures (Cloudflare's reference + transformers, fp32) through the CLI and the API. Tolerances
+are the fixture README's: logits 2e-4 absolute; hidden states 1e-4 relative per layer; response numbers 1e-4
+(last-digit rounding ties); ids, spans, option ids and error texts exact."""
 
 from __future__ import annotations
 

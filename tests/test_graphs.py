@@ -1,11 +1,5 @@
-"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, the padding in model/backbone.py).
-
-CPU: padding a single prompt to its graph bucket changes none of its rows (every op is causal), through the
-real backbone with a stand-in cache that pads but runs eagerly. GPU: a replayed graph gives the eager result
-for the same padded prompt, takes fresh inputs on every replay, keeps per-length graphs apart, still trips the
-guard when a weight dies after the capture, and falls back to eager runs (and the same numbers) for packed
-batches and long prompts.
-"""
+"""CUDA graphs for short prompts (clefcore/backends/cuda/graphs.py, padding in model/backbone.py): padding
+changes no row on the CPU; on a GPU replays match eager runs, and packed or long prompts fall back."""
 
 from __future__ import annotations
 
@@ -63,10 +57,8 @@ def test_padding_to_the_bucket_changes_no_row(cpu_params, T):
 
 def test_no_padding_for_packed_or_long_prompts():
     pad = _PadOnly(bucket=128, max_tokens=1024)
-    assert pad.padded_length(346, 1) == 384
-    assert pad.padded_length(1024, 1) == 1024
-    assert pad.padded_length(1025, 1) is None
-    assert pad.padded_length(346, 2) is None
+    got = [pad.padded_length(T, n) for T, n in ((346, 1), (1024, 1), (1025, 1), (346, 2))]
+    assert got == [384, 1024, None, None]
     assert _PadOnly(bucket=128, max_tokens=0).padded_length(10, 1) is None
 
 

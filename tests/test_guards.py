@@ -1,6 +1,5 @@
-"""The forward's guards: a layer whose output is all zeros (a dead kernel, like the candle fork's zeroed
-conv band taken to the extreme) or non-finite fails the request with an error naming the layer, on every
-backend, instead of returning a well-formed wrong answer."""
+"""The forward's guards: an all-zero or non-finite layer output fails the request naming the layer, on every
+backend."""
 
 from __future__ import annotations
 

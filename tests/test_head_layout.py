@@ -1,17 +1,6 @@
-"""The joint head's layouts and its graph routing without a GPU (clefcore/model/head.py).
-
-The graph key is the question schema and the stream's token count rounded up to the bucket: two requests of one
-schema whose states differ in length have one key, and any change of the schema, the bucket or the token block
-changes it. Each padded layout's index table holds its own positions. A numpy model of a replay: the head run with
-one layout's shapes on another layout's inputs (what a graph captured on the first does when the second replays
-it) gives the second's own result bit for bit, the op calls and their shapes are the same for every layout of a
-key, and the pad rows never reach a value (NaN pad rows change no bit). Against the exact layout (what runs beyond
-the graphs' token limit, and in a chunked prefill): the same bits where no padding and no planned key range differ, within fp32 reordering elsewhere.
-
-Also: the one routing decision (graph_tokens) and heads() through a graph cache; the readouts' indices; the
-bounded memory of a GraphCache's keys; the segment softmax is one kernel and the CUDA attention's launches depend
-on shapes alone (checked on stand-ins); a numpy model of the deterministic segment kernel
-(clefcore/backends/cuda/elementwise.py::segment_softmax_sum_k) against its numpy twin, bit for bit."""
+"""The joint head's layouts and graph routing without a GPU (clefcore/model/head.py): one graph key per schema
+and bucket, a numpy model of a replay (bit for bit, pad rows never reach a value), the exact layout within
+fp32 reordering, and a numpy model of the deterministic segment kernel against its numpy twin."""
 
 from __future__ import annotations
 
@@ -163,11 +152,11 @@ def test_the_exact_layout_is_todays():
     assert np.array_equal(views.opt_seq, [0, 0, 0, 0, 0, 1, 1]) and len(views.mem_seq) == 100
 
 
-def test_bad_padding_is_refused():
-    with pytest.raises(ValueError, match="99 padded tokens for a stream of 100"):
-        HeadLayout(*BASE, 4096, 99)
-    with pytest.raises(ValueError, match="a sequence with questions has no tokens"):
-        HeadLayout([0, 100, 100], [BASE[1][0], BASE[1][1]], 4096, 128)
+@pytest.mark.parametrize("cu,tokens,match", [(BASE[0], 99, "99 padded tokens for a stream of 100"),
+                                             ([0, 100, 100], 128, "a sequence with questions has no tokens")])
+def test_bad_padding_is_refused(cu, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        HeadLayout(cu, BASE[1], 4096, tokens)
 
 
 def test_graph_cache_padding():
@@ -189,18 +178,16 @@ class _Recording(GraphCache):
         return fn(*inputs)
 
 
-def test_the_routing_decision():
-    assert graph_tokens(CpuOps(), 100) is None                        # no head graphs (the CPU)
+@pytest.mark.parametrize("max_tokens,capacity,T,want", [
+    (128, 8, 100, 128), (128, 8, 128, 128),          # padded to the bucket
+    (128, 8, 129, None), (127, 8, 100, None),        # its bucket beyond the limit: launched
+    (0, 8, 100, None), (1024, 0, 100, None),         # --graph-tokens 0, no room for a graph
+])
+def test_the_routing_decision(max_tokens, capacity, T, want):
+    assert graph_tokens(CpuOps(), T) is None                          # no head graphs (the CPU)
     ops = CpuOps()
-    ops.head_graphs = GraphCache(None, max_tokens=128, capacity=8)
-    assert graph_tokens(ops, 100) == 128 and graph_tokens(ops, 128) == 128   # padded to the bucket
-    assert graph_tokens(ops, 129) is None                             # its bucket beyond the limit: launched
-    ops.head_graphs = GraphCache(None, max_tokens=127, capacity=8)
-    assert graph_tokens(ops, 100) is None
-    ops.head_graphs = GraphCache(None, max_tokens=0, capacity=8)
-    assert graph_tokens(ops, 100) is None                             # --graph-tokens 0
-    ops.head_graphs = GraphCache(None, max_tokens=1024, capacity=0)
-    assert graph_tokens(ops, 100) is None
+    ops.head_graphs = GraphCache(None, max_tokens=max_tokens, capacity=capacity)
+    assert graph_tokens(ops, T) == want
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +377,7 @@ def test_the_cuda_attentions_launches_depend_on_shapes_alone():
                                      linear=cpu.linear, bmm=lambda a, b: products.append((a.shape, b.shape)) or a @ b))
     layouts = [(np.array([0, 0, 0, 1, 1, 1, 1]), np.repeat([0, 1, 2], [10, 20, 10])),
                (np.array([0, 0, 0, 0, 0, 0, 1]), np.repeat([0, 1, 2], [30, 5, 5]))]
-    shapes = []
+    shapes, planned = [], []
     for gq, gk in layouts:
         products.clear()
         out = Head.mha(fake, xq, xkv, *w, heads_n, None, (gq, gk))
@@ -398,13 +385,11 @@ def test_the_cuda_attentions_launches_depend_on_shapes_alone():
         for g in (0, 1):
             want = cpu.mha(xq[gq == g], xkv[gk == g], *w, heads_n)
             np.testing.assert_allclose(out[gq == g], want, rtol=1e-5, atol=1e-5)   # fp32, another order
-    d = W // heads_n
-    assert shapes[0] == shapes[1] == [((heads_n, n, d), (heads_n, d, m)), ((heads_n, n, m), (heads_n, m, d))]
-    planned = []
-    for gq, gk in layouts:
         products.clear()
         Head.mha(fake, xq, xkv, *w, heads_n, (gq, gk), (gq, gk))
         planned.append(list(products))
+    d = W // heads_n
+    assert shapes[0] == shapes[1] == [((heads_n, n, d), (heads_n, d, m)), ((heads_n, n, m), (heads_n, m, d))]
     assert planned[0] != planned[1]
 
 

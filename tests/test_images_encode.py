@@ -61,18 +61,12 @@ def test_ids_spans_and_positions(fx):
         assert np.array_equal(pads, st["mm_token_type_ids"])
 
 
-def test_literal_image_pad_in_the_state():
-    fx = EXPECTED[7]
-    with pytest.raises(RequestError) as info:
-        encode(7)
-    assert info.value.message == fx["error"] and info.value.field == "state"
-
-
-def test_schema_exceeds_with_image_tokens():
-    fx = EXPECTED[8]
-    with pytest.raises(ContextLengthError) as info:
-        encode(8)
-    assert info.value.message == fx["error"]
+@pytest.mark.parametrize("index,error,field", [(7, RequestError, "state"),           # a literal image pad
+                                                (8, ContextLengthError, None)])       # schema + image tokens
+def test_the_error_rows(index, error, field):
+    with pytest.raises(error) as info:
+        encode(index)
+    assert info.value.message == EXPECTED[index]["error"] and field in (None, info.value.field)
 
 
 def test_text_only_requests_accept_a_literal_pad_and_keep_plain_positions():

@@ -1,7 +1,5 @@
-"""Requests with images end to end on the CPU (numpy) path against shared/golden-images: the CLI with --debug,
-the engine's logits, responses and per-layer states, packing with text-only requests, chunked prefill, and a
-deployment without images. Tolerances are the fixture README's (logits 2e-4 absolute, states 2e-4 relative,
-response numbers 1e-4)."""
+"""Requests with images end to end on the CPU path against shared/golden-images. Tolerances are the fixture
+README's (logits 2e-4 absolute, states 2e-4 relative, response numbers 1e-4)."""
 
 from __future__ import annotations
 
@@ -93,14 +91,20 @@ def test_no_images_deployment_refuses_images_by_name():
     text-only requests answer as before."""
     eng = clefcore.load(MODEL, device="cpu", validation="reference", images=False)
     assert eng.vision is None and eng.params.mrope_section is None
+    error = _refuses_images_answers_text(eng, clefcore.engine.NO_IMAGES)
+    assert "--no-images" in error.message
+    assert error.to_json()["error"]["type"] == "invalid_request_error"   # a 422 at the server
+
+
+def _refuses_images_answers_text(eng, message):
+    """The first fixture refused on field images with ``message``; without its images, answered."""
     body = json.loads(REQUEST_BYTES[0])
     with pytest.raises(RequestError) as info:
         eng.decide(body)
-    assert info.value.message == clefcore.engine.NO_IMAGES and info.value.field == "images"
-    assert "--no-images" in info.value.message
-    assert info.value.to_json()["error"]["type"] == "invalid_request_error"   # a 422 at the server
+    assert info.value.message == message and info.value.field == "images"
     del body["images"]
     assert eng.decide(body)["usage"]["input_tokens"] == EXPECTED[0]["num_tokens"] - EXPECTED[0]["image_tokens"] - 3
+    return info.value
 
 
 def test_serve_no_images_answers_422_naming_images():
@@ -146,12 +150,7 @@ def test_model_without_a_vision_tower_refuses_images(tmp_path):
     del config["vision_config"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     eng = clefcore.load(tmp_path / "m", device="cpu", validation="reference")
-    body = json.loads(REQUEST_BYTES[0])
-    with pytest.raises(RequestError) as info:
-        eng.decide(body)
-    assert info.value.message == "images: this model has no vision tower" and info.value.field == "images"
-    del body["images"]
-    assert eng.decide(body)["usage"]["input_tokens"] == EXPECTED[0]["num_tokens"] - EXPECTED[0]["image_tokens"] - 3
+    _refuses_images_answers_text(eng, "images: this model has no vision tower")
 
 
 def test_synth_vision_writes_a_complete_tower(tmp_path):

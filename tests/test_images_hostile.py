@@ -1,6 +1,5 @@
-"""Hostile image bodies through Engine.prepare (validate -> decode -> preprocess -> encode): every one is refused
-with a RequestError (a 422 at the server) or, where the damage leaves a decodable image, answered; nothing else
-escapes (no crash, no 500). More than 200 bodies, built from the fixture images and by hand."""
+"""Over 200 hostile image bodies through Engine.prepare: each refused with a RequestError (a 422) or, where
+still decodable, answered; nothing else escapes."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from clefcore.errors import RequestError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import MODEL, REQUESTS  # noqa: E402
+from test_images import encode as _encode, url  # noqa: E402
 
 BASE = {k: v for k, v in REQUESTS[0].items() if k != "images"}
 
@@ -34,10 +34,6 @@ def sources() -> list[bytes]:
             b64 = item["base64"] if isinstance(item, dict) else item.split(",", 1)[1]
             seen.setdefault(b64, base64.b64decode(b64))
     return list(seen.values())
-
-
-def url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def png_chunks(width: int, height: int, depth: int = 8, color: int = 2, idat: bytes = b"") -> bytes:
@@ -102,12 +98,6 @@ def hostile_bodies() -> list[tuple[str, object]]:
     ):
         out.append((name, images))
     return out
-
-
-def _encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 BODIES = hostile_bodies()

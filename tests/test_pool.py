@@ -1,6 +1,5 @@
-"""The GPU arena (clefcore.pool, pyx/pool.pyx). Its bookkeeping (FreeList) is integers only and is checked
-here against a brute-force model of the bytes on random alloc/free sequences; the device part (Arena through
-CuPy's allocator hook, a whole forward inside it) runs where there is a GPU."""
+"""The GPU arena (clefcore.pool): FreeList against a brute-force model of the bytes; the device part on a
+GPU."""
 
 from __future__ import annotations
 

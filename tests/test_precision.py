@@ -1,11 +1,8 @@
-"""The precision names users can give (clefcore/precision.py): fast and exact, the kernel-path aliases, what each
-resolves to, and that every command and clefcore.load accept them (and refuse anything else, or any of them on the
-CPU, where they would be silently ignored). The precision table: a row for every kernel path, what each op family
-runs on it, and unknown paths refused."""
+"""The precision names (clefcore/precision.py): what each resolves to, every command and clefcore.load
+accepting them (refused on the CPU), and the precision table's rows."""
 
 from __future__ import annotations
 
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +10,7 @@ import pytest
 
 import clefcore
 from clefcore import cli, precision
-from clefcore.backends.cuda.delta_rule import DeltaRule
 from clefcore.errors import ClefError
-from clefcore.kernel_select import Device, Setting
 from clefcore.precision import FP32, TABLE, GemmOperands, Plan
 
 MODEL = Path(__file__).parent / "golden" / "model"
@@ -136,13 +131,3 @@ def test_the_rows_are_consistent():
     safe = precision.RANGE_SAFE
     assert safe.range_safe and safe.row == TABLE["split"] and not safe.row.gemm.fp8_lo
 
-
-@pytest.mark.parametrize("path", precision.KERNEL_PATHS)
-def test_the_delta_rules_kernels_follow_the_row(path):
-    """fast runs the WY form with the output's products in one pass, the exact plans with every product split;
-    fused producers only where the GEMMs round their operand once to fp16 (fast)."""
-    device = Device((9, 0), True, 232448, True)
-    rule = DeltaRule(types.SimpleNamespace(setting=Setting(Plan(path).row, frozenset(), device)), 128).kernels()
-    fast = TABLE[path].mode == "fast"
-    assert rule == (precision.DELTA_FAST if fast else precision.DELTA_EXACT), (path, rule)
-    assert TABLE[path].fused_elementwise is fast

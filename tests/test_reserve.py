@@ -1,8 +1,6 @@
-"""Engine.reserve: the device memory of the largest batch and chunked prompt a server gives the engine, held
-from load on (clefcore/backends/cuda/reserve.py). On the CPU it reserves nothing; the synthetic work it sizes
-with (engine.padded) is checked here. On a GPU, after the reservation a server's kind of traffic (packed
-batches, single prompts, a chunked prompt with batches between its steps) takes nothing from CuPy's own pool,
-and answers as an engine without one."""
+"""Engine.reserve (clefcore/backends/cuda/reserve.py): nothing on the CPU, the synthetic work it sizes with,
+its procedure on a bookkeeping arena; on a GPU, traffic after it takes nothing from CuPy's pool, answers
+unchanged."""
 
 from __future__ import annotations
 
@@ -14,7 +12,11 @@ import numpy as np
 import pytest
 
 import clefcore
+from clefcore import pool
+from clefcore.backends.cuda import reserve as R
+from clefcore.backends.cuda.state import Caches
 from clefcore.engine import padded
+from clefcore.errors import DeviceError
 from clefcore.example_request import support_ticket
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -108,7 +110,6 @@ class _BookArena:
     extent, overflows), alloc/give for the fake forwards, activate/deactivate as no-ops."""
 
     def __init__(self, nbytes, device_id=0, overflow=False):
-        from clefcore import pool
         self.free, self.overflow, self.overflows, self.overflow_bytes = pool.FreeList(nbytes), overflow, 0, 0
 
     capacity = property(lambda self: self.free.capacity)
@@ -116,7 +117,6 @@ class _BookArena:
     extent = property(lambda self: self.free.extent)
 
     def alloc(self, n):
-        from clefcore.errors import DeviceError
         start = self.free.take(n)
         if start >= 0:
             return (start, n)
@@ -129,11 +129,10 @@ class _BookArena:
         if piece is not None:
             self.free.give(*piece)
 
-    def activate(self):
+    def activate(self):             # no device: nothing to switch
         pass
 
-    def deactivate(self):
-        pass
+    deactivate = activate
 
 
 class _OutOfMemory(Exception):
@@ -144,7 +143,6 @@ class _Ops:
     """What reserve.py uses of CudaOps, with a device of ``free`` bytes."""
 
     def __init__(self, free):
-        from clefcore.backends.cuda.state import Caches
         pool = SimpleNamespace(free_all_blocks=lambda: None)
         self.cp = SimpleNamespace(get_default_memory_pool=lambda: pool,
                                   cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free)),
@@ -177,12 +175,10 @@ def _forwards(ops, sizes_per_run, keep=None):
 
 @pytest.fixture
 def book(monkeypatch):
-    from clefcore import pool
     monkeypatch.setattr(pool, "Arena", _BookArena)
 
 
 def test_reserve_keeps_the_trials_extent_plus_the_margin(book):
-    from clefcore.backends.cuda import reserve as R
     ops = _Ops(free=8 << 30)
     sizes = [(300 << 20), (5 << 20), (700 << 20), (1 << 20), (40 << 20)]
     got = R.reserve(ops, _forwards(ops, [sizes] * 3))
@@ -193,8 +189,6 @@ def test_reserve_keeps_the_trials_extent_plus_the_margin(book):
 
 
 def test_reserve_refuses_a_worst_case_larger_than_the_device(book):
-    from clefcore.backends.cuda import reserve as R
-    from clefcore.errors import DeviceError
     ops = _Ops(free=R.HEADROOM + (64 << 20))
     with pytest.raises(DeviceError, match=r"needs more than the 67108864 bytes free .*asked for 104857600"):
         R.reserve(ops, _forwards(ops, [[100 << 20]] * 3))
@@ -204,7 +198,6 @@ def test_reserve_refuses_a_worst_case_larger_than_the_device(book):
 def test_reserve_serves_from_the_trial_when_its_memory_outlives_it(book, caplog):
     """A bug (an array of the trial run kept alive) must not stop the server: the trial arena cannot be given
     back, so it becomes the reservation, and the log says so."""
-    from clefcore.backends.cuda import reserve as R
     ops = _Ops(free=1 << 30)
     kept = []
     got = R.reserve(ops, _forwards(ops, [[4 << 20, 1 << 20]] * 3, keep=kept))
@@ -213,8 +206,6 @@ def test_reserve_serves_from_the_trial_when_its_memory_outlives_it(book, caplog)
 
 
 def test_reserve_refuses_when_the_kept_arena_overflows(book):
-    from clefcore.backends.cuda import reserve as R
-    from clefcore.errors import DeviceError
     ops = _Ops(free=1 << 30)
     small, large = [10 << 20], [40 << 20]          # the third run asks for more than the trial did
     with pytest.raises(DeviceError, match=r"ran in 10485760 bytes but not in an arena of 12582912 \(41943040"):
@@ -222,36 +213,27 @@ def test_reserve_refuses_when_the_kept_arena_overflows(book):
     assert ops.arena is None
 
 
-@pytest.mark.parametrize("error, where", [
-    (_OutOfMemory("out of memory allocating 1,073,741,824 bytes"), "on the first run, outside any arena"),
-    (RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"), "on the first run, outside any arena"),   # a cuBLAS workspace
+WARM_UP = r"out of device memory on the first run, outside any arena \(3221225472 of 6442450944 bytes free"
+
+
+@pytest.mark.parametrize("error, raised, match", [
+    (_OutOfMemory("out of memory allocating 1,073,741,824 bytes"), DeviceError, WARM_UP),
+    (RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"), DeviceError, WARM_UP),   # a cuBLAS workspace
+    (ValueError("a bug, not a shortage"), ValueError, "a bug"),           # anything else goes through
 ])
-def test_reserve_names_running_out_of_memory_on_the_warm_up(book, error, where):
+def test_reserve_names_running_out_of_memory_on_the_warm_up(book, error, raised, match):
     """The first run uses CuPy's pool: running out there (or cuBLAS failing to get its workspace) is the same
     refusal as the trial's, with the numbers, never a bare CuPy or cuBLAS error that fails the start unexplained."""
-    from clefcore.backends.cuda import reserve as R
-    from clefcore.errors import DeviceError
     ops = _Ops(free=3 << 30)
 
     def worst_case():
         raise error
-    with pytest.raises(DeviceError, match=rf"out of device memory {where} \(3221225472 of 6442450944 bytes free"):
+    with pytest.raises(raised, match=match):
         R.reserve(ops, worst_case)
     assert ops.arena is None
 
 
-def test_reserve_lets_other_errors_through(book):
-    from clefcore.backends.cuda import reserve as R
-    ops = _Ops(free=3 << 30)
-
-    def worst_case():
-        raise ValueError("a bug, not a shortage")
-    with pytest.raises(ValueError, match="a bug"):
-        R.reserve(ops, worst_case)
-
-
 def test_reserve_gives_the_index_tables_an_arena_of_their_own(book):
-    from clefcore.backends.cuda import reserve as R
     ops = _Ops(free=1 << 30)
     ops.caches.uploads["stale"] = object()       # made before the reservation, in CuPy's pool
     R.reserve(ops, _forwards(ops, [[1 << 20]] * 3))

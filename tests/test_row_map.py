@@ -1,6 +1,5 @@
-"""The stride logic that lets the norm kernels read views in place (``device.row_map``), checked on numpy views of
-the shapes the model passes (no GPU needed): every row it promises must be where it says, and what it cannot
-walk must come back None (the caller copies)."""
+"""device.row_map on numpy views of the model's shapes: every promised row is where it says; what it cannot
+walk comes back None."""
 
 import numpy as np
 import pytest

@@ -1,7 +1,5 @@
-"""The numpy studies under docs/studies keep running against the package: their emulations are backends (CpuOps
-subclasses) that override some of its ops, so a changed op signature breaks them silently until someone reruns a
-study. Each emulation, its roundings off, reproduces the golden fixtures as numpy does; with fast's roundings on it
-lands inside fast's contract, away from numpy; fp8_gemm's e4m3 rounding uses the kernels' power-of-two scale."""
+"""The numpy studies under docs/studies keep running against the package: each emulation, roundings off,
+reproduces the golden fixtures; with fast's roundings it lands inside fast's contract."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The kernel switches (clefcore/switches.py): one definition, set by the kernels option, the environment or the
-default, in that order; unknown names and values refused, naming the choices; every command that loads an engine
-takes --kernels, and the server's config carries it."""
+"""The kernel switches (clefcore/switches.py): option, environment, default in that order; bad names refused;
+every engine-loading command takes --kernels."""
 
 import argparse
 
@@ -61,7 +60,7 @@ def test_flag_reaches_load_options_and_is_checked_at_parse_time():
 
 def test_service_config_refuses_an_unknown_switch():
     assert ServiceConfig(model="m", engine=EngineOptions(kernels=NAME)).engine.kernels == NAME
-    with pytest.raises(ValueError, match="unknown switch"):
+    with pytest.raises(ValueError, match="unknown switch 'nope'"):
         ServiceConfig(model="m", engine=EngineOptions(kernels="nope"))
 
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
 from clefcore.server import errors
 from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, CostPolicy, Eviction, LaneView,
@@ -21,8 +20,8 @@ from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, Cos
                                       Snapshot, retry_after, size_class)
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
+from server_harness import FAKE_STATUS, Prepared, unwatched
 
 
 def test_rate_meter_starts_at_its_guess_and_follows_the_device():
@@ -465,36 +464,29 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
     assert no.value.refusal.reason is Reason.QUEUE_FULL and refused(metrics, "queue_full") == 1
 
 
-@pytest.mark.parametrize("reason, says", [("queued_work", "the work already queued"),
-                                          ("evicted", "cheaper work admitted since this request was queued")])
-def test_a_refusal_for_work_answers_429_with_its_own_reason(reason, says):
+@pytest.mark.parametrize("refusal, says", [
+    (Refusal("queued_work", 3, 4.5, 2.0), "the work already queued"),
+    (Refusal("evicted", 3, 4.5, 2.0), "cheaper work admitted since this request was queued"),
+    (Refusal("queue_full", 2, 0.0, 0.0), "(64 requests)"),      # a full queue names its bound, and no wait
+])
+def test_a_refusal_answers_429_with_its_own_reason(refusal, says):
     """An evicted request waited before its 429: the body says so (its reason was once reported as queued_work,
     which hid the evictions from clients and from loadtest's refusal latencies)."""
-    error = errors.refused(Refusal(reason, 3, 4.5, 2.0), capacity=64)
+    error = errors.refused(refusal, capacity=64)
     body = error.bare_body()["error"]
-    assert error.status == 429 and error.headers["Retry-After"] == "3"
-    assert body["reason"] == reason and body["expected_wait_s"] == 4.5 and says in body["message"]
-
-
-def test_a_full_queue_answers_429_naming_its_bound():
-    error = errors.refused(Refusal("queue_full", 2, 0.0, 0.0), capacity=64)
-    body = error.bare_body()["error"]
-    assert error.status == 429 and error.headers["Retry-After"] == "2"
-    assert body["reason"] == "queue_full" and "(64 requests)" in body["message"] and "expected_wait_s" not in body
+    assert error.status == 429 and error.headers["Retry-After"] == str(refusal.retry_after_s)
+    assert body["reason"] == refusal.reason.value and says in body["message"]
+    assert body.get("expected_wait_s") == (None if refusal.reason is Reason.QUEUE_FULL else 4.5)
 
 
 # --- the batcher, doing what admission answers ----------------------------------------------------------------
-
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
-
 
 class HeldDevice:
     """A device whose forwards end when the test says (``go``), and its chunk steps one at a time (``steps``),
     reporting them at 1,000 tokens/s."""
 
     def __init__(self):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.batches: list[list[str]] = []
         self.go = asyncio.Event()
         self.steps = asyncio.Semaphore(0)
@@ -525,7 +517,7 @@ def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:
                    chunk_tokens=CHUNK, age_rate=float(AGE_RATE), start_rate=float(RATE))
     options.update(kw)
     metrics = Metrics()
-    watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+    watch = unwatched(metrics)
     return Batcher(list(devices), metrics, watch=watch, **options), metrics
 
 

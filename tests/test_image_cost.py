@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.preprocess import PixelBounds, smart_resize
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher
@@ -20,6 +19,7 @@ from clefcore.server.device_process import Step
 from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.image_cost import TowerCost, image_limits, least_image
 from clefcore.server.metrics import Metrics
+from server_harness import FAKE_STATUS, Prepared
 
 
 def test_fit_through_two_sizes():
@@ -98,10 +98,6 @@ def test_every_image_enlarged_to_the_least_pixels_fits_the_least_image():
 RATE = 10_000.0     # tokens/s: the fake device takes a step's cost at this rate, and the batcher measures it so
 
 
-class Prepared(SimpleNamespace):
-    images = ()
-
-
 def picture(side_patches: int) -> SimpleNamespace:
     return SimpleNamespace(grid_thw=(1, side_patches, side_patches))
 
@@ -111,7 +107,7 @@ class TimedDevice:
     vision tower step its images' towers, a chunk its tokens. Records each step's images argument."""
 
     def __init__(self, tower: TowerCost):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.lost = None
         self.tower = tower
         self.steps: list[int] = []

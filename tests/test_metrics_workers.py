@@ -8,16 +8,13 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
-
-from prometheus_client.mmap_dict import MmapedDict, mmap_key  # noqa: E402
+from server_harness import Server, ticket
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"),
                                 reason="workers share one port through SO_REUSEPORT")

@@ -11,12 +11,10 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import SUPPORT_TICKET, Server  # noqa: E402
+from server_harness import SUPPORT_TICKET, Server
 
 if sys.version_info >= (3, 14):
     from compression import zstd

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,16 +25,9 @@ from clefcore.server.admission import Budgets, Refusal, Snapshot  # noqa: E402
 from clefcore.server.openapi import build_spec  # noqa: E402
 from clefcore.server.service import InferenceFailed, Service, ServiceConfig, Unavailable  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket  # noqa: E402
+from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket
 
 KEY = "library-test-key"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    import clefcore
-    return clefcore.load(str(MODEL), device="cpu", context_length=24576)
 
 
 def _states(n: int) -> list[dict]:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
+from server_harness import Server, ticket
 
 CLIENTS = 32
 
@@ -90,8 +87,7 @@ def test_load_32_clients_20_seconds():
     # admission out of the way (on CI's two cores the measured rate can make even a 15 s budget refuse): this
     # test wants the deep queue it measures memory and batching under
     with Server("--max-queue", "64", "--max-batch-requests", "16", "--min-queue-wait", "1000",
-                "--max-queue-wait", "1000") as s:
-        s.wait_ready()
+                "--max-queue-wait", "1000").wait_ready() as s:
         record: list = []
         rss: list[tuple[float, int]] = []
 
@@ -130,8 +126,7 @@ def test_load_32_clients_20_seconds():
 def test_sigterm_during_load_answers_every_accepted_request():
     # admission out of the way (the count bound aside): a deep queue at the signal is what is drained
     with Server("--shutdown-timeout", "15", "--max-queue", "256", "--min-queue-wait", "1000",
-                "--max-queue-wait", "1000") as s:
-        s.wait_ready()
+                "--max-queue-wait", "1000").wait_ready() as s:
         record: list = []
 
         async def main() -> tuple[float, float]:

@@ -19,7 +19,6 @@ import io
 import json
 import os
 import shutil
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -28,8 +27,7 @@ import pytest
 from clefcore import images
 from clefcore.example_request import support_ticket
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, check_client_rules  # noqa: E402
+from server_harness import Server, check_client_rules
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 DRIVER = shutil.which("chromedriver")
@@ -38,8 +36,7 @@ ACCEPT = ["image/png", "image/jpeg", "image/webp"]
 
 @pytest.fixture(scope="module")
 def server():
-    with Server() as s:
-        s.wait_ready()
+    with Server().wait_ready() as s:
         yield s
 
 
@@ -164,8 +161,7 @@ def test_playground_shows_bars_in_headless_chromium(browser, tmp_path):
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    with Server() as server:
-        server.wait_ready()
+    with Server().wait_ready() as server:
         browser.get(server.base + "/")
         assert "clefcore" in browser.title
         send = browser.find_element(By.ID, "send")

@@ -281,13 +281,15 @@ class Source:
         return self.now
 
 
-def admission(source: Source | None = None) -> tuple[Admission, Metrics, list[float]]:
-    """An Admission over ``source`` (None: empty queues) at 1,000 tokens/s, measured; the metrics its refusals
-    are counted in, and the rates it reported."""
+def admission(source: Source | None = None, start: float = 1_000.0,
+              measured: bool = True) -> tuple[Admission, Metrics, list[float]]:
+    """An Admission over ``source`` (None: empty queues) at ``start`` tokens/s, measured (at 1,000 tokens/s, as
+    guessed) or not; the metrics its refusals are counted in, and the rates it reported."""
     metrics, rates = Metrics(), []
-    a = Admission(CostPolicy(BUDGETS), 1_000.0, source or Source(), rejected=metrics.rejected,
+    a = Admission(CostPolicy(BUDGETS), start, source or Source(), rejected=metrics.rejected,
                   held_tokens=metrics.held_tokens, on_rate=rates.append)
-    a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)     # measured: 1,000 tokens/s, as guessed
+    if measured:
+        a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)
     return a, metrics, rates
 
 
@@ -301,10 +303,7 @@ def held(metrics: Metrics) -> float:
 
 
 def test_admission_learns_the_rate_and_the_waiting_share_from_steps():
-    metrics = Metrics()
-    rates: list[float] = []
-    a = Admission(CostPolicy(BUDGETS), 2_000.0, Source(), rejected=metrics.rejected,
-                  held_tokens=metrics.held_tokens, on_rate=rates.append)
+    a, _, rates = admission(start=2_000.0, measured=False)
     assert a.rate == 2_000 and not a.measured and not a.snapshot(0.0).measured
     a.on_step(1_000, 0.5, started=0.0, waiting_since=None, now=0.0)
     assert a.rate == 2_000 and a.measured and a.snapshot(0.0).rate == 2_000 and rates == [2_000]

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from clefcore.loadtest import Record, RequestClass, Run, format_report, parse_mix, percentile, summarize
+from clefcore.loadtest import (Record, RequestClass, Run, _refusal_reason, format_report, parse_mix,
+                               percentile, summarize)
 from server_harness import Server, loadtests
 
 
@@ -91,7 +92,6 @@ def test_the_report_gives_both_sides_event_loop_lag():
 
 
 def test_a_refusals_reason_comes_from_its_bare_body():
-    from clefcore.loadtest import _refusal_reason
     assert _refusal_reason(b'{"error": {"type": "rate_limit_error", "reason": "evicted"}}') == "evicted"
     for other in (b'{"errors": [{"code": 3040}]}', b"not json", b'["a list"]', b'{"error": "text"}'):
         assert _refusal_reason(other) == "unknown"

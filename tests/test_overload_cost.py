@@ -7,8 +7,8 @@ client behaviour (polite, open loop, resend at once) answers every request it ad
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -22,18 +22,9 @@ def small(n: int) -> dict:  # ~140 prompt tokens: the burst is ~4,500, well unde
 
 
 def test_a_burst_of_32_small_requests_from_16_clients_on_an_idle_server_is_answered_in_full():
-    with Server().wait_ready() as s:
-        statuses: list = []
-
-        def client(n: int) -> None:
-            for i in range(2):
-                statuses.append(s.decide(small(100 * n + i)).status)
-
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    with Server().wait_ready() as s, ThreadPoolExecutor(16) as pool:
+        # each client sends its two one after the other
+        statuses = sum(pool.map(lambda n: [s.decide(small(100 * n + i)).status for i in range(2)], range(16)), [])
         assert statuses == [200] * 32, statuses
 
 

@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from clefcore.loadtest import percentile
 from server_harness import Server, ticket
 
 CLIENTS = 32
@@ -77,11 +78,6 @@ def test_unanswered_before_excuses_only_refusals_at_arrival():
     assert unanswered_before(record, signalled) == [record[2], record[3], record[4], record[5]]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @pytest.mark.slow
 def test_load_32_clients_20_seconds():
     # admission out of the way (on CI's two cores the measured rate can make even a 15 s budget refuse): this
@@ -104,7 +100,7 @@ def test_load_32_clients_20_seconds():
         statuses = [r[2] for r in record]
         latencies = [r[1] for r in record if r[2] == 200]
         errors = [st for st in statuses if st not in (200, 429)]
-        p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+        p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
         # RSS after warm-up (first 5 s: allocator pools, BLAS buffers) against the last 5 s.
         start = rss[0][0]
         early = statistics.median(v for t, v in rss if 5 <= t - start < 10)

@@ -1,16 +1,11 @@
-"""The playground page (server/playground/index.html).
-
-Without a browser: the served page carries the image picker (accept list, 4 images, 4 MiB each, 8 MiB in
-all: the server's own limits, from clefcore.images), stays dependency-free, starts from the example request that
-the server serves (GET /example: clefcore/example_request.py) and keeps no copy of it, and the body it builds
-with a picked image (a data URL in `images`, as FileReader.readAsDataURL writes it) is answered by a real server
-with more input tokens than the same body without it.
-
-In headless Chromium: it loads, shows the served example in its editor, submits it, shows one block of bars per question, and a
-screenshot is written to pytest's tmp dir (or to $CLEF_SCREENSHOT_DIR when set, e.g. to keep it as a CI
-artifact); images are picked, refused over the limits with an inline message, removed and sent. Needs
-Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`;
-those tests are skipped cleanly when any is missing."""
+"""The playground page (server/playground/index.html). Without a browser: its image picker carries the
+server's own limits (clefcore.images), it is dependency-free, starts from the example the server serves
+(GET /example) and keeps no copy of it, and the body it builds with a picked image (a data URL, as
+readAsDataURL writes it) is answered. In headless Chromium: it shows the example, submits it, draws a block of
+bars per question and writes a screenshot (to pytest's tmp dir, or $CLEF_SCREENSHOT_DIR, e.g. as a CI
+artifact); images are picked, refused over the limits inline, removed and sent. The browser tests need
+Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`, and
+skip cleanly without any of them."""
 
 from __future__ import annotations
 

@@ -178,6 +178,10 @@ def test_a_long_image_request_runs_its_towers_a_step_each_and_is_never_taken_for
     assert [o.response["prompt"] for o in outcomes] == ["two", "after"]
     assert steps == [1, 1, 0]                 # one image's tower per step, then the text in one chunk
     assert troubles == []
+    # the control: the same device and request, with the towers counted as free, trips the stall limit
+    outcomes, _, troubles = serve(TowerCost(0.0, 0.0), TOWER, [two], stall_s=0.2)
+    assert outcomes[0].response["prompt"] == "two"
+    assert [t.kind for t in troubles if t is not None] == ["stalled"]
 
 
 def test_a_whole_image_request_is_counted_at_its_towers_cost():
@@ -185,14 +189,6 @@ def test_a_whole_image_request_is_counted_at_its_towers_cost():
     outcomes, steps, troubles = serve(TOWER, TOWER, [one], stall_s=0.2)
     assert outcomes[0].response["prompt"] == "one" and outcomes[0].batch_tokens == 5_100
     assert steps == [] and troubles == []
-
-
-def test_counting_only_tokens_takes_the_busy_device_for_a_stalled_one():
-    # the control: the same device and request, with the towers counted as free, trips the stall limit
-    two = Prepared(num_tokens=1_100, name="two", images=(picture(64), picture(64)))
-    outcomes, _, troubles = serve(TowerCost(0.0, 0.0), TOWER, [two], stall_s=0.2)
-    assert outcomes[0].response["prompt"] == "two"
-    assert [t.kind for t in troubles if t is not None] == ["stalled"]
 
 
 # Fitted on 8 x 8 and 16 x 16 patch images (1e-5 s a patch, 1e-9 s a patch squared), and the 64 x 64 one's tower

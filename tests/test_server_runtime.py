@@ -15,8 +15,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from server_harness import (SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket,
-                            until)
+from server_harness import SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket, until
 
 
 def concurrently(fn, items):

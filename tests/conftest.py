@@ -1,8 +1,14 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and this folder on sys.path so that they import server_harness (the
+importlib import mode adds no test folder)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from clefcore import switches
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture
@@ -14,3 +20,11 @@ def switch_registry(monkeypatch):
     monkeypatch.setattr(switches, "SWITCHES", test)
     monkeypatch.setattr(switches, "BY_NAME", {s.name: s for s in test})
     return test
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The tiny golden checkpoint in process on the CPU, at serve's default context: what a server's answers
+    are compared with. Files that need another engine define their own."""
+    import clefcore
+    return clefcore.load(str(Path(__file__).parent / "golden" / "model"), device="cpu", context_length=24576)

@@ -1,5 +1,6 @@
 """Start a real `clefcore serve` process on a loopback port with the tiny golden checkpoint on the CPU,
-and talk to it over real HTTP. Shared by the tests/test_server*.py modules.
+and talk to it over real HTTP. Shared by the tests/test_server*.py modules; and the stand-ins that the tests
+of the batcher on a fake device share (the end of this file).
 
 The server is started with ``--port 0``; its first JSON log line (``"event": "listening"``) names the port,
 so parallel test runs never race for a port. Every stderr line is kept for assertions on the request log.
@@ -18,8 +19,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+from clefcore.engine import EngineStatus
 from clefcore.example_request import support_ticket
+from clefcore.server.device_watch import DeviceWatch
 
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = GOLDEN / "model"
@@ -79,6 +83,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.05)
+        self.kill()     # a caller that chains wait_ready() inside `with` gets no __exit__ to do it
         raise RuntimeError("server never became ready:\n" + "\n".join(self.lines[-30:]))
 
     def terminate(self, timeout: float = 60.0) -> int:
@@ -199,6 +204,19 @@ class Reply:
         return f"Reply({self.status}, {self.data[:300]!r})"
 
 
+def loadtests(url: str, *runs: list[str], timeout: float = 180) -> list[dict]:
+    """`clefcore loadtest` runs (each a list of its arguments) against ``url``, all at once; their reports."""
+    procs = [subprocess.Popen([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", url, "--json", "-",
+                               *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for args in runs]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    return reports
+
+
 def _json_or_none(line: str):
     try:
         value = json.loads(line)
@@ -270,3 +288,19 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+# --- the batcher on a fake device ---------------------------------------------------------------------------
+
+FAKE_STATUS = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)   # what a fake device process reports
+
+
+class Prepared(SimpleNamespace):
+    """A prepared request as the batcher reads it (``num_tokens``; a test's ``name``); text only unless given
+    ``images``: its cost is its tokens."""
+    images = ()
+
+
+def unwatched(metrics, stall_s: float = 30.0, grace_s: float = 60.0) -> DeviceWatch:
+    """A device watch whose judgements go nowhere: for tests about scheduling, not stalls."""
+    return DeviceWatch(metrics, stall_s, grace_s, on_change=lambda trouble: None, on_expired=lambda trouble: None)

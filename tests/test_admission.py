@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
 from clefcore.server import errors
 from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, CostPolicy, Eviction, LaneView,
@@ -21,8 +20,8 @@ from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, Cos
                                       Snapshot, retry_after, size_class)
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
+from server_harness import FAKE_STATUS, Prepared, unwatched
 
 
 def test_rate_meter_starts_at_its_guess_and_follows_the_device():
@@ -282,13 +281,15 @@ class Source:
         return self.now
 
 
-def admission(source: Source | None = None) -> tuple[Admission, Metrics, list[float]]:
-    """An Admission over ``source`` (None: empty queues) at 1,000 tokens/s, measured; the metrics its refusals
-    are counted in, and the rates it reported."""
+def admission(source: Source | None = None, start: float = 1_000.0,
+              measured: bool = True) -> tuple[Admission, Metrics, list[float]]:
+    """An Admission over ``source`` (None: empty queues) at ``start`` tokens/s, measured (at 1,000 tokens/s, as
+    guessed) or not; the metrics its refusals are counted in, and the rates it reported."""
     metrics, rates = Metrics(), []
-    a = Admission(CostPolicy(BUDGETS), 1_000.0, source or Source(), rejected=metrics.rejected,
+    a = Admission(CostPolicy(BUDGETS), start, source or Source(), rejected=metrics.rejected,
                   held_tokens=metrics.held_tokens, on_rate=rates.append)
-    a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)     # measured: 1,000 tokens/s, as guessed
+    if measured:
+        a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)
     return a, metrics, rates
 
 
@@ -302,10 +303,7 @@ def held(metrics: Metrics) -> float:
 
 
 def test_admission_learns_the_rate_and_the_waiting_share_from_steps():
-    metrics = Metrics()
-    rates: list[float] = []
-    a = Admission(CostPolicy(BUDGETS), 2_000.0, Source(), rejected=metrics.rejected,
-                  held_tokens=metrics.held_tokens, on_rate=rates.append)
+    a, _, rates = admission(start=2_000.0, measured=False)
     assert a.rate == 2_000 and not a.measured and not a.snapshot(0.0).measured
     a.on_step(1_000, 0.5, started=0.0, waiting_since=None, now=0.0)
     assert a.rate == 2_000 and a.measured and a.snapshot(0.0).rate == 2_000 and rates == [2_000]
@@ -465,36 +463,29 @@ def test_early_refusal_needs_every_size_in_the_estimates_span_refused_and_counts
     assert no.value.refusal.reason is Reason.QUEUE_FULL and refused(metrics, "queue_full") == 1
 
 
-@pytest.mark.parametrize("reason, says", [("queued_work", "the work already queued"),
-                                          ("evicted", "cheaper work admitted since this request was queued")])
-def test_a_refusal_for_work_answers_429_with_its_own_reason(reason, says):
+@pytest.mark.parametrize("refusal, says", [
+    (Refusal("queued_work", 3, 4.5, 2.0), "the work already queued"),
+    (Refusal("evicted", 3, 4.5, 2.0), "cheaper work admitted since this request was queued"),
+    (Refusal("queue_full", 2, 0.0, 0.0), "(64 requests)"),      # a full queue names its bound, and no wait
+])
+def test_a_refusal_answers_429_with_its_own_reason(refusal, says):
     """An evicted request waited before its 429: the body says so (its reason was once reported as queued_work,
     which hid the evictions from clients and from loadtest's refusal latencies)."""
-    error = errors.refused(Refusal(reason, 3, 4.5, 2.0), capacity=64)
+    error = errors.refused(refusal, capacity=64)
     body = error.bare_body()["error"]
-    assert error.status == 429 and error.headers["Retry-After"] == "3"
-    assert body["reason"] == reason and body["expected_wait_s"] == 4.5 and says in body["message"]
-
-
-def test_a_full_queue_answers_429_naming_its_bound():
-    error = errors.refused(Refusal("queue_full", 2, 0.0, 0.0), capacity=64)
-    body = error.bare_body()["error"]
-    assert error.status == 429 and error.headers["Retry-After"] == "2"
-    assert body["reason"] == "queue_full" and "(64 requests)" in body["message"] and "expected_wait_s" not in body
+    assert error.status == 429 and error.headers["Retry-After"] == str(refusal.retry_after_s)
+    assert body["reason"] == refusal.reason.value and says in body["message"]
+    assert body.get("expected_wait_s") == (None if refusal.reason is Reason.QUEUE_FULL else 4.5)
 
 
 # --- the batcher, doing what admission answers ----------------------------------------------------------------
-
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
-
 
 class HeldDevice:
     """A device whose forwards end when the test says (``go``), and its chunk steps one at a time (``steps``),
     reporting them at 1,000 tokens/s."""
 
     def __init__(self):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.batches: list[list[str]] = []
         self.go = asyncio.Event()
         self.steps = asyncio.Semaphore(0)
@@ -525,7 +516,7 @@ def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:
                    chunk_tokens=CHUNK, age_rate=float(AGE_RATE), start_rate=float(RATE))
     options.update(kw)
     metrics = Metrics()
-    watch = DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+    watch = unwatched(metrics)
     return Batcher(list(devices), metrics, watch=watch, **options), metrics
 
 

@@ -7,26 +7,15 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.scheduler import Entry
 from clefcore.server.admission import Budgets, CostPolicy, LaneView, QueueView, Snapshot
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
-
-
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
-
-
-def unwatched(metrics: Metrics) -> DeviceWatch:
-    """A watch whose judgements go nowhere: these tests are about scheduling."""
-    return DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+from server_harness import FAKE_STATUS, Prepared, unwatched
 
 
 # Each device at 1,000 tokens/s, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at
@@ -110,7 +99,7 @@ class FakeDevice:
 
     def __init__(self, name: str):
         self.name = name
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.run = None          # [prompt, tokens left]
         self.ran: list = []      # (op, prompt) in order
 

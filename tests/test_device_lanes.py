@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server  # noqa: E402
+from server_harness import Server, until
 
 BATCH_DELAY_S = 0.2   # every forward sleeps this long in its device process: device time the counters must see
 BUSY = "clef_device_busy_seconds_total"
@@ -142,8 +141,7 @@ def test_the_pods_status_names_the_devices_and_sums_fallbacks_and_memory():
 def test_one_dead_device_process_fails_the_whole_server():
     """A pod missing a GPU is restarted whole: one of the two device processes killed, the server logs
     device_lost and exits 1, and the other device process ends with it."""
-    with Server("--device", "cpu,cpu") as s:
-        s.wait_ready()
+    with Server("--device", "cpu,cpu").wait_ready() as s:
         children = Path(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read_text().split()
         # multiprocessing's resource tracker is a child too; the device processes are the ones spawned to serve
         devices = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
@@ -151,10 +149,7 @@ def test_one_dead_device_process_fails_the_whole_server():
         os.kill(devices[0], signal.SIGKILL)
         assert s.wait_exit(30) == 1
         assert s.events("device_lost") and [e["code"] for e in s.events("exit")] == [1]
-        deadline = time.monotonic() + 10
-        while not ended(devices[1]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ended(devices[1])
+        until(lambda: ended(devices[1]), 10, "the other device process's end")
 
 
 def ended(pid: int) -> bool:

@@ -213,7 +213,6 @@ def test_a_server_whose_device_process_dies_under_load_answers_everything_and_ex
     """kill -KILL under load: the request on the device gets 500, the queued ones (they never reached it) 503
     with Retry-After, no connection is dropped, and the server exits 1 so that it is restarted."""
     from concurrent.futures import ThreadPoolExecutor
-    sys.path.insert(0, str(Path(__file__).parent))
     from server_harness import Server, ticket, until
 
     server = Server("--max-batch-requests", "1", "--min-queue-wait", "1000",

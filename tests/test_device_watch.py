@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.errors import DeviceError
 from clefcore.server import batcher as batcher_module
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher, DeviceUnavailable
 from clefcore.server.device_watch import STALL_FACTOR, DeviceWatch
 from clefcore.server.metrics import Metrics
+from server_harness import FAKE_STATUS, Prepared
 
 
 class Seen:
@@ -124,16 +123,12 @@ def test_a_fault_is_counted_once_while_it_lasts_and_a_passed_check_ends_it():
 
 # --- the batcher's side -----------------------------------------------------------------------------------------
 
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
-
-
 class FlakyDevice:
     """A device process without a process: ``poison`` fails the request that carries it; the self-check fails
     ``bad_checks`` times before it passes (a device that is faulted for a while)."""
 
     def __init__(self, bad_checks: int):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.lost = None
         self.bad_checks = bad_checks
         self.checks = 0
@@ -149,9 +144,11 @@ class FlakyDevice:
             raise DeviceError("every call fails")
 
 
-def run_batcher(device: FlakyDevice, requests: list[Prepared]) -> tuple[list, list, Metrics]:
-    """Submit ``requests`` one after another (the first alone on the device, the rest queued behind it) and
-    then, once the device is out of trouble, one more; the outcomes, the watch's changes and the metrics."""
+def run_batcher(device: FlakyDevice) -> tuple[list, list, Metrics]:
+    """Submit a poisoned request (alone on the device) and three sound ones queued behind it, then, once the
+    device is out of trouble, one more; the outcomes, the watch's changes and the metrics."""
+    requests = [Prepared(num_tokens=10, name="bad", poison=True)] + [
+        Prepared(num_tokens=10, name=f"q{i}", poison=False) for i in range(3)]
     metrics, changes = Metrics(), []
     recovered = asyncio.Event()
 
@@ -186,9 +183,7 @@ def run_batcher(device: FlakyDevice, requests: list[Prepared]) -> tuple[list, li
 
 def test_a_request_that_fails_on_a_sound_device_fails_alone():
     device = FlakyDevice(bad_checks=0)
-    requests = [Prepared(num_tokens=10, name="bad", poison=True)] + [
-        Prepared(num_tokens=10, name=f"q{i}", poison=False) for i in range(3)]
-    outcomes, changes, metrics = run_batcher(device, requests)
+    outcomes, changes, metrics = run_batcher(device)
     assert isinstance(outcomes[0], DeviceError)
     assert [o.response["prompt"] for o in outcomes[1:]] == ["q0", "q1", "q2", "after"]
     assert device.checks == 1 and changes == []
@@ -198,9 +193,7 @@ def test_a_request_that_fails_on_a_sound_device_fails_alone():
 def test_a_faulted_device_refuses_the_queue_at_once_and_serves_again_once_its_check_passes(monkeypatch):
     monkeypatch.setattr(batcher_module, "RECHECK_S", 0.05)
     device = FlakyDevice(bad_checks=3)
-    requests = [Prepared(num_tokens=10, name="bad", poison=True)] + [
-        Prepared(num_tokens=10, name=f"q{i}", poison=False) for i in range(3)]
-    outcomes, changes, metrics = run_batcher(device, requests)
+    outcomes, changes, metrics = run_batcher(device)
     assert isinstance(outcomes[0], DeviceError)                      # it ran on the device: 500
     assert all(isinstance(o, DeviceUnavailable) for o in outcomes[1:4]), outcomes   # queued: 503
     assert outcomes[4].response == {"prompt": "after"}

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.preprocess import PixelBounds, smart_resize
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher
@@ -20,6 +19,7 @@ from clefcore.server.device_process import Step
 from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.image_cost import TowerCost, image_limits, least_image
 from clefcore.server.metrics import Metrics
+from server_harness import FAKE_STATUS, Prepared
 
 
 def test_fit_through_two_sizes():
@@ -98,10 +98,6 @@ def test_every_image_enlarged_to_the_least_pixels_fits_the_least_image():
 RATE = 10_000.0     # tokens/s: the fake device takes a step's cost at this rate, and the batcher measures it so
 
 
-class Prepared(SimpleNamespace):
-    images = ()
-
-
 def picture(side_patches: int) -> SimpleNamespace:
     return SimpleNamespace(grid_thw=(1, side_patches, side_patches))
 
@@ -111,7 +107,7 @@ class TimedDevice:
     vision tower step its images' towers, a chunk its tokens. Records each step's images argument."""
 
     def __init__(self, tower: TowerCost):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.lost = None
         self.tower = tower
         self.steps: list[int] = []
@@ -182,6 +178,10 @@ def test_a_long_image_request_runs_its_towers_a_step_each_and_is_never_taken_for
     assert [o.response["prompt"] for o in outcomes] == ["two", "after"]
     assert steps == [1, 1, 0]                 # one image's tower per step, then the text in one chunk
     assert troubles == []
+    # the control: the same device and request, with the towers counted as free, trips the stall limit
+    outcomes, _, troubles = serve(TowerCost(0.0, 0.0), TOWER, [two], stall_s=0.2)
+    assert outcomes[0].response["prompt"] == "two"
+    assert [t.kind for t in troubles if t is not None] == ["stalled"]
 
 
 def test_a_whole_image_request_is_counted_at_its_towers_cost():
@@ -189,14 +189,6 @@ def test_a_whole_image_request_is_counted_at_its_towers_cost():
     outcomes, steps, troubles = serve(TOWER, TOWER, [one], stall_s=0.2)
     assert outcomes[0].response["prompt"] == "one" and outcomes[0].batch_tokens == 5_100
     assert steps == [] and troubles == []
-
-
-def test_counting_only_tokens_takes_the_busy_device_for_a_stalled_one():
-    # the control: the same device and request, with the towers counted as free, trips the stall limit
-    two = Prepared(num_tokens=1_100, name="two", images=(picture(64), picture(64)))
-    outcomes, _, troubles = serve(TowerCost(0.0, 0.0), TOWER, [two], stall_s=0.2)
-    assert outcomes[0].response["prompt"] == "two"
-    assert [t.kind for t in troubles if t is not None] == ["stalled"]
 
 
 # Fitted on 8 x 8 and 16 x 16 patch images (1e-5 s a patch, 1e-9 s a patch squared), and the 64 x 64 one's tower

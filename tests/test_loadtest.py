@@ -4,18 +4,15 @@ real server (what it counts must match what the server counted)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server  # noqa: E402
-
-from clefcore.loadtest import Record, RequestClass, Run, format_report, parse_mix, percentile, summarize  # noqa: E402
+from clefcore.loadtest import (Record, RequestClass, Run, _refusal_reason, format_report, parse_mix,
+                               percentile, summarize)
+from server_harness import Server, loadtests
 
 
 def test_parse_mix_normalises_shares_and_names_bad_parts():
@@ -95,23 +92,18 @@ def test_the_report_gives_both_sides_event_loop_lag():
 
 
 def test_a_refusals_reason_comes_from_its_bare_body():
-    from clefcore.loadtest import _refusal_reason
     assert _refusal_reason(b'{"error": {"type": "rate_limit_error", "reason": "evicted"}}') == "evicted"
     for other in (b'{"errors": [{"code": 3040}]}', b"not json", b'["a list"]', b'{"error": "text"}'):
         assert _refusal_reason(other) == "unknown"
 
 
-def loadtest(server: Server, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", server.base,
-                           "--json", "-", *args], capture_output=True, text=True, timeout=60, cwd="/")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+def loadtest(url: str, *args: str) -> dict:
+    return loadtests(url, list(args), timeout=60)[0]
 
 
 def test_closed_loop_and_fixed_rate_against_a_server():
-    with Server("--max-queue-wait", "30", "--min-queue-wait", "1000") as s:
-        s.wait_ready()
-        closed = loadtest(s, "--route", "workers-ai", "--clients", "4", "--duration", "1.5",
+    with Server("--max-queue-wait", "30", "--min-queue-wait", "1000").wait_ready() as s:
+        closed = loadtest(s.base, "--route", "workers-ai", "--clients", "4", "--duration", "1.5",
                           "--mix", "short:0.5:200,long:0.5:500")
         assert closed["non_200"] == {}
         # the server also answered the two sizing probes, which the report does not count
@@ -125,26 +117,25 @@ def test_closed_loop_and_fixed_rate_against_a_server():
         assert sizing["measured"] and 1.5 < sizing["per_word"] < 5 and sizing["fixed"] > 100
         assert abs(long["mean_input_tokens"] - 500) < 40
         assert short["mean_input_tokens"] < sizing["fixed"] + 10
-        fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "16", "--mix", "only:1:200")
+        fixed = loadtest(s.base, "--rate", "8", "--duration", "1", "--clients", "16", "--mix", "only:1:200")
         assert 6 <= fixed["requests"] <= 10 and fixed["ok"] == fixed["requests"]
         assert fixed["ok"] + 2 == s.metric("clef_requests_total", "/v1/systemone")
 
 
 def test_no_backoff_resends_at_once_and_the_busy_fraction_comes_from_the_server():
     # One queued request at most and 0.2 s per batch: most requests are refused (queue_full) at first.
-    with Server("--max-queue", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
-        s.wait_ready()
+    with Server("--max-queue", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}).wait_ready() as s:
         busy_before = s.metric("clef_device_busy_seconds_total")
         # at a fixed rate the refused request itself is sent again until admitted (or the run ends): of the 8,
         # about one per batch is answered, after many refused attempts
-        fixed = loadtest(s, "--rate", "8", "--duration", "1", "--clients", "8", "--no-backoff",
+        fixed = loadtest(s.base, "--rate", "8", "--duration", "1", "--clients", "8", "--no-backoff",
                          "--mix", "only:1:200")
         only = fixed["classes"]["only"]
         assert fixed["config"]["no_backoff"] and set(fixed["non_200"]) <= {"429"}, fixed["non_200"]
         assert fixed["non_200"]["429"] >= 5 and only["sent"] == only["ok"] + fixed["non_200"]["429"]
         assert 2 <= only["ok"] <= 8 and only["answered_share"] < 0.5
         # a closed-loop client sends its next request at once after a 429: far more attempts than answers
-        closed = loadtest(s, "--clients", "4", "--duration", "1", "--no-backoff", "--mix", "only:1:200")
+        closed = loadtest(s.base, "--clients", "4", "--duration", "1", "--no-backoff", "--mix", "only:1:200")
         assert closed["non_200"]["429"] > 4 * closed["ok"] > 0
         busy = s.metric("clef_device_busy_seconds_total") - busy_before
         # each report's share of the server's busy seconds: about 0.2 s a batch, the device mostly busy
@@ -160,9 +151,8 @@ def test_no_backoff_resends_at_once_and_the_busy_fraction_comes_from_the_server(
 def test_one_process_on_two_devices_reports_each_ones_busy_fraction():
     # 4 clients, one request a forward, 0.2 s each: both devices of `--device cpu,cpu` mostly busy
     with Server("--device", "cpu,cpu", "--max-batch-requests", "1", "--min-queue-wait", "1000",
-                "--max-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
-        s.wait_ready()
-        report = loadtest(s, "--clients", "4", "--duration", "2", "--mix", "only:1:200")
+                "--max-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}).wait_ready() as s:
+        report = loadtest(s.base, "--clients", "4", "--duration", "2", "--mix", "only:1:200")
         lanes = report["device_busy_by_lane"]
         assert set(lanes) == {"0", "1"} and all(0.5 < share <= 1.05 for share in lanes.values()), lanes
         # the mean over the devices is the pod's busy fraction
@@ -212,11 +202,8 @@ def test_connections_are_kept_alive_or_new_per_request(connections):
     """Issue 31 measures both: keep-alive clients stay on their connection (SO_REUSEPORT pins each to one
     worker), new connections spread request by request."""
     with _CountingServer() as s:
-        done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", s.url, "--json", "-",
-                               "--clients", "3", "--duration", "0.5", "--mix", "only:1:50",
-                               "--connections", connections], capture_output=True, text=True, timeout=60, cwd="/")
-        assert done.returncode == 0, done.stderr
-        report = json.loads(done.stdout)
+        report = loadtest(s.url, "--clients", "3", "--duration", "0.5", "--mix", "only:1:50",
+                          "--connections", connections)
     assert report["config"]["connections"] == connections and report["ok"] > 20
     if connections == "new":
         assert len(set(s.ports)) == len(s.ports)           # every request on a connection of its own
@@ -228,11 +215,8 @@ def test_a_given_sizing_replaces_the_probes():
     """A run that starts beside another one's load takes the sizing an earlier report gave: no probe is sent,
     and states are sized with it (the stand-in counts 20 + one token a word, as --sizing 20:1 says)."""
     with _CountingServer() as s:
-        done = subprocess.run([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", s.url, "--json", "-",
-                               "--clients", "1", "--duration", "0.3", "--mix", "only:1:50", "--sizing", "20:1"],
-                              capture_output=True, text=True, timeout=60, cwd="/")
-        assert done.returncode == 0, done.stderr
-        report = json.loads(done.stdout)
+        report = loadtest(s.url, "--clients", "1", "--duration", "0.3", "--mix", "only:1:50",
+                          "--sizing", "20:1")
     assert report["sizing"] == {"fixed": 20.0, "per_word": 1.0, "measured": False}
     assert report["ok"] == len(s.ports) > 0                 # every request the server saw was the load's own
     assert report["classes"]["only"]["mean_input_tokens"] == 50

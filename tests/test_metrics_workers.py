@@ -8,16 +8,13 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
-
-from prometheus_client.mmap_dict import MmapedDict, mmap_key  # noqa: E402
+from server_harness import Server, ticket, until
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"),
                                 reason="workers share one port through SO_REUSEPORT")
@@ -34,11 +31,8 @@ def free_port() -> int:
 def two_workers(env: dict | None = None, *args: str) -> Server:
     server = Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(free_port()), *args, env=env)
     server.wait_ready()
-    deadline = time.monotonic() + 60
     # /health answers from whichever worker takes the connection: wait until both are up and ready.
-    while not (server.metric("clef_workers") == 2 and server.metric("clef_ready") == 1):
-        assert time.monotonic() < deadline, "\n".join(server.lines[-30:])
-        time.sleep(0.1)
+    until(lambda: server.metric("clef_workers") == 2 and server.metric("clef_ready") == 1, 60, "both workers")
     return server
 
 

@@ -7,30 +7,13 @@ client behaviour (polite, open loop, resend at once) answers every request it ad
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
-
-
-def loadtest(server: Server, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", server.base,
-                             "--json", "-", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-
-
-def report(process: subprocess.Popen) -> dict:
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err
-    return json.loads(out)
+from server_harness import Server, loadtests, ticket
 
 
 def small(n: int) -> dict:  # ~140 prompt tokens: the burst is ~4,500, well under a second of device work
@@ -39,19 +22,9 @@ def small(n: int) -> dict:  # ~140 prompt tokens: the burst is ~4,500, well unde
 
 
 def test_a_burst_of_32_small_requests_from_16_clients_on_an_idle_server_is_answered_in_full():
-    with Server() as s:
-        s.wait_ready()
-        statuses: list = []
-
-        def client(n: int) -> None:
-            for i in range(2):
-                statuses.append(s.decide(small(100 * n + i)).status)
-
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+    with Server().wait_ready() as s, ThreadPoolExecutor(16) as pool:
+        # each client sends its two one after the other
+        statuses = sum(pool.map(lambda n: [s.decide(small(100 * n + i)).status for i in range(2)], range(16)), [])
         assert statuses == [200] * 32, statuses
 
 
@@ -62,17 +35,16 @@ def test_short_requests_that_fit_the_device_are_answered_beside_long_ones_under_
     # --min-queue-wait 1: short requests are refused at a second of expected wait, so that the shorts' latency
     # compares the scheduler's order, not how much of the storm admission lets in
     with Server("--chunk-tokens", "512", "--max-queue-wait", "60", "--min-queue-wait", "1",
-                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.0003"}) as s:
-        s.wait_ready()
-        warm = report(loadtest(s, "--clients", "2", "--duration", "3", "--mix", "short:1:150"))
+                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.0003"}).wait_ready() as s:
+        (warm,) = loadtests(s.base, ["--clients", "2", "--duration", "3", "--mix", "short:1:150"],
+                            timeout=120)
         short_tokens = warm["classes"]["short"]["mean_input_tokens"]
         rate = s.metric("clef_device_rate_tokens_per_second")
         # The short requests alone take about a quarter of what the device did: they fit it.
         per_s = max(0.5, round(rate / 4 / short_tokens, 2))
-        longs = loadtest(s, "--clients", "3", "--duration", "15", "--mix", "long:1:3000")
-        shorts = loadtest(s, "--rate", str(per_s), "--clients", "8", "--no-backoff", "--duration", "15",
-                          "--mix", "short:1:150")
-        long, short = report(longs), report(shorts)
+        long, short = loadtests(s.base, ["--clients", "3", "--duration", "15", "--mix", "long:1:3000"],
+                                ["--rate", str(per_s), "--clients", "8", "--no-backoff", "--duration", "15",
+                                 "--mix", "short:1:150"], timeout=120)
     ls, ss = long["classes"]["long"], short["classes"]["short"]
     summary = (f"device {rate:.0f} tokens/s, shorts {per_s}/s of ~{short_tokens} tokens: short {ss}, "
                f"long {ls}, busy {short['device_busy_fraction']}")

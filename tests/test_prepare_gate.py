@@ -18,10 +18,6 @@ class Clock:
         return self.t
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
 async def _started(gate, pool, order, name, nbytes, release=None):
     def work():
         order.append(name)
@@ -54,15 +50,15 @@ def _race(big, small, small_at):
             hold.set()
             assert await asyncio.gather(first, late, early) == ["first", "big", "small"]
         return order
-    return run(main())
+    return asyncio.run(main())
 
 
-def test_smaller_bodies_go_first_and_slots_bound_the_threads():
-    assert _race(100_000, 1_000, 1.0) == ["first", "small", "big"]     # turns 100 s and 2 s
-
-
-def test_aging_lets_an_early_large_body_go_before_a_much_later_small_one():
-    assert _race(5_000, 10, 10.0) == ["first", "big", "small"]          # turns 5 s and 10.01 s
+@pytest.mark.parametrize("big, small, small_at, order", [
+    (100_000, 1_000, 1.0, ["first", "small", "big"]),     # smaller first: turns 100 s and 2 s
+    (5_000, 10, 10.0, ["first", "big", "small"]),         # aging (an early large body): 5 s and 10.01 s
+])
+def test_smaller_bodies_go_first_with_aging_and_slots_bound_the_threads(big, small, small_at, order):
+    assert _race(big, small, small_at) == order
 
 
 def test_a_waiter_that_leaves_does_not_keep_its_slot():
@@ -84,7 +80,7 @@ def test_a_waiter_that_leaves_does_not_keep_its_slot():
             # every slot is back: a new body starts at once
             assert await asyncio.wait_for(_started(gate, pool, order, "after", 0), 2) == "after"
         return order
-    assert run(main()) == ["first", "later", "after"]
+    assert asyncio.run(main()) == ["first", "later", "after"]
 
 
 def test_a_slot_handed_to_a_leaving_waiter_is_passed_on():
@@ -101,7 +97,7 @@ def test_a_slot_handed_to_a_leaving_waiter_is_passed_on():
         await asyncio.wait_for(waiting, 2)            # the slot went on to the next waiter
         gate._release()
         assert gate._free == 1 and gate.waiting == 0
-    run(main())
+    asyncio.run(main())
 
 
 def test_a_client_that_leaves_mid_prepare_keeps_the_slot_until_its_thread_is_done():
@@ -120,7 +116,7 @@ def test_a_client_that_leaves_mid_prepare_keeps_the_slot_until_its_thread_is_don
             hold.set()
             assert await asyncio.wait_for(after, 2) == "after"
         return order
-    assert run(main()) == ["left", "after"]
+    assert asyncio.run(main()) == ["left", "after"]
 
 
 def test_an_error_reaches_the_caller_and_frees_the_slot():
@@ -133,7 +129,7 @@ def test_an_error_reaches_the_caller_and_frees_the_slot():
             with pytest.raises(ValueError, match="bad body"):
                 await gate.run(10, bad, pool)
             assert await gate.run(10, lambda: "next", pool) == "next"
-    run(main())
+    asyncio.run(main())
 
 
 def test_a_pool_that_is_shut_down_gives_the_slot_back():
@@ -144,7 +140,7 @@ def test_a_pool_that_is_shut_down_gives_the_slot_back():
         with pytest.raises(RuntimeError):
             await gate.run(10, lambda: "never", pool)
         assert gate._free == 1
-    run(main())
+    asyncio.run(main())
 
 
 def test_each_wait_is_reported():
@@ -160,7 +156,7 @@ def test_each_wait_is_reported():
             hold.set()
             await asyncio.gather(first, second)
         return waits
-    assert run(main()) == [0.0, 3.0]
+    assert asyncio.run(main()) == [0.0, 3.0]
 
 
 def test_bad_settings_are_refused():

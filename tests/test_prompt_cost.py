@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from clefcore.engine import EngineStatus
 from clefcore.errors import PromptTokensError
 from clefcore.server.admission import Budgets
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 from clefcore.server.prompt_cost import PromptCost, PromptLimit
+from server_harness import FAKE_STATUS, Prepared, unwatched
 
 
 def chunks(per_token: float, pair: float, chunk: int, count: int, noise=()):
@@ -116,7 +114,7 @@ class PacedDevice:
     seconds it reports; nothing sleeps); records its steps and drops."""
 
     def __init__(self, cost: PromptCost, slower: float):
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.lost = None
         self.cost, self.slower = cost, slower
         self.steps, self.drops, self.run = 0, 0, None
@@ -148,13 +146,13 @@ def run_paced(slower: float):
 
     async def main():
         metrics = Metrics()
-        watch = DeviceWatch(metrics, 30.0, 30.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+        watch = unwatched(metrics, grace_s=30.0)
         batcher = Batcher([device], metrics, watch=watch, max_queue=8, max_batch_tokens=1_000,
                           max_batch_requests=4, budgets=Budgets(60.0, 60.0, 24_576), start_rate=1_000.0,
                           chunk_tokens=1_000, prompt_limit=limit)
         batcher.start()
         try:
-            return await batcher.submit(SimpleNamespace(num_tokens=12_000, images=()), time.monotonic() + 60)
+            return await batcher.submit(Prepared(num_tokens=12_000), time.monotonic() + 60)
         except PromptTokensError as refused:
             return refused
         finally:

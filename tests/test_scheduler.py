@@ -33,11 +33,8 @@ def test_fifo_packing_respects_budget_and_count():
         s.push(e)
     first = s.take(700, 10, 0.0)
     assert ids(first) == [0, 1] and first.tokens == 600
-    # A small request never overtakes the larger one ahead of it.
-    second = s.take(350, 10, 0.0)
-    assert ids(second) == [2]
-    third = s.take(10_000, 1, 0.0)
-    assert ids(third) == [3]
+    assert ids(s.take(350, 10, 0.0)) == [2]     # a small request never overtakes the larger one ahead of it
+    assert ids(s.take(10_000, 1, 0.0)) == [3]
     assert ids(s.take(10_000, 10, 0.0)) == [4] and len(s) == 0
 
 
@@ -63,14 +60,7 @@ def test_cancelled_and_expired_entries_are_dropped_and_reported():
     assert [e.payload for e in batch.cancelled] == [2]
     assert len(s) == 0 and s.live_tokens == 0
     assert not any(e.queued for e in (a, b, c, d))
-
-
-def test_cancel_after_take_changes_nothing():
-    s = Scheduler(4)
-    (a,) = entries([7])
-    s.push(a)
-    s.take(100, 4, 0.0)
-    s.cancel(a)
+    s.cancel(a)  # cancelling an entry already taken changes nothing
     assert len(s) == 0 and s.live_tokens == 0
 
 
@@ -86,6 +76,8 @@ def test_drain_and_reuse_rules():
         s.push(a)  # cancelled entries are never queued again
     with pytest.raises(ValueError):
         Scheduler(0)
+    with pytest.raises(ValueError, match="age_rate"):
+        Scheduler(4, 0.0)
     with pytest.raises(ValueError):
         Entry(None, -1, FAR, 0.0)
 
@@ -124,11 +116,6 @@ def test_packing_follows_the_order_and_stops_at_the_first_misfit():
         s.push(e)
     assert ids(s.take(800, 10, 0.0)) == ["c", "b", "a"]
     assert ids(s.take(800, 10, 0.0)) == ["d"]
-
-
-def test_age_rate_must_be_positive():
-    with pytest.raises(ValueError, match="age_rate"):
-        Scheduler(4, 0.0)
 
 
 def test_set_age_rate_applies_to_new_entries_and_refuses_nonpositive():

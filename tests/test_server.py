@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket  # noqa: E402
+from server_harness import GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket
 
 CF = "/client/v4/accounts/0123abc/ai/run/@cf/cloudflare"
 
 
 @pytest.fixture(scope="module")
 def server():
-    with Server("--max-body-bytes", "20000") as s:
-        s.wait_ready()
+    with Server("--max-body-bytes", "20000").wait_ready() as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def engine():
-    import clefcore
-    return clefcore.load(str(GOLDEN / "model"), device="cpu", context_length=24576)
 
 
 def error_of(reply, status: int, kind: str) -> dict:
@@ -51,17 +41,13 @@ def test_health_live_models(server):
     assert models[0]["max_context_length"] == 24576
 
 
-def test_server_header_names_no_versions(server):
-    # aiohttp's default (Python/3.x aiohttp/3.y) tells a scanner which known holes to try
-    for reply in (server.get("/health"), server.get("/nope"), server.decide(SUPPORT_TICKET),
-                  server.post("/v1/systemone", "{"), server.post("/v1/systemone", "x" * 30000)):
-        assert reply.headers["server"] == "clefcore", (reply.status, reply.headers["server"])
-
-
-def test_every_response_has_a_request_id_and_one_log_line(server):
+def test_every_response_has_a_request_id_one_log_line_and_no_versions(server):
     seen = set()
     for reply in (server.get("/health"), server.get("/nope"), server.decide(SUPPORT_TICKET),
-                  server.post("/v1/systemone", "{"), server.get("/metrics"), server.get("/")):
+                  server.post("/v1/systemone", "{"), server.post("/v1/systemone", "x" * 30000),
+                  server.get("/metrics"), server.get("/")):
+        # aiohttp's default Server header (Python/3.x aiohttp/3.y) tells a scanner which known holes to try
+        assert reply.headers["server"] == "clefcore", (reply.status, reply.headers["server"])
         rid = reply.headers["x-request-id"]
         assert rid and rid not in seen
         seen.add(rid)
@@ -165,10 +151,8 @@ def test_document_alias_and_object_state(server):
 # --- client errors --------------------------------------------------------------------------------------
 
 def test_400_malformed_json_and_bad_utf8(server):
-    error_of(server.post("/v1/systemone", "{\"model\": "), 400, "invalid_json")
-    error_of(server.post("/v1/systemone", b"{\"model\": \"\xff\"}"), 400, "invalid_json")
-    error_of(server.post("/v1/systemone", "[" * 5000 + "]" * 5000), 400, "invalid_json")
-    error_of(server.post("/v1/systemone", ""), 400, "invalid_json")
+    for data in ("{\"model\": ", b"{\"model\": \"\xff\"}", "[" * 5000 + "]" * 5000, ""):
+        error_of(server.post("/v1/systemone", data), 400, "invalid_json")
 
 
 def test_415_content_type(server):
@@ -241,8 +225,7 @@ def test_images_get_422_in_both_validation_modes(server):
     # Reference validation used to drop `images` and answer 200 from the text alone (issue 21). The image here is
     # cut to its PNG header: it is read, and refused as undecodable, by item.
     text_only = {key: value for key, value in GOLDEN_IMAGES_0.items() if key != "images"}
-    with Server("--validation", "reference") as reference:
-        reference.wait_ready()
+    with Server("--validation", "reference").wait_ready() as reference:
         for s in (server, reference):
             err = error_of(s.decide(GOLDEN_IMAGES_0), 422, "invalid_request_error")
             assert err["field"] == "images[0]" and err["message"].startswith("images[0]: image payload is invalid")
@@ -258,16 +241,14 @@ def test_long_state_is_truncated_by_default(server):
 
 def test_context_overflow_reject_and_truncate():
     long_state = ticket("log line with words " * 200)
-    with Server("--context-length", "400", "--on-overflow", "reject") as s:
-        s.wait_ready()
+    with Server("--context-length", "400", "--on-overflow", "reject").wait_ready() as s:
         err = error_of(s.decide(long_state), 400, "exceed_context_size_error")
         assert err["n_ctx"] == 400 and err["n_prompt_tokens"] > 400
         assert err["limit"] == "400 tokens"
         assert s.decide(SUPPORT_TICKET).status == 200
         cf = s.post(f"{CF}/clef", long_state)
         assert cf.status == 400 and cf.json()["errors"][0]["code"] == 5021
-    with Server("--context-length", "400") as s:
-        s.wait_ready()
+    with Server("--context-length", "400").wait_ready() as s:
         reply = s.decide(long_state)
         assert reply.status == 200 and reply.json()["usage"]["input_tokens"] == 400
 
@@ -314,8 +295,7 @@ def test_cloudflare_errors(server):
 # --- auth -----------------------------------------------------------------------------------------------
 
 def test_api_key():
-    with Server("--api-key", "s3cret") as s:
-        s.wait_ready()
+    with Server("--api-key", "s3cret").wait_ready() as s:
         error_of(s.decide(SUPPORT_TICKET), 401, "authentication_error")
         assert s.decide(SUPPORT_TICKET, headers={"Authorization": "Bearer wrong"}).status == 401
         assert s.decide(SUPPORT_TICKET, headers={"Authorization": "Bearer s3cret"}).status == 200

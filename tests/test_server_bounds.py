@@ -13,15 +13,12 @@ import gzip
 import select
 import socket
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
+from server_harness import Server, ticket
 
 KEY = "bounds-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,8 +31,7 @@ CONTEXT = {"default": 24_576, "short": 4_096}
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
 def server(request):
-    with Server("--api-key", KEY, *SERVERS[request.param]) as s:
-        s.wait_ready()
+    with Server("--api-key", KEY, *SERVERS[request.param]).wait_ready() as s:
         assert s.decide(ticket("warm up"), headers=AUTH).status == 200   # one measured body: the sizer's sample
         s.name = request.param
         yield s
@@ -195,8 +191,7 @@ WRITE_TIMEOUT = 2.0
 
 @pytest.fixture(scope="module")
 def writer_server():
-    with Server("--api-key", KEY, "--write-timeout", str(WRITE_TIMEOUT)) as s:
-        s.wait_ready()
+    with Server("--api-key", KEY, "--write-timeout", str(WRITE_TIMEOUT)).wait_ready() as s:
         yield s
 
 
@@ -238,7 +233,6 @@ def test_a_slow_reader_keeps_its_connection(writer_server):
 
 @pytest.mark.slow
 def test_clients_that_never_read_are_closed_within_two_minutes_by_default():
-    with Server("--api-key", KEY) as server:
-        server.wait_ready()
+    with Server("--api-key", KEY).wait_ready() as server:
         took = closes_all(server, 20, within=120)
         assert 60 <= took < 120, took

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, check_client_rules  # noqa: E402
+from server_harness import Server, check_client_rules
 
 ALLOWED = {200, 400, 413, 422}
 
@@ -106,8 +103,7 @@ class KeptAlive:
 
 @pytest.fixture(scope="module", params=["cloudflare", "reference"])
 def client(request):
-    with Server("--validation", request.param, "--max-body-bytes", "65536") as s:
-        s.wait_ready()
+    with Server("--validation", request.param, "--max-body-bytes", "65536").wait_ready() as s:
         connection = KeptAlive(s.port)
         yield connection, request.param, s
         assert s.proc.poll() is None

@@ -11,12 +11,10 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import SUPPORT_TICKET, Server  # noqa: E402
+from server_harness import SUPPORT_TICKET, Server, until
 
 if sys.version_info >= (3, 14):
     from compression import zstd
@@ -136,15 +134,20 @@ def until_closed(sock: socket.socket) -> bytes:
     return received
 
 
+def timed_out(answer: bytes, seconds: float, part: str) -> None:
+    """``answer`` is a 408 that closes the connection, naming the deadline of ``part`` (header or body)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head, answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "timeout" and error["limit"] == f"{seconds:g} s" and part in error["message"]
+
+
 def test_a_trickled_head_gets_408_and_is_closed_at_its_deadline(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         answer, took = trickle(sock, b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: y\r\n" * 50)
         answer += until_closed(sock)
     assert HEADER_TIMEOUT - 0.1 <= took < HEADER_TIMEOUT + 1.0, took
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head, answer
-    error = json.loads(body)["error"]
-    assert error["type"] == "timeout" and error["limit"] == f"{HEADER_TIMEOUT:g} s" and "header" in error["message"]
+    timed_out(answer, HEADER_TIMEOUT, "header")
     server.wait_for_events("head_timeout", lambda events: events)
     assert server.events("head_timeout")
 
@@ -184,16 +187,10 @@ def test_a_trickled_body_gets_408_at_its_deadline_and_gives_up_its_place(server)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + body[:1])
         # while the body is read, its estimated tokens are held as work ahead of later arrivals
-        deadline = time.monotonic() + BODY_TIMEOUT
-        while server.metric("clef_held_tokens") == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.metric("clef_held_tokens") > 0
+        until(lambda: server.metric("clef_held_tokens") > 0, BODY_TIMEOUT, "tokens held for the body")
         answer, took = trickle(sock, body[1:])
         assert took < BODY_TIMEOUT + 1.0, took
-        head_back, _, error_body = answer.partition(b"\r\n\r\n")
-        assert head_back.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head_back, answer
-        error = json.loads(error_body)["error"]
-        assert error["type"] == "timeout" and error["limit"] == f"{BODY_TIMEOUT:g} s" and "body" in error["message"]
+        timed_out(answer, BODY_TIMEOUT, "body")
         assert server.metric("clef_held_tokens") == 0   # released before the answer was sent
         sock.sendall(body)    # the rest, and more: the server reads no further request on this connection
         assert until_closed(sock) == b""

@@ -16,13 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import SUPPORT_TICKET, Server  # noqa: E402
+from server_harness import SUPPORT_TICKET, Server
 
 KEY = "image-cost-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -44,8 +42,7 @@ def server_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(server_model):
-    with Server("--model", str(server_model), "--api-key", KEY) as s:
-        s.wait_ready(120)
+    with Server("--model", str(server_model), "--api-key", KEY).wait_ready(120) as s:
         yield s
 
 
@@ -89,8 +86,7 @@ def test_a_long_tower_step_is_busy_not_stalled(server_model):
     text steps, which are sized to --step-budget (0.15 s) at the measured rate, so that only the tower's step
     tests the rule on a loaded machine."""
     with Server("--model", str(server_model), "--api-key", KEY, "--stall-timeout", "6",
-                "--max-image-tokens", "16384", "--max-request-image-tokens", "4100") as s:
-        s.wait_ready(120)
+                "--max-image-tokens", "16384", "--max-request-image-tokens", "4100").wait_ready(120) as s:
         body = dict(SUPPORT_TICKET, images=[png_url(2048, 2048)])     # 16,384 patches, 4,096 image tokens
         health, done = [], threading.Event()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,16 +25,9 @@ from clefcore.server.admission import Budgets, Refusal, Snapshot  # noqa: E402
 from clefcore.server.openapi import build_spec  # noqa: E402
 from clefcore.server.service import InferenceFailed, Service, ServiceConfig, Unavailable  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket  # noqa: E402
+from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket
 
 KEY = "library-test-key"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    import clefcore
-    return clefcore.load(str(MODEL), device="cpu", context_length=24576)
 
 
 def _states(n: int) -> list[dict]:
@@ -142,56 +134,46 @@ def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
         routes.mount(app, "/clef/", service, api_key=KEY)
         runner, base = await _serve(app)
         auth = {"Authorization": f"Bearer {KEY}"}
-        seen = {}
         try:
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{base}/clef/health") as r:      # before start: loading
-                    seen["loading"] = r.status, r.headers.get("Retry-After"), (await r.json())["status"]
+                    loading = r.status, r.headers.get("Retry-After"), (await r.json())["status"]
+                assert loading == (503, "5", "loading")
                 await service.start()
                 async with http.get(f"{base}/clef/health") as r:
-                    seen["health"] = r.status, await r.json()
+                    health = await r.json()
+                    assert r.status == 200 and health["status"] == "ok" and health["device"] == "cpu", health
                 async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET, headers=auth) as r:
-                    seen["decision"] = r.status, await r.json(), r.headers.get("x-request-id")
-                async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET) as r:
-                    seen["no_key"] = r.status, await r.json()
+                    decision = await r.json()
+                    assert r.status == 200 and r.headers.get("x-request-id"), decision
+                check_client_rules(SUPPORT_TICKET, decision)
+                assert same_answers(decision, engine.decide(SUPPORT_TICKET))
+                async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET) as r:   # protected too
+                    assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
                 async with http.post(f"{base}/clef/client/v4/accounts/a/ai/run/@cf%2Fcloudflare%2Fclef-flash",
                                      json={"state": SUPPORT_TICKET["state"], "questions": SUPPORT_TICKET["questions"]},
                                      headers=auth) as r:
-                    seen["cloudflare"] = r.status, await r.json(), r.headers.get("cf-ai-req-id")
-                async with http.get(f"{base}/clef/v2/nothing") as r:
-                    seen["unknown"] = r.status, await r.json()
+                    envelope = await r.json()
+                    assert r.status == 200 and envelope["success"] and r.headers.get("cf-ai-req-id"), envelope
+                assert envelope["result"]["model"] == "clef-flash"
+                assert same_answers(envelope["result"], dict(decision, model="clef-flash"))
+                async with http.get(f"{base}/clef/v2/nothing") as r:     # clefcore's shape below its prefix
+                    assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
                 async with http.get(f"{base}/clef/openapi.json") as r:
-                    seen["openapi"] = r.status, await r.json()
+                    spec = await r.json()
+                    assert r.status == 200 and spec["servers"] == [{"url": "/clef"}], spec
+                assert "/v1/systemone" in spec["paths"]
                 async with http.get(f"{base}/clef/metrics") as r:
-                    seen["metrics"] = r.status, await r.text()
-                async with http.get(f"{base}/hello") as r:
-                    seen["hello"] = r.status, await r.json(), r.headers.get("x-request-id")
+                    assert r.status == 200 and 'route="/clef/v1/systemone",status="200"' in await r.text()
+                async with http.get(f"{base}/hello") as r:      # the application's own route, untouched
+                    hello_reply = r.status, await r.json(), r.headers.get("x-request-id")
+                assert hello_reply == (200, {"hello": "world"}, None)
             await service.drain(5.0)
         finally:
             await runner.cleanup()
             await service.stop()
-        return seen
 
-    seen = asyncio.run(main())
-    assert seen["loading"] == (503, "5", "loading")
-    status, health = seen["health"]
-    assert status == 200 and health["status"] == "ok" and health["device"] == "cpu", health
-    status, decision, request_id = seen["decision"]
-    assert status == 200 and request_id, decision
-    check_client_rules(SUPPORT_TICKET, decision)
-    assert same_answers(decision, engine.decide(SUPPORT_TICKET))
-    status, refused = seen["no_key"]
-    assert status == 401 and refused["error"]["type"] == "authentication_error"   # protected under the prefix too
-    status, envelope, cf_id = seen["cloudflare"]
-    assert status == 200 and envelope["success"] and envelope["result"]["model"] == "clef-flash" and cf_id
-    assert same_answers(envelope["result"], dict(decision, model="clef-flash"))
-    status, unknown = seen["unknown"]
-    assert status == 404 and unknown["error"]["type"] == "not_found_error"     # clefcore's shape below its prefix
-    status, spec = seen["openapi"]
-    assert status == 200 and spec["servers"] == [{"url": "/clef"}] and "/v1/systemone" in spec["paths"]
-    status, metrics = seen["metrics"]
-    assert status == 200 and 'route="/clef/v1/systemone",status="200"' in metrics
-    assert seen["hello"] == (200, {"hello": "world"}, None)   # the application's own route, untouched
+    asyncio.run(main())
 
 
 class RefuseAll:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, ticket  # noqa: E402
+from clefcore.loadtest import percentile
+from server_harness import Server, ticket
 
 CLIENTS = 32
 
@@ -80,18 +78,12 @@ def test_unanswered_before_excuses_only_refusals_at_arrival():
     assert unanswered_before(record, signalled) == [record[2], record[3], record[4], record[5]]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @pytest.mark.slow
 def test_load_32_clients_20_seconds():
     # admission out of the way (on CI's two cores the measured rate can make even a 15 s budget refuse): this
     # test wants the deep queue it measures memory and batching under
     with Server("--max-queue", "64", "--max-batch-requests", "16", "--min-queue-wait", "1000",
-                "--max-queue-wait", "1000") as s:
-        s.wait_ready()
+                "--max-queue-wait", "1000").wait_ready() as s:
         record: list = []
         rss: list[tuple[float, int]] = []
 
@@ -108,7 +100,7 @@ def test_load_32_clients_20_seconds():
         statuses = [r[2] for r in record]
         latencies = [r[1] for r in record if r[2] == 200]
         errors = [st for st in statuses if st not in (200, 429)]
-        p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+        p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
         # RSS after warm-up (first 5 s: allocator pools, BLAS buffers) against the last 5 s.
         start = rss[0][0]
         early = statistics.median(v for t, v in rss if 5 <= t - start < 10)
@@ -130,8 +122,7 @@ def test_load_32_clients_20_seconds():
 def test_sigterm_during_load_answers_every_accepted_request():
     # admission out of the way (the count bound aside): a deep queue at the signal is what is drained
     with Server("--shutdown-timeout", "15", "--max-queue", "256", "--min-queue-wait", "1000",
-                "--max-queue-wait", "1000") as s:
-        s.wait_ready()
+                "--max-queue-wait", "1000").wait_ready() as s:
         record: list = []
 
         async def main() -> tuple[float, float]:

@@ -9,17 +9,18 @@ measurably long on the tiny model; the assertions compare times with each other,
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import MODEL, Server, same_answers  # noqa: E402
+import clefcore
+
+from server_harness import MODEL, Server, loadtests, same_answers
 
 TOKEN_DELAY = {"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}  # 1 ms per prompt token
 
@@ -51,13 +52,10 @@ def in_threads(*calls) -> list[threading.Thread]:
 
 
 def test_chunked_request_answers_like_the_engines_unchunked_decide():
-    import clefcore
-
     engine = clefcore.load(str(MODEL))
     body = long(3, repeat=30)
     assert engine.prepare(body).num_tokens > 3 * 97
-    with Server("--chunk-tokens", "97") as s:
-        s.wait_ready()
+    with Server("--chunk-tokens", "97").wait_ready() as s:
         reply = s.decide(body)
         assert reply.status == 200, reply
         assert same_answers(reply.json(), engine.decide(body))
@@ -69,8 +67,7 @@ def test_chunked_request_answers_like_the_engines_unchunked_decide():
 def test_short_requests_stay_fast_while_long_ones_run_chunked():
     # 3 ms per token: the device's time is mostly the hook's, so the times below compare work, not noise.
     # Chunks of 160 tokens: a little more than one short request (~139 tokens, so not chunked itself).
-    with Server("--chunk-tokens", "160", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
-        s.wait_ready()
+    with Server("--chunk-tokens", "160", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}).wait_ready() as s:
         s.decide(short(99))  # warm-up
         solo = statistics.median(timed_one(s, short(i)) for i in range(3))
         longs: list = []
@@ -99,8 +96,7 @@ def timed_one(server: Server, body: dict) -> float:
 
 def test_over_the_wait_budget_429_with_retry_after_arrives_fast_and_no_accepted_request_is_lost():
     with Server("--max-queue-wait", "1", "--request-timeout", "20", "--chunk-tokens", "0",
-                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.002"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.002"}).wait_ready() as s:
         replies: list = []
         threads = in_threads(*[(timed, s, long(i, repeat=20), replies) for i in range(24)])
         for t in threads:
@@ -126,8 +122,7 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
     # --min-queue-wait above the timeout: admission lets everything in, so the deadline is what is tested (the
     # timed-out run's last chunk may still be on the device when the next request comes)
     with Server("--chunk-tokens", "256", "--request-timeout", "1", "--min-queue-wait", "30",
-                env=env) as s:
-        s.wait_ready()
+                env=env).wait_ready() as s:
         # A device fault in one chunked request: a 500 for it, the short one beside it is answered.
         broken = long(0)
         broken["state"] += " EXPLODE"
@@ -140,8 +135,7 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
         too_long = s.decide(long(1, repeat=150))
         assert too_long.status == 503 and too_long.json()["error"]["type"] == "timeout"
         assert s.decide(short(2)).status == 200
-    with Server("--chunk-tokens", "256", env=TOKEN_DELAY) as s:
-        s.wait_ready()
+    with Server("--chunk-tokens", "256", env=TOKEN_DELAY).wait_ready() as s:
         out = []
         threads = in_threads((timed, s, long(5), out))
         time.sleep(0.4)  # running chunk by chunk now
@@ -158,8 +152,6 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
     ("--min-queue-wait", "-1", "must be > 0"),
 ])
 def test_bad_overload_flags_are_refused_by_name(flag, value, message):
-    import subprocess
-
     done = subprocess.run([sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), flag, value],
                           capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode == 2
@@ -167,11 +159,7 @@ def test_bad_overload_flags_are_refused_by_name(flag, value, message):
 
 
 def test_a_client_that_leaves_stops_its_chunked_run():
-    import json
-    import socket
-
-    with Server("--chunk-tokens", "256", env=TOKEN_DELAY) as s:
-        s.wait_ready()
+    with Server("--chunk-tokens", "256", env=TOKEN_DELAY).wait_ready() as s:
         payload = json.dumps(long(7)).encode()  # ~1,460 tokens: 6 chunks of ~0.4 s
         conn = socket.create_connection(("127.0.0.1", s.port))
         conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -193,8 +181,7 @@ def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
     # starvation) and the short ones keep being answered beside it. (A long prompt arriving under such a stream
     # starts once its key comes first in the order: tests/test_steps.py.)
     with Server("--chunk-tokens", "160", "--min-queue-wait", "30", "--max-queue-wait", "30",
-                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.003"}).wait_ready() as s:
         s.decide(short(99))  # warm-up
         solo = timed_one(s, long(2, repeat=30))  # ~600 tokens: ~1.8 s of device time alone
         longs: list = []
@@ -222,32 +209,19 @@ def test_a_started_long_prompt_still_finishes_under_a_stream_of_short_ones():
         assert longs[0][0] < 4.5 * solo, (longs[0][0], solo, len(shorts))
 
 
-def loadtests(server: Server, *runs: list[str]) -> list[dict]:
-    """`clefcore loadtest` runs against ``server``, all at once; their reports."""
-    procs = [subprocess.Popen([sys.executable, "-m", "clefcore.cli", "loadtest", "--url", server.base, "--json", "-",
-                               *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
-             for args in runs]
-    reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        reports.append(json.loads(out))
-    return reports
-
-
 @pytest.mark.slow
 def test_at_the_defaults_a_short_request_waits_about_a_step_beside_long_ones():
     """Six clients send 40-word prompts and three send ~3k-token ones, back to back, for 40 s, at the defaults:
     steps sized to --step-budget at the measured rate, so the long prompts run chunked and a short request
     waits for about a step, not for a packed batch of long prompts (before steps were sized by time, 4096-token
     batches put the short p50 at 0.67x the long one). Only 200 and 429."""
-    with Server() as s:
-        s.wait_ready()
-        (probe,) = loadtests(s, ["--clients", "1", "--duration", "0.5", "--mix", "probe:1:400"])
+    with Server().wait_ready() as s:
+        (probe,) = loadtests(s.base, ["--clients", "1", "--duration", "0.5", "--mix", "probe:1:400"])
         fixed, per_word = probe["sizing"]["fixed"], probe["sizing"]["per_word"]
         assert probe["sizing"]["measured"]
         sizing = ["--duration", "40", "--sizing", f"{fixed}:{per_word}"]   # the idle server's, for both runs
-        shorts, longs = loadtests(s, ["--clients", "6", *sizing, "--mix", f"short:1:{round(fixed + 40 * per_word)}"],
+        short_mix = f"short:1:{round(fixed + 40 * per_word)}"
+        shorts, longs = loadtests(s.base, ["--clients", "6", *sizing, "--mix", short_mix],
                                   ["--clients", "3", *sizing, "--mix", "long:1:3000"])
         ready = s.events("ready")[0]
         chunks = s.metric("clef_chunk_steps_total")

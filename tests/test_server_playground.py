@@ -1,16 +1,11 @@
-"""The playground page (server/playground/index.html).
-
-Without a browser: the served page carries the image picker (accept list, 4 images, 4 MiB each, 8 MiB in
-all: the server's own limits, from clefcore.images), stays dependency-free, starts from the example request that
-the server serves (GET /example: clefcore/example_request.py) and keeps no copy of it, and the body it builds
-with a picked image (a data URL in `images`, as FileReader.readAsDataURL writes it) is answered by a real server
-with more input tokens than the same body without it.
-
-In headless Chromium: it loads, shows the served example in its editor, submits it, shows one block of bars per question, and a
-screenshot is written to pytest's tmp dir (or to $CLEF_SCREENSHOT_DIR when set, e.g. to keep it as a CI
-artifact); images are picked, refused over the limits with an inline message, removed and sent. Needs
-Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`;
-those tests are skipped cleanly when any is missing."""
+"""The playground page (server/playground/index.html). Without a browser: its image picker carries the
+server's own limits (clefcore.images), it is dependency-free, starts from the example the server serves
+(GET /example) and keeps no copy of it, and the body it builds with a picked image (a data URL, as
+readAsDataURL writes it) is answered. In headless Chromium: it shows the example, submits it, draws a block of
+bars per question and writes a screenshot (to pytest's tmp dir, or $CLEF_SCREENSHOT_DIR, e.g. as a CI
+artifact); images are picked, refused over the limits inline, removed and sent. The browser tests need
+Chromium and its driver (Debian: `apt-get install chromium chromium-driver`) and `pip install selenium`, and
+skip cleanly without any of them."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ import io
 import json
 import os
 import shutil
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -28,8 +22,7 @@ import pytest
 from clefcore import images
 from clefcore.example_request import support_ticket
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server, check_client_rules  # noqa: E402
+from server_harness import Server, check_client_rules
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 DRIVER = shutil.which("chromedriver")
@@ -38,8 +31,7 @@ ACCEPT = ["image/png", "image/jpeg", "image/webp"]
 
 @pytest.fixture(scope="module")
 def server():
-    with Server() as s:
-        s.wait_ready()
+    with Server().wait_ready() as s:
         yield s
 
 
@@ -164,8 +156,7 @@ def test_playground_shows_bars_in_headless_chromium(browser, tmp_path):
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    with Server() as server:
-        server.wait_ready()
+    with Server().wait_ready() as server:
         browser.get(server.base + "/")
         assert "clefcore" in browser.title
         send = browser.find_element(By.ID, "send")

@@ -11,27 +11,15 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import (GOLDEN, SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket,  # noqa: E402
-                            until)
+from server_harness import SUPPORT_TICKET, Server, check_client_rules, same_answers, ticket, until
 
 
-@pytest.fixture(scope="module")
-def engine():
-    import clefcore
-    return clefcore.load(str(GOLDEN / "model"), device="cpu", context_length=24576)
-
-
-def concurrently(fn, items, workers: int | None = None):
-    with ThreadPoolExecutor(max_workers=workers or len(items)) as pool:
+def concurrently(fn, items):
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
         return list(pool.map(fn, items))
 
 
@@ -40,8 +28,7 @@ def test_concurrent_requests_are_batched_and_answer_like_single_requests(engine)
               for i in range(16)]
     # admission by the wait budget alone (the hook makes the device slow; this tests batching, not refusals)
     with Server("--max-batch-requests", "16", "--min-queue-wait", "1000",
-                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.3"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.3"}).wait_ready() as s:
         s.decide(SUPPORT_TICKET)  # occupies the device so that the next ones queue up together
         replies = concurrently(s.decide, bodies)
         for body, reply in zip(bodies, replies):
@@ -60,8 +47,7 @@ def test_concurrent_requests_are_batched_and_answer_like_single_requests(engine)
 
 def test_full_queue_answers_429_with_retry_after():
     with Server("--max-queue", "2", "--max-batch-requests", "1",
-                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.4"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.4"}).wait_ready() as s:
         replies = concurrently(s.decide, [ticket(f"state {i}") for i in range(10)])
         statuses = [r.status for r in replies]
         assert set(statuses) <= {200, 429}, statuses
@@ -80,8 +66,7 @@ def test_full_queue_answers_429_with_retry_after():
 def test_request_past_its_deadline_gets_503_timeout():
     # One request per 1 s forward: of four sent together, the third and fourth cannot finish within 2.5 s.
     with Server("--request-timeout", "2.5", "--max-batch-requests", "1",
-                env={"CLEFCORE_TEST_BATCH_DELAY_S": "1.0"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "1.0"}).wait_ready() as s:
         replies = concurrently(s.decide, [ticket(f"deadline {i}") for i in range(4)])
         timed_out = [r for r in replies if r.status == 503]
         assert len(timed_out) >= 2, replies
@@ -171,8 +156,7 @@ def test_a_stalled_device_leaves_readiness_refuses_its_queue_and_recovers_or_is_
     500 and the server exits 1, to be restarted."""
     # a forward takes the hook's 0.2 s and a fraction of that for the tiny model: 4x that is under the floor
     with Server("--stall-timeout", "2", "--device-grace", "4", "--max-batch-requests", "1",
-                "--min-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}) as s:
-        s.wait_ready()
+                "--min-queue-wait", "1000", env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.2"}).wait_ready() as s:
         device = s.device_pid()
         assert s.decide(SUPPORT_TICKET).status == 200          # a forward measures the rate
         with ThreadPoolExecutor(6) as pool, continued(device):
@@ -241,8 +225,7 @@ def test_a_device_that_fails_every_call_leaves_readiness_within_seconds():
 
 
 def test_client_disconnect_drops_the_queued_request():
-    with Server("--max-batch-requests", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "2.0"}) as s:
-        s.wait_ready()
+    with Server("--max-batch-requests", "1", env={"CLEFCORE_TEST_BATCH_DELAY_S": "2.0"}).wait_ready() as s:
         first = threading.Thread(target=s.decide, args=(ticket("occupies the device"),))
         first.start()
         time.sleep(0.2)
@@ -253,9 +236,7 @@ def test_client_disconnect_drops_the_queued_request():
         time.sleep(0.3)
         raw.close()
         first.join()
-        deadline = time.monotonic() + 5
-        while s.metric("clef_requests_cancelled_total") < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: s.metric("clef_requests_cancelled_total") >= 1, 5, "the cancellation")
         assert s.metric("clef_requests_cancelled_total") == 1
         assert any(e["status"] == 499 for e in s.wait_for_events(
             "request", lambda events: any(e["status"] == 499 for e in events)))
@@ -267,8 +248,7 @@ def test_client_disconnect_drops_the_queued_request():
 
 def test_sigterm_drains_accepted_requests_then_exits():
     with Server("--max-batch-requests", "1", "--shutdown-timeout", "20",
-                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.5"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.5"}).wait_ready() as s:
         with ThreadPoolExecutor(4) as pool:
             accepted = [pool.submit(s.decide, ticket(f"in flight {i}")) for i in range(4)]
             time.sleep(0.3)
@@ -287,8 +267,7 @@ def test_sigterm_drains_accepted_requests_then_exits():
 
 def test_drain_timeout_bounds_the_exit():
     with Server("--max-batch-requests", "1", "--shutdown-timeout", "1", "--min-queue-wait", "1000",
-                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.8"}) as s:
-        s.wait_ready()
+                env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.8"}).wait_ready() as s:
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(s.decide, ticket(f"slow {i}")) for i in range(6)]
             time.sleep(0.3)
@@ -322,9 +301,7 @@ def test_one_worker_per_device_shares_the_port():
     with Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(port), "--min-queue-wait", "1000") as s:
         s.wait_ready()
         # Both workers come up and log their own start; either may answer.
-        deadline = time.monotonic() + 60
-        while len(s.events("ready")) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: len(s.events("ready")) >= 2, 60, "both workers ready")
         workers = {e["pid"] for e in s.events("listening")}
         assert len(workers) == 2
         assert all(r.status == 200 for r in concurrently(s.decide, [SUPPORT_TICKET] * 8))

@@ -4,7 +4,9 @@ CudaOps.status, no GPU needed), and the CPU engine over the real numpy backend."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,8 @@ from clefcore.backends.cuda.ops import CudaOps
 from clefcore.engine import EngineStatus
 from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
+
+from server_harness import Server
 
 
 def gpu_engine(cublas_missing, fallbacks=0, arena=None, tables=None):
@@ -71,12 +75,6 @@ def test_device_memory_is_one_series_per_lane():
     assert sample(metrics.render().decode(), "clef_precision_fallbacks_total") == 3   # the devices' together
 
 
-def test_cpu_metrics_have_no_cublas_line():
-    metrics = Metrics()
-    metrics.watch_engine(cpu_engine())
-    assert "clef_cublas_available" not in metrics.render().decode()
-
-
 def test_fallbacks_counter_follows_the_engine():
     metrics, engine = Metrics(), gpu_engine(None, fallbacks=1)
     metrics.watch_engine(engine)  # e.g. the self-check fell back once
@@ -90,9 +88,6 @@ def test_fallbacks_counter_follows_the_engine():
 def test_the_loop_lag_histogram_sees_a_blocked_loop():
     """watch_loop_lag: samples every LOOP_LAG_INTERVAL_S; a callback that holds the loop 0.2 s lands in the
     0.25 s bucket and not below 0.1 s, the other samples in the low ones."""
-    import asyncio
-    import time
-
     metrics = Metrics()
 
     async def run():
@@ -112,13 +107,7 @@ def test_the_loop_lag_histogram_sees_a_blocked_loop():
 
 
 def test_a_real_cpu_server_reports_its_engine():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent))
-    from server_harness import Server
-
-    with Server() as server:
-        server.wait_ready()
+    with Server().wait_ready() as server:
         health = server.get("/health").json()
         assert health["precision"] == "fp32" and health["precision_fallbacks"] == 0 and "cublas" not in health
         text = server.get("/metrics").text

@@ -8,25 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from clefcore import cli
-from clefcore.engine import EngineStatus
 from clefcore.options import STEP_BUDGET_S, STEP_CAP_TOKENS, STEP_FLOOR_TOKENS, ServiceConfig
 from clefcore.server.admission import Budgets, measured_rate
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.device_watch import DeviceWatch
 from clefcore.server.metrics import Metrics
 from clefcore.server.steps import StepSize
+from server_harness import FAKE_STATUS, Prepared, unwatched
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import Server  # noqa: E402
+from server_harness import Server
 
 
 def test_auto_is_the_rate_times_the_budget_between_the_floor_and_the_cap():
@@ -40,10 +36,7 @@ def test_auto_is_the_rate_times_the_budget_between_the_floor_and_the_cap():
         assert StepSize(fixed, 0.2).at(10_000) == fixed == StepSize(fixed, 0.2).at(10)
     with pytest.raises(ValueError, match="step budget must be > 0"):
         StepSize(None, 0.0)
-
-
-def test_the_default_budget_keeps_h100_steps_within_twice_the_old_4096():
-    """~28k prompt tokens per second of device time on an H100 (clef-flash, serving)."""
+    # the default budget keeps H100 steps (~28k prompt tokens a second of device time) within 2x the old 4096
     assert 2_048 <= StepSize(None, STEP_BUDGET_S).at(28_000) <= 8_192
 
 
@@ -57,8 +50,7 @@ def test_the_rate_measured_at_start_is_over_every_devices_run():
 def test_a_server_sizes_its_steps_from_the_rate_it_measured_at_start():
     """The device slowed to ~1 ms a token (a test hook), steps of 2 s: the rate measured at start sizes them
     (~1,700 tokens, above the floor), so a ~2,300-token prompt runs chunked, and the gauge follows the rate."""
-    with Server("--step-budget", "2", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}) as s:
-        s.wait_ready()
+    with Server("--step-budget", "2", env={"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}).wait_ready() as s:
         (ready,) = s.events("ready")
         rate, batch, chunk = ready["rate_tokens_per_s"], ready["max_batch_tokens"], ready["chunk_tokens"]
         assert 200 < rate < 1_000 and batch == chunk and abs(chunk - 2 * rate) <= 2, ready
@@ -71,21 +63,12 @@ def test_a_server_sizes_its_steps_from_the_rate_it_measured_at_start():
         assert s.metric("clef_step_tokens", 'limit="chunk_tokens"') == max(STEP_FLOOR_TOKENS, int(2 * rate))
 
 
-class Prepared(SimpleNamespace):
-    images = ()     # text only: its cost is its tokens
-
-
 def batcher(**kw) -> Batcher:
     options = dict(max_queue=64, max_batch_tokens=None, max_batch_requests=64, budgets=Budgets(100.0, 100.0, 10_000),
                    chunk_tokens=None, step_budget=0.5, start_rate=2_000.0)
     options.update(kw)
     metrics = Metrics()
     return Batcher([None], metrics, watch=unwatched(metrics), **options)
-
-
-def unwatched(metrics: Metrics) -> DeviceWatch:
-    """A watch whose judgements go nowhere: these tests are about step sizes and order."""
-    return DeviceWatch(metrics, 30.0, 60.0, on_change=lambda trouble: None, on_expired=lambda trouble: None)
 
 
 def step_gauge(b: Batcher, limit: str) -> float:
@@ -160,7 +143,7 @@ class FakeDevice:
 
     def __init__(self, clock, arrive):
         self.clock, self.arrive = clock, arrive
-        self.status = EngineStatus("fake", "cpu", "fp32", None, {}, 0, 0)
+        self.status = FAKE_STATUS
         self.ran: list = []      # (op, prompt name, started at)
         self.answered: dict[str, float] = {}
         self.run = None          # [prompt, tokens left]

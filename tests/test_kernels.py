@@ -244,12 +244,6 @@ def test_tables(ops):
         check(f"gather_rows {mode}", o.gather_rows(t, ids[:7]), cpu.gather_rows(full, ids[:7]), 0.0, o)
 
 
-def test_silu(ops):
-    """silu (the MLP's, outside the Backend protocol; the table checks the MLP)."""
-    x = r(65, 32)
-    check("silu", ops.silu(ops.asarray(x)), cpu.silu(x), 1e-6, ops)
-
-
 def test_check_finite(ops):
     from clefcore.errors import DeviceError
     ops.check_finite(ops.asarray(r(10, 10)), "ok")

@@ -31,10 +31,6 @@ def sigmoid_k():
     return ek("clef_sigmoid", "float32 x", "float32 y", "y = 1.0f / (1.0f + expf(-x))")
 
 
-def silu_k():
-    return ek("clef_silu", "float32 x", "float32 y", "y = x / (1.0f + expf(-x))")
-
-
 def sigmoid_gate_k(half: bool = False):
     # numpy twin: clefcore/backends/cpu.py::sigmoid_gate. half: y is written as the o-projection's fp16 operand
     # (fused_elementwise): the same fp32 quotient from the same compiler and flags, then CuPy's float16

@@ -25,7 +25,7 @@ from ...precision import RANGE_SAFE, Plan
 from .attention import Attention
 from .delta_rule import DeltaRule
 from .device import DeviceContext
-from .elementwise import ELEM_THREADS, sigmoid_k, silu_k
+from .elementwise import ELEM_THREADS, sigmoid_k
 from .graphs import GraphCache
 from .head import Head
 from .matmul import Matmul
@@ -269,9 +269,6 @@ class CudaOps:
 
     def sigmoid(self, x):
         return sigmoid_k()(self.ctx.f32(x))
-
-    def silu(self, x):
-        return silu_k()(self.ctx.f32(x))
 
     # ------------------------------------------------------------------- the ops, by their op object
     # norms.py

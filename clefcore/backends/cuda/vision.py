@@ -84,11 +84,7 @@ class Vision:
             (qkv, ctx.contiguous(qkv_b), ctx.contiguous(cos), ctx.contiguous(sin), q, k, v, np.int32(n),
              np.int32(heads), np.int32(D)))
         del qkv
-        scale = 1.0 / math.sqrt(D)
-        if fast:
-            o = self.attn.run_kernel(q, k, v, cu_seqlens, scale, 0, causal=False)
-        else:
-            o = self.attn.bidirectional_fp32(q, k, v, cu_seqlens, scale)
+        o = self.attn.bidirectional_attention(q, k, v, cu_seqlens, 1.0 / math.sqrt(D))
         del q, k, v
         return self.matmul.linear(o.reshape(n, W), proj_w, proj_b)
 

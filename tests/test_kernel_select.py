@@ -1,25 +1,20 @@
-"""clefcore/kernel_select.py against a table of the kernel choices the CUDA backend made before the choices moved
-there, for every kernel path the backend runs x every switch state x every capability x the shape facts each
-family reads. No GPU, no CuPy.
-
-Where each expectation comes from (the backend's code before the move, read line by line; the same choices were
-also produced by calling that code on stand-ins, on the CPU, and compared case by case):
-- GEMM, the "mma" route: ``CudaOps.__init__`` set ``gemm.mma = cc >= (8, 0) and not ptx70`` and ``gemm.wgmma =
-  gemm.mma and cc == (9, 0) and max_smem_optin >= WGMMA_TILE[3]``; ``MatmulOps._mma_tile`` took gemm_wgmma.cu's
-  tile where wgmma, else the first of MMA_TILES whose shared memory fits. MMA below is that, per device.
-- GEMM candidates: ``MatmulOps._gemm`` offered wmma and cublas always, rows for up to 64 rows of an fp32 x, mma
-  where ``_mma_runs(K)`` (gemm.mma, K % 8 == 0, the row rounds once: ``row.gemm.fp16``) and the operand is not
-  split (``row.gemm.split`` and an fp32 x); ``MatmulOps.mlp`` offered wmma, cublas and mma where ``_mma_runs(H)``
-  and the row does not split; ``_choose`` dropped cublas where cuBLAS cannot be loaded.
-- The cublas candidate's route (``_gemm``'s ``cublas()``): split8 where the operand is split and the weight is
-  twinned (``_has_twin``: the row's lo half in fp8 and the twin covers the shape), split where split, else cublas.
-- Attention: ``attention.causal_kernels`` (attention_wgmma.cu on cc 9.0, native, D = 256, fp16 K/V);
-  ``AttentionOps.bidirectional_attention`` / ``VisionOps.vision_attention``: the fp16 kernel where
-  ``row.attention_fp16``, else fp32 products.
-- Delta rule: ``DeltaRuleOps.gdn_kernels`` returned ``row.delta_rule``.
-- Norms and gates: ``MatmulOps._operand_dtype``: fp16 where ``row.fused_elementwise`` and rows > 64.
-- Head: ``HeadOps._bmm``: the reduction kernel where cuBLAS cannot be loaded, else cuBLAS.
-The per-row facts (ROWS) are the precision table's rows as they stood, written out here.
+"""clefcore/kernel_select.py against a table of the kernel choices, for every kernel path the backend runs x every
+switch state x every capability x the shape facts each family reads. No GPU, no CuPy. The table was written from
+the CUDA backend's code as it chose before the choices moved into the selector (and compared case by case with
+that code run on stand-ins), so it holds the selector to the choices the GPU suite validated:
+- GEMM, the "mma" route: on cc >= 8.0 running native code (not the compute_70 PTX); gemm_wgmma.cu's tile on cc
+  9.0 with the shared memory it needs, else the first of MMA_TILES whose shared memory fits.
+- GEMM candidates: wmma and cublas always, rows for up to 64 rows of an fp32 x, mma where it runs (K % 8 == 0 and
+  the row rounds once: ``row.gemm.fp16``) and the operand is not split; the MLP: wmma, cublas and mma where it
+  runs on the hidden size and the row does not split; cublas dropped where cuBLAS cannot be loaded.
+- The cublas candidate's route: split8 where the operand is split and the weight has an fp8 twin covering the
+  shape, split where split, else cublas.
+- Attention: attention_wgmma.cu on cc 9.0, native, D = 256, fp16 K/V; the bidirectional (vision) attention: the
+  fp16 kernel where ``row.attention_fp16``, else fp32 products.
+- Delta rule: ``row.delta_rule``.
+- Norms and gates: an fp16 GEMM operand where ``row.fused_elementwise`` and rows > 64.
+- Head: the reduction kernel for batched products where cuBLAS cannot be loaded, else cuBLAS.
+The per-row facts (ROWS) are the precision table's rows, written out here.
 """
 
 from __future__ import annotations

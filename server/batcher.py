@@ -114,8 +114,7 @@ class _Chunked:
     begun: bool = False    # its first step was sent
     started: float = 0.0
     device_s: float = 0.0
-    text_s: float = 0.0    # ... of which its text chunks'
-    chunks: list = field(default_factory=list)   # its text chunks: (offset, tokens, seconds) each
+    chunks: list = field(default_factory=list)   # its text chunks: (offset, tokens, device seconds) each
     ready_at: float = 0.0  # when its next chunk became due: the end of the last step
 
 
@@ -475,7 +474,6 @@ class Batcher:
         self._metrics.chunk_steps.inc()
         self._stepped(lane, step.tokens + towered, step.seconds)
         if not images and step.error is None and not step.done:
-            active.text_s += step.seconds
             active.chunks.append((prepared.num_tokens - step.tokens_left - step.tokens, step.tokens, step.seconds))
             over = self._overrun(prepared, step.tokens_left, active, chunk)
             if over is not None:    # refused at its own pace: its state on the device goes now
@@ -505,7 +503,8 @@ class Batcher:
         done = prepared.num_tokens - left
         if self._prompt_limit is None or done < 2 * chunk:
             return None
-        return self._prompt_limit.overrun(prepared.num_tokens, done, active.text_s, active.chunks)
+        text_s = sum(seconds for _, _, seconds in active.chunks)
+        return self._prompt_limit.overrun(prepared.num_tokens, done, text_s, active.chunks)
 
     def _tower_block(self, images: Sequence, left: int, chunk: int) -> tuple[int, int]:
         """The next step of a chunked run while ``left`` of its ``images`` are not through the vision tower: the

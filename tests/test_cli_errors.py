@@ -1,6 +1,6 @@
-"""A user's mistakes through the installed command: one line on stderr that says what is wrong, exit status 1, no
-traceback (``clefcore --debug`` keeps it); ``clefcore --version``. The download's unreachable Hub:
-tests/test_download.py."""
+"""A user's mistakes through the installed command: one line on stderr that says what is wrong, exit status 1,
+no traceback (``clefcore --debug`` keeps it); an empty API key; ``clefcore --version``. The download's
+unreachable Hub: tests/test_download.py."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ import clefcore
 MODEL = Path(__file__).parent / "golden" / "model"
 
 
-def clefcore_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def clefcore_cli(*args: str, timeout: float = 120, api_key: str | None = None
+                 ) -> subprocess.CompletedProcess:
+    """The installed command, with $CLEFCORE_API_KEY only where ``api_key`` is given."""
     env = {k: v for k, v in os.environ.items() if k != "CLEFCORE_API_KEY"}
+    if api_key is not None:
+        env["CLEFCORE_API_KEY"] = api_key
     return subprocess.run([sys.executable, "-m", "clefcore.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd="/", env=env)
 
@@ -74,7 +78,13 @@ def test_serving_on_a_busy_port():
                     "choose another with --port")
 
 
-def test_help_is_plain_text():
-    done = clefcore_cli("--help")
-    assert done.returncode == 0 and "``" not in done.stdout and "--version" in done.stdout
-    assert "System One" in done.stdout.split("positional arguments")[0]
+def test_an_empty_api_key_stops_the_server_instead_of_turning_authentication_off():
+    """A Secret that exists with an empty api-key must not serve without a key: serve refuses to start, naming
+    the variable; an embedding program that passes an empty key to build_app gets a ValueError."""
+    done = clefcore_cli("serve", "--model", "/nonexistent", timeout=60, api_key="  ")
+    assert done.returncode == 2, done.stderr
+    assert "--api-key" in done.stderr and "CLEFCORE_API_KEY" in done.stderr, done.stderr
+    from clefcore.server.routes import build_app
+    with pytest.raises(ValueError, match="api_key is empty"):
+        build_app(None, api_key="")
+    build_app(None, api_key=None)       # no key: serves without one, as before

@@ -1,6 +1,6 @@
 """Every command's --help states each option's default: the value the parser holds, as `(default: VALUE)`, or,
 where that is None (worked out at start, or off), what it is in words. Flags are off unless given and required
-options have none."""
+options have none. serve's --api-key names $CLEFCORE_API_KEY, never its value."""
 
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def test_defaults_are_shown_as_written_on_the_command_line(command):
     shown = {a.dest: a.default for a in parser._actions
              if a.option_strings and a.nargs != 0 and a.default not in (None, argparse.SUPPRESS)}
     assert {dest: value for dest, value in shown.items() if not isinstance(value, (str, int, float))} == {}
+
+
+def test_serve_help_does_not_print_the_api_key(monkeypatch):
+    """--api-key's default comes from $CLEFCORE_API_KEY: the help names the variable, never its value."""
+    secret = "s3cret-for-the-help-test"
+    monkeypatch.setenv("CLEFCORE_API_KEY", secret)
+    monkeypatch.setenv("COLUMNS", "80")
+    found, _ = entries(subparsers(cli.build_parser())["serve"])
+    assert "$CLEFCORE_API_KEY" in found["--api-key"] and secret not in " ".join(found.values())
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -6,7 +6,6 @@ runs it); the manifests are tests/test_k8s.py's."""
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 yaml = pytest.importorskip("yaml")
+from test_push import LAYER_TYPE, MANIFEST_TYPE, write_blob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -224,25 +224,16 @@ def _layer(files: dict[str, bytes]) -> bytes:
     return gzip.compress(raw.getvalue())
 
 
-def _blob(layout: Path, data: bytes) -> dict:
-    digest = hashlib.sha256(data).hexdigest()
-    (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
-    (layout / "blobs" / "sha256" / digest).write_bytes(data)
-    return {"digest": f"sha256:{digest}", "size": len(data)}
-
-
 def make_layout(layout: Path, layers: list[dict[str, bytes]], history=True) -> list[int]:
     """An OCI image layout as `buildah push ... oci:DIR` writes it; returns the layers' blob sizes."""
-    descs = [dict(_blob(layout, _layer(files)), mediaType="application/vnd.oci.image.layer.v1.tar+gzip")
-             for files in layers]
+    descs = [dict(write_blob(layout, _layer(files)), mediaType=LAYER_TYPE) for files in layers]
     hist = [{"created_by": f"COPY layer {i}"} for i in range(len(layers))]
     config = {"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []},
               "history": ([{"created_by": "ENV X=1", "empty_layer": True}] + hist) if history else []}
-    cdesc = dict(_blob(layout, json.dumps(config).encode()), mediaType="application/vnd.oci.image.config.v1+json")
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": cdesc, "layers": descs}
-    mdesc = dict(_blob(layout, json.dumps(manifest).encode()),
-                 mediaType="application/vnd.oci.image.manifest.v1+json")
+    cdesc = dict(write_blob(layout, json.dumps(config).encode()),
+                 mediaType="application/vnd.oci.image.config.v1+json")
+    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": cdesc, "layers": descs}
+    mdesc = dict(write_blob(layout, json.dumps(manifest).encode()), mediaType=MANIFEST_TYPE)
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [mdesc]}))
     (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     return [d["size"] for d in descs]

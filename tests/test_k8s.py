@@ -33,7 +33,6 @@ OVERLAYS = {"deployment": K8S / "overlays" / "homelab", "kserve": K8S / "overlay
 VARIANTS = ("deployment", "kserve")
 CLUSTER = OVERLAYS["deployment"] / "cluster" / "kustomization.yaml"     # the homelab's facts, the image's pin
 TODAY = Path(__file__).resolve().parent / "k8s" / "homelab-2b7717a.yaml"
-ALERTS = K8S.parent / "monitoring" / "alerts.yaml"
 REGISTRY_IMAGE = "forgejo.riotpiao.com/riotpiao-poimen/clefcore"
 # What a base must leave to the overlay: the homelab's names, and the fields that say where a pod runs.
 CLUSTER_NAMES = ("llm-serving", "llm-models", "worker-1", "riotpiao", "runtimeClassName", "nodeSelector",
@@ -241,7 +240,7 @@ def test_the_validation_can_fail():
     for change, named in ((lambda r: r.update(fro="10m"), "fro"), (lambda r: r.update({"for": "10 min"}), "for"),
                           (lambda r: r["labels"].update(severity=2), "labels"),
                           (lambda r: r.update(record="clef:ready"), "exactly one")):
-        rule = copy.deepcopy(prometheus_rule())
+        rule = copy.deepcopy(one("PrometheusRule"))
         change(rule["spec"]["groups"][0]["rules"][0])
         with pytest.raises(AssertionError, match=named):
             check_prometheus_rule(rule)
@@ -279,11 +278,6 @@ def test_inference_service_holds_to_the_crd_fields():
     check_inference_service(one("InferenceService"))
 
 
-def prometheus_rule() -> dict:
-    (rule,) = [d for d in yaml.safe_load_all(ALERTS.read_text()) if d]
-    return rule
-
-
 def string_map(value, where: str) -> None:
     assert isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()), \
         f"{where}: a map of strings"
@@ -315,12 +309,12 @@ def check_prometheus_rule(rule: dict) -> None:
 
 
 def test_the_prometheus_rule_holds_to_the_crd_fields():
-    rule = prometheus_rule()
+    rule = one("PrometheusRule")        # deploy/monitoring/alerts.yaml, as the alerts overlay applies it
     for version in k8s_versions():
         # What `kubernetes-validate alerts.yaml` does: no schema for the CRD, a warning, exit 0.
         with pytest.raises(kubernetes_validate.SchemaNotFoundError):
             kubernetes_validate.validate(rule, version, strict=True)
-        assert kv_utils.validate_resource(rule, str(ALERTS), version, strict=True, quiet=True, no_warn=True) == 0
+        assert kv_utils.validate_resource(rule, "PrometheusRule", version, strict=True, quiet=True, no_warn=True) == 0
     check_prometheus_rule(rule)
 
 
@@ -344,7 +338,6 @@ def test_pod_fits_worker_1(variant):
     if variant == "kserve":
         assert container["name"] == "kserve-container"  # the name KServe looks for
     res = container["resources"]
-    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
     assert quantity(res["requests"]["memory"]) <= MEMORY_REQUEST_MAX
     assert quantity(res["requests"]["cpu"]) <= CPU_REQUEST_MAX
     for kind in ("cpu", "memory"):
@@ -454,8 +447,6 @@ def test_kserve_variant():
     assert predictor["deploymentStrategy"] == {"type": "Recreate"}
     # KServe names its own Deployment and Service after the InferenceService; clef-serve must stay ours.
     assert isvc["metadata"]["name"] != "clef-serve"
-    image = one("Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert predictor["containers"][0]["image"] == image
 
 
 @pytest.mark.parametrize("variant", ["deployment", "kserve"])
@@ -526,9 +517,6 @@ def test_network_policy_admits_only_the_gateway_and_prometheus():
     policy = one("NetworkPolicy")
     assert policy["metadata"]["name"] == "clef-serve"
     check_network_policy(policy, [meta["labels"] for _, _, meta in pods()])
-    # the port a NetworkPolicy names is the pod's, the one the Service forwards to
-    (port,) = one("Service")["spec"]["ports"]
-    assert port["targetPort"] == PORT
 
 
 def test_the_fail_closed_checks_can_fail():

@@ -755,23 +755,19 @@ def test_credentials_lookup(tmp_path, inproc, monkeypatch):
     assert found == (("hu", "elsewhere.example-secret"), "docker-credential-fake")
 
 
-def test_manifest_over_the_chunk_size_fails_before_any_request(registry, tmp_path):
+def test_manifest_over_the_chunk_size_fails_before_any_request(registry, tmp_path, push):
     reg = registry()
     image = make_layout(tmp_path / "oci", sizes=(1000,))
-    env = login_env(tmp_path, reg)
-    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--chunk-bytes", 300, env=env)
-    assert out.returncode == 1
-    assert f"the manifest is {len(image['manifest'])} bytes, over --chunk-bytes 300" in out.stderr
+    rc, _, err = push(reg, "--chunk-bytes", "300")          # the last --chunk-bytes given counts
+    assert rc == 1 and f"the manifest is {len(image['manifest'])} bytes, over --chunk-bytes 300" in err
     assert reg.log == []
 
 
-def test_registry_digest_must_match_the_manifest(registry, tmp_path):
+def test_registry_digest_must_match_the_manifest(registry, tmp_path, push):
     reg = registry(lie_digest=True)
     make_layout(tmp_path / "oci", sizes=(1000,))
-    env = login_env(tmp_path, reg)
-    out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--plain-http", "--digestfile",
-                   tmp_path / "digest", env=env)
-    assert out.returncode == 1 and "the registry answered digest" in out.stderr
+    rc, _, err = push(reg, "--digestfile", str(tmp_path / "digest"))
+    assert rc == 1 and "the registry answered digest" in err
     assert not (tmp_path / "digest").exists()
 
 

@@ -597,9 +597,6 @@ def test_reference_mode_refuses_videos_instead_of_ignoring_them(videos):
     with pytest.raises(RequestError, match="videos: videos are not supported") as e:
         validate_request(body, "reference")
     assert e.value.field == "videos"
-    with pytest.raises(RequestError, match="unknown field") as e:
-        validate_request(dict(body, questions={"q": {"type": "noul", "instructions": "Is it?"}}), "cloudflare")
-    assert e.value.field == "videos"
 
 
 @pytest.mark.parametrize("videos", [None, []])

@@ -228,17 +228,6 @@ def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
     # the second: 12 s without the first (14 s with it), kept
 
 
-def test_a_full_queue_refuses_what_it_cannot_make_room_for():
-    policy = CostPolicy(BUDGETS)
-    small, large = entry(1_500, NOW), entry(4_000, NOW)
-    full = view(long=(small, large), full=True)
-    assert policy.refusal(5_000, full).reason is Reason.QUEUE_FULL    # nothing queued is larger
-    decision = policy.decide(300, full)                                # the 4,000-token one makes room
-    assert isinstance(decision, Admit) and decision.evict.entry is large
-    assert decision.evict.refusal.reason is Reason.EVICTED
-    assert policy.unread((), full, 0) is None     # size unknown, and a long prompt could make room: read it
-
-
 # --- the Admission object -------------------------------------------------------------------------------------
 
 class Source:
@@ -497,6 +486,7 @@ def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
         small, large = (asyncio.ensure_future(b.submit(Prepared(num_tokens=n), deadline)) for n in (1_500, 4_000))
         await asyncio.sleep(0)
         assert b.full()
+        assert b.admission.on_arrival(None) is None     # size unknown, a long prompt could make room: read
         with pytest.raises(Refused) as no:                        # nothing queued is larger
             await b.submit(Prepared(num_tokens=5_000), deadline)
         assert no.value.refusal.reason is Reason.QUEUE_FULL

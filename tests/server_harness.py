@@ -120,12 +120,16 @@ class Server:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         return sum(_rss(p) for p in [pid, *map(int, children)])
 
-    def device_pid(self) -> int:
-        """The pid of the server's device process (the model's own process, server/device_process.py)."""
+    def device_pids(self) -> list[int]:
+        """The pids of the server's device processes (the model's own processes, server/device_process.py)."""
         pid = self.proc.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        # multiprocessing's resource tracker is a child too; the device process is the one spawned to serve
-        (device,) = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        # multiprocessing's resource tracker is a child too; device processes are the ones spawned to serve
+        return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+    def device_pid(self) -> int:
+        """The pid of the server's one device process."""
+        (device,) = self.device_pids()
         return device
 
     def events(self, name: str) -> list[dict]:

@@ -37,6 +37,12 @@ MODEL = GOLDEN / "model"
 SUPPORT_TICKET = support_ticket(model="clef")
 
 
+def short(n: int = 0) -> dict:
+    """A one-question request of ~134 prompt tokens, numbered ``n``."""
+    return {"model": "clef", "state": f"Checkout fails for customer {n}.",
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+
+
 def ticket(state: str, **changes) -> dict:
     """The support-ticket request with another state (different prompts, same answer shapes)."""
     body = json.loads(json.dumps(SUPPORT_TICKET))

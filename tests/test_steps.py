@@ -120,8 +120,12 @@ def test_config_defaults_to_auto_and_reserves_the_cap():
     ("--max-batch-tokens", "many", "invalid int or auto value"),
     ("--chunk-tokens", "-5", "must be >= 0"),
     ("--step-budget", "0", "must be > 0"),
+    ("--max-queue-wait", "0", "must be > 0"),
+    ("--age-rate", "fast", "tokens/s, inf or auto"),
+    ("--min-queue-wait", "-1", "must be > 0"),
 ])
-def test_bad_step_flags_are_refused_by_name(flag, value, message, capsys):
+def test_bad_step_and_overload_flags_are_refused_by_name(flag, value, message, capsys):
+    """As `clefcore serve` (cli.main) parses them: exit 2, naming the flag and its limit."""
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args(["serve", "--model", "m", flag, value])
     assert exited.value.code == 2

@@ -97,14 +97,10 @@ def test_labelled_counters_start_at_zero_for_every_known_label_value(server):
     assert all(e.status >= 500 for e in made) and [e.kind for e in made] == list(errors.SERVER_KINDS)
 
 
-def test_openapi_and_playground(server):
+def test_openapi(server):
     spec = server.get("/openapi.json").json()
-    assert spec["openapi"].startswith("3.")
     assert "/v1/systemone" in spec["paths"] and "/health" in spec["paths"]
     assert spec["components"]["schemas"]["SystemOneRequest"]["properties"]["questions"]["maxProperties"] == 64
-    page = server.get("/")
-    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
-    assert b"fetch(\"v1/systemone\"" in page.data   # relative: it works under a mount prefix too
 
 
 def test_unknown_route_and_method(server):

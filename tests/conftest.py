@@ -28,3 +28,12 @@ def engine():
     are compared with. Files that need another engine define their own."""
     import clefcore
     return clefcore.load(str(Path(__file__).parent / "golden" / "model"), device="cpu", context_length=24576)
+
+
+@pytest.fixture(scope="module")
+def gold_params():
+    """The tiny golden checkpoint's text weights, loaded for the numpy backend."""
+    from clefcore.backends.cpu import CpuOps
+    from clefcore.checkpoint import Checkpoint
+    from clefcore.model.params import load_params
+    return load_params(Checkpoint(Path(__file__).parent / "golden" / "model"), CpuOps())

@@ -94,8 +94,8 @@ def test_hopper_routes_to_the_wgmma_kernel(pair):
     q, k16, v16, _, _ = inputs(70)
     for ops in pair:
         run(ops, q, k16, v16, np.array([0, 70]), 0.0625)
-    assert ("attention_wgmma.cu", "attn_wgmma_fwd_d256") in on.caches.functions
-    assert not any(f == "attention_wgmma.cu" for f, _ in off.caches.functions)
+    assert ("attention_wgmma.cu", "attn_wgmma_fwd_d256") in on.ctx.caches.functions
+    assert not any(f == "attention_wgmma.cu" for f, _ in off.ctx.caches.functions)
 
 
 CU = [[0, 1], [0, 63], [0, 65], [0, 127], [0, 129], [0, 1000],

@@ -76,11 +76,6 @@ def test_conv_with_previous_rows(block):
 
 # ------------------------------------------------------------------------------------------- whole model
 
-@pytest.fixture(scope="module")
-def cpu_params():
-    return load_params(Checkpoint(GOLD), CpuOps())
-
-
 CASES = [
     ([150], [1, 2, 63, 64, 65, 149]),
     ([70, 3, 1, 100, 64, 5], [1, 7, 64, 65, 128]),   # several sequences per block and cut ones
@@ -88,8 +83,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("lengths,blocks", CASES)
-def test_backbone_blocked_equals_unblocked_cpu(cpu_params, lengths, blocks):
-    p = cpu_params
+def test_backbone_blocked_equals_unblocked_cpu(gold_params, lengths, blocks):
+    p = gold_params
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
     want, want_layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True)
     scale = float(np.max(np.abs(want)))
@@ -102,10 +97,10 @@ def test_backbone_blocked_equals_unblocked_cpu(cpu_params, lengths, blocks):
             assert e <= 2e-5, f"block {block}, layer {i}: {e:.2e}"
 
 
-def test_keep_layers_are_copies(cpu_params):
+def test_keep_layers_are_copies(gold_params):
     """kept streams are snapshots (the residual stream is updated in place), the last one before the final
     norm."""
-    p = cpu_params
+    p = gold_params
     ids, cu, pos = _stream([40], p.text.vocab_size)
     hs, layers = backbone(CpuOps(), p, ids, cu, pos, keep_layers=True, block=16)
     assert len(layers) == p.text.num_layers
@@ -118,14 +113,14 @@ def test_keep_layers_are_copies(cpu_params):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to CuPy")
 @pytest.mark.parametrize("lengths,blocks", CASES)
-def test_backbone_blocked_equals_unblocked_gpu(cpu_params, lengths, blocks):
+def test_backbone_blocked_equals_unblocked_gpu(gold_params, lengths, blocks):
     from clefcore.backends.cuda import CudaOps
     # the exact path: blocking is precision-independent logic, and fast's fp16 rounding of every GEMM input would
     # take most of the bound below whenever blocks change a GEMM's row count (and with it the autotuned path)
     ops = CudaOps(0, precision="exact")
     p = load_params(Checkpoint(GOLD), ops)
     ids, cu, pos = _stream(lengths, p.text.vocab_size)
-    ref, _ = backbone(CpuOps(), cpu_params, ids, cu, pos)
+    ref, _ = backbone(CpuOps(), gold_params, ids, cu, pos)
     want, want_layers = backbone(ops, p, ids, cu, pos, keep_layers=True, block=0)
     want = ops.to_host(want)
     scale = float(np.max(np.abs(ref)))

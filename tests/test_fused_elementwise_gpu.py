@@ -78,7 +78,7 @@ def rel(o, got, ref):
 def always_fp16(monkeypatch, o):
     """Every gemm_input output in fp16, whatever its rows: the *_h kernels at 1 and 63 rows too, which the rule
     (Matmul.operand_dtype: more than 64 rows) leaves to the fp32 kernels in a forward."""
-    monkeypatch.setattr(o.matmul, "operand_dtype", lambda rows: o.cp.float16)
+    monkeypatch.setattr(o.matmul, "operand_dtype", lambda rows: o.xp.float16)
 
 
 # ------------------------------------------------------------------------------------------------------- norms
@@ -173,7 +173,7 @@ def test_every_route_takes_the_fp16_operand_as_its_own_rounding(fused, route, M,
     o = fused
     if route is GemmRoute.MMA and K % 8:
         pytest.skip("gemm_mma.cu takes K % 8 == 0")
-    cp = o.cp
+    cp = o.xp
     x, w = r(M, K), h16(r(N, K, scale=K ** -0.5))
     X, W = o.asarray(x), cp.asarray(w.astype(np.float16))
     want = o.gemm_with(route, X, W, cp.empty((M, N), cp.float32))
@@ -201,7 +201,7 @@ def test_gate_up_swiglu_kernel_is_two_gemms_and_swiglu_half(fused, monkeypatch, 
     o = fused
     if mma_tile(o.ctx.caps) is None:
         pytest.skip("gemm_mma.cu needs compute capability 8.0 or newer")
-    cp = o.cp
+    cp = o.xp
     x = r(M, H)
     wg, wu = h16(r(I, H, scale=H ** -0.5)), h16(r(I, H, scale=H ** -0.5))
     a16, Wg, Wu = o.ctx.half(o.asarray(x)), cp.asarray(wg.astype(np.float16)), cp.asarray(wu.astype(np.float16))
@@ -246,7 +246,7 @@ def test_mlp_is_bit_equal_whoever_rounds_its_input(route, M, H, I):
     x = o.asarray(np.random.default_rng(M * 7 + I).standard_normal((M, H)).astype(np.float32))
     wts = [o.weight(h16(np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.1))
            for s, shape in ((1, (I, H)), (2, (I, H)), (3, (H, I)))]
-    operand = o.ctx.half(x) if o.matmul.operand_dtype(M) == o.cp.float16 else x
+    operand = o.ctx.half(x) if o.matmul.operand_dtype(M) == o.xp.float16 else x
     assert_bits(o, o.mlp(operand, *wts), o.mlp(x, *wts), f"mlp {route} M{M} {H}x{I}")
 
 

@@ -5,7 +5,6 @@ fp32 reordering, and a numpy model of the deterministic segment kernel against i
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,13 +14,10 @@ from clefcore.backends.cpu import CpuOps
 from clefcore.backends.cuda import graphs as graphs_module
 from clefcore.backends.cuda.graphs import GraphCache
 from clefcore.backends.cuda.head import Head
-from clefcore.checkpoint import Checkpoint
 from clefcore.model import head as head_module
 from clefcore.model.head import HeadLayout, graph_tokens, head_rows, heads, padded_readout, readout
-from clefcore.model.params import load_params
 from clefcore.precision import Plan
 
-GOLD = Path(__file__).parent / "golden" / "model"
 BUCKET = GraphCache(None).bucket                     # the head pads as the backbone's graphs do: 128 tokens
 
 
@@ -190,11 +186,6 @@ def test_the_routing_decision(max_tokens, capacity, T, want):
     assert graph_tokens(ops, T) == want
 
 
-@pytest.fixture(scope="module")
-def cpu_model():
-    return load_params(Checkpoint(GOLD), CpuOps())
-
-
 def _stream(p, rng, cu):
     T = int(cu[-1])
     hs = rng.standard_normal((T, p.text.hidden_size)).astype(np.float32)
@@ -215,8 +206,8 @@ def _flat(logits):
 REORDERED = dict(rtol=1e-5, atol=1e-5)
 
 
-def test_heads_go_through_the_cache_with_the_schema_as_key(cpu_model):
-    p, rng = cpu_model, np.random.default_rng(7)
+def test_heads_go_through_the_cache_with_the_schema_as_key(gold_params):
+    p, rng = gold_params, np.random.default_rng(7)
     ops = CpuOps()
     ops.head_graphs = rec = _Recording(max_tokens=1024)
     for cu, qs in (BASE, SHIFTED):
@@ -251,10 +242,10 @@ PAIRS = {
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
-def test_a_graph_of_one_layout_computes_another_of_its_key(cpu_model, name):
+def test_a_graph_of_one_layout_computes_another_of_its_key(gold_params, name):
     """A replay in numpy: the head run with layout a's shapes (the closure a graph captured on a) on b's inputs
     gives b's own padded result, bit for bit, and that is b's exact head within fp32 reordering."""
-    p, rng, ops = cpu_model, np.random.default_rng(11), CpuOps()
+    p, rng, ops = gold_params, np.random.default_rng(11), CpuOps()
     (cu_a, qs_a), (cu_b, qs_b) = PAIRS[name]
     tokens = -(-int(cu_b[-1]) // BUCKET) * BUCKET
     a, b = HeadLayout(cu_a, qs_a, 0, tokens), HeadLayout(cu_b, qs_b, 0, tokens)
@@ -268,10 +259,10 @@ def test_a_graph_of_one_layout_computes_another_of_its_key(cpu_model, name):
     np.testing.assert_allclose(own, want, **REORDERED)
 
 
-def test_without_padding_the_padded_head_is_the_exact_one_bit_for_bit(cpu_model):
+def test_without_padding_the_padded_head_is_the_exact_one_bit_for_bit(gold_params):
     """One sequence of a whole bucket: nothing padded, every key range the whole stream: the same operations on
     the same values as the exact layout's (the GPU's padded against exact layouts rests on this)."""
-    p, rng, ops = cpu_model, np.random.default_rng(5), CpuOps()
+    p, rng, ops = gold_params, np.random.default_rng(5), CpuOps()
     cu, qs = [0, 256], [_shifted(BASE[1][0], 100)]
     hs, ids = _stream(p, rng, cu)
     want = heads(ops, p, hs, ids, cu, qs)
@@ -282,9 +273,9 @@ def test_without_padding_the_padded_head_is_the_exact_one_bit_for_bit(cpu_model)
 
 
 @pytest.mark.parametrize("stream", [BASE, SHIFTED], ids=["base", "shifted"])
-def test_pad_rows_never_reach_a_value(cpu_model, stream):
+def test_pad_rows_never_reach_a_value(gold_params, stream):
     """NaN, infinite or huge pad rows: the same logits, bit for bit, and finite."""
-    p, rng, ops = cpu_model, np.random.default_rng(2), CpuOps()
+    p, rng, ops = gold_params, np.random.default_rng(2), CpuOps()
     cu, qs = stream
     lay = HeadLayout(cu, qs, 0, 128)
     hs, ids = _stream(p, rng, cu)
@@ -327,10 +318,10 @@ def _trace(p, lay, hs, ids):
     return ops.calls
 
 
-def test_the_op_calls_and_shapes_are_the_keys_alone(cpu_model):
+def test_the_op_calls_and_shapes_are_the_keys_alone(gold_params):
     """Every op the head calls, in order, with the same shapes for two layouts of one key (the attentions with no
     host groups: nothing planned on positions); for their exact layouts they differ."""
-    p, rng = cpu_model, np.random.default_rng(3)
+    p, rng = gold_params, np.random.default_rng(3)
     (cu_a, qs_a), (cu_b, qs_b) = BASE, SHIFTED
     ta = _trace(p, HeadLayout(cu_a, qs_a, 0, 128), *_stream(p, rng, cu_a))
     tb = _trace(p, HeadLayout(cu_b, qs_b, 0, 128), *_stream(p, rng, cu_b))
@@ -341,10 +332,10 @@ def test_the_op_calls_and_shapes_are_the_keys_alone(cpu_model):
     assert ea != eb
 
 
-def test_the_readouts_indices(cpu_model):
+def test_the_readouts_indices(gold_params):
     """HeadIndex.local: an exact layout's (each head row's index in its token block) reads the rows
     HeadReadout.add would pick; a padded layout's picks every head row from the whole stream, the same rows."""
-    p, rng = cpu_model, np.random.default_rng(3)
+    p, rng = gold_params, np.random.default_rng(3)
     cu, qs = BASE
     hs, _ = _stream(p, rng, cu)
     for block in (0, 16, 17, 64):

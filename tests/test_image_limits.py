@@ -3,9 +3,7 @@ image tokens (clefcore/preparer.py): refused from the image's size, before it is
 
 from __future__ import annotations
 
-import io
 import json
-
 import sys
 from pathlib import Path
 
@@ -18,13 +16,11 @@ from clefcore.preprocess import PixelBounds
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import MODEL  # noqa: E402
+from test_images import encode  # noqa: E402
 
 
 def _png(width: int, height: int) -> bytes:
-    """A 1-bit PNG's file bytes (a validated request's ``images`` hold these)."""
-    buf = io.BytesIO()
-    Image.new("1", (width, height)).save(buf, "PNG")
-    return buf.getvalue()
+    return encode(Image.new("1", (width, height)))   # a 1-bit PNG: what a validated request's images hold
 
 
 def _write(path, body) -> None:

@@ -40,13 +40,14 @@ def refused(items) -> RequestError:
     return info.value
 
 
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG signature and IHDR claiming width x height, then an IDAT too short to hold it."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
+def png_chunks(width: int, height: int, depth: int = 8, color: int = 2, idat: bytes = b"") -> bytes:
+    """A PNG signature, an IHDR claiming width x height (depth, color type), then an IDAT: by default one too
+    short to hold the rows."""
+    def chunk(kind, body):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + \
-        chunk(b"IEND", b"")
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat or zlib.compress(b"\0" * 256))
+            + chunk(b"IEND", b""))
 
 
 # --- the reference's RGB --------------------------------------------------------------------------------
@@ -124,13 +125,13 @@ def test_the_item_and_the_limit_are_named(items, field, limit):
 
 @pytest.mark.parametrize("size", [(4001, 4000), (16_000_001, 1), (60000, 60000), (2**31 - 1, 2**31 - 1)])
 def test_too_many_pixels_refused_from_the_header(size):
-    error = refused([url(png_header_only(*size))])
+    error = refused([url(png_chunks(*size))])
     assert error.field == "images[0]" and error.limit in ("16 megapixels", "aspect ratio 200")
 
 
 def test_sixteen_megapixels_exactly_is_accepted_by_the_size_check():
     # 4000 x 4000 = 16.00 MP passes the header check; the bogus IDAT then fails as invalid data, not as size
-    error = refused([url(png_header_only(4000, 4000))])
+    error = refused([url(png_chunks(4000, 4000))])
     assert "invalid" in error.message and error.limit is None
 
 

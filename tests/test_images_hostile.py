@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
-import io
 import json
-import struct
 import sys
 import zlib
 from pathlib import Path
@@ -21,7 +19,7 @@ from clefcore.errors import RequestError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_images_data import MODEL, REQUESTS  # noqa: E402
-from test_images import encode as _encode, url  # noqa: E402
+from test_images import encode as _encode, png_chunks, url  # noqa: E402
 
 BASE = {k: v for k, v in REQUESTS[0].items() if k != "images"}
 
@@ -34,13 +32,6 @@ def sources() -> list[bytes]:
             b64 = item["base64"] if isinstance(item, dict) else item.split(",", 1)[1]
             seen.setdefault(b64, base64.b64decode(b64))
     return list(seen.values())
-
-
-def png_chunks(width: int, height: int, depth: int = 8, color: int = 2, idat: bytes = b"") -> bytes:
-    def chunk(kind, body):
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, color, 0, 0, 0))
-            + chunk(b"IDAT", idat or zlib.compress(b"\0" * 256)) + chunk(b"IEND", b""))
 
 
 def hostile_bodies() -> list[tuple[str, object]]:
@@ -62,9 +53,7 @@ def hostile_bodies() -> list[tuple[str, object]]:
         out.append((f"header-{w}x{h}", [url(png_chunks(w, h))]))
     for depth, color in ((16, 2), (16, 0), (1, 3), (8, 6), (8, 4), (4, 0), (8, 9)):
         out.append((f"png-depth{depth}-color{color}", [url(png_chunks(64, 64, depth, color))]))
-    bomb = io.BytesIO()
-    Image.new("L", (6000, 6000)).save(bomb, "PNG", optimize=True)
-    out.append(("bomb-36MP", [url(bomb.getvalue())]))
+    out.append(("bomb-36MP", [url(_encode(Image.new("L", (6000, 6000)), optimize=True))]))
     # 5000 x 4000 rows of zeros behind a 27 kB IDAT: refused from the header, before inflating 60 MB
     out.append(("bomb-zlib", [url(png_chunks(5000, 4000, idat=zlib.compress(b"\0" * 60_004_000, 9)))]))
     good = REQUESTS[0]["images"][0]

@@ -129,11 +129,3 @@ def test_the_gemm_option_names_routes_of_the_one_vocabulary():
         if dev.cublas:
             assert set(kernel_select.GEMM_PINS) <= set(kernel_select.gemm_candidates(s, 300, 64, False))
             assert set(kernel_select.GEMM_PINS) <= set(kernel_select.swiglu_candidates(s, 64))
-
-
-def test_switches_in_effect_are_the_registry_constants(switch_registry):
-    """resolve gives the Switch objects themselves: a choice asks ``CONSTANT in on``, never a name, so a misspelt
-    constant is an AttributeError rather than a switch that silently never turns on."""
-    on = switches.resolve("some_kernel", environ={})
-    assert on == {switches.BY_NAME["some_kernel"], switches.BY_NAME["other_kernel"]}
-    assert all(isinstance(s, switches.Switch) for s in on) and "some_kernel" not in on

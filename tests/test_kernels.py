@@ -114,7 +114,7 @@ def test_gemm_mma(ops_fp16, monkeypatch, M, N, K, tile):
 def check_mma_route(o, name, M, N, K):
     """The "mma" route's kernel (``Matmul.mma``) against numpy: plain, with bias and residual, and through gemm_with;
     every output is written (it starts as NaN)."""
-    cp = o.cp
+    cp = o.xp
     x, w, b, res = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N), r(M, N)
     a16, W = o.ctx.half(o.asarray(x)), cp.asarray(w.astype(np.float16))
     out = cp.full((M, N), np.nan, dtype=cp.float32)
@@ -148,7 +148,7 @@ def test_gemm_rows(ops, M, N, K, aligned):
     operands starting mid-way into a 16-byte word); K over several 512-wide passes, the last one partial (1000,
     1500, 4100); rows past 16 run in further grid rows; the bias is optional; every output is written (it starts as
     NaN)."""
-    cp = ops.cp
+    cp = ops.xp
     x, w, b = r(M, K), h16(r(N, K, scale=K ** -0.5)), r(N)
     w16 = w.astype(np.float16)
     if aligned:
@@ -348,13 +348,13 @@ def test_to_half_split(ops, n, big):
     amax = np.uint64(0)
     if big:
         x[n // 2] = -3.0e5
-        amax = ops.cp.zeros(1, ops.cp.uint32)
+        amax = ops.xp.zeros(1, ops.xp.uint32)
         ops.ctx.kernel("gemm.cu", "abs_amax")((4,), (256,), (ops.asarray(x), np.int64(n), amax))
         assert int(ops.to_host(amax)[0]) == int(np.float32(3.0e5).view(np.uint32))
     xin = ops.asarray(x)
     if big:                                  # what the kernel must feed the GEMM: x times an exact power of two
         x = x * np.float32(2.0 ** -(int(np.floor(np.log2(3.0e5))) - 14))
-    hl = ops.cp.empty((2, n), ops.cp.float16)
+    hl = ops.xp.empty((2, n), ops.xp.float16)
     ops.ctx.kernel("gemm.cu", "to_half_split")(ops.ctx.grid1(n), (256,), (xin, hl[0], hl[1], np.int64(n), amax))
     hi = x.astype(np.float16)
     np.testing.assert_array_equal(_bits(ops.to_host(hl[0])), _bits(hi))
@@ -370,7 +370,7 @@ def _host_lo_amax(v):
 def test_lo_amax(ops, n):
     """fp8.cu's scale input, both builds: lo_amax = max |x - fp16(x)| over n / 4 float4s, exactly."""
     x = r(n, scale=2.0)
-    amax = ops.cp.zeros(1, ops.cp.uint32)
+    amax = ops.xp.zeros(1, ops.xp.uint32)
     ops.ctx.kernel("fp8.cu", "lo_amax")(ops.matmul.amax_grid(n // 4), (256,), (ops.asarray(x), np.int64(n // 4), amax))
     assert ops.to_host(amax).view(np.float32)[0] == _host_lo_amax(x)
 
@@ -380,7 +380,7 @@ def test_lo_amax(ops, n):
 def test_swiglu_inplace(ops, n, with_amax):
     """fp8.cu's in-place SwiGLU, both builds, float4 body and scalar tail: g <- silu(g) * u (numpy's to fp32
     rounding), u untouched; with amax also max |h - fp16(h)| of what it wrote, bit for bit; without, no write."""
-    cp = ops.cp
+    cp = ops.xp
     g, u = r(n, scale=4.0), r(n)
     gd, ud = ops.asarray(g), ops.asarray(u)
     amax = cp.zeros(1, cp.uint32) if with_amax else np.uint64(0)
@@ -404,7 +404,7 @@ def test_e4m3_rounding(ops):
     x = np.concatenate([vals, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
                         *(r(4097, scale=s) for s in (1e-3, 0.05, 1.0, 40.0))]).astype(np.float32)
     x = x[np.abs(x) <= 448]
-    y = ops.cp.empty(x.size, dtype=ops.cp.uint8)
+    y = ops.xp.empty(x.size, dtype=ops.xp.uint8)
     ops.ctx.kernel("fp8.cu", "f32_to_e4m3")(ops.ctx.grid1(x.size), (256,), (ops.asarray(x), y, np.int64(x.size)))
     np.testing.assert_array_equal(ops.to_host(y), x.astype(f8).view(np.uint8))
 

@@ -109,7 +109,7 @@ def test_arena_on_the_gpu():
             ops.end_forward()
 
     reserved = ops.reserve(forward)
-    tables = ops.caches.upload_arena
+    tables = ops.ctx.caches.upload_arena
     assert reserved == ops.arena.capacity + tables.capacity
     assert ops.arena.extent <= ops.arena.capacity < 2 * ops.arena.extent + (4 << 20)
     default = cupy.get_default_memory_pool()

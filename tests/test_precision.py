@@ -40,23 +40,6 @@ def test_every_verify_bound_is_a_layer_and_a_probability_bar():
     assert precision.VERIFY_BOUND["exact"][1] < precision.VERIFY_BOUND["fast"][1]
 
 
-@pytest.mark.parametrize("command", ["decide", "demo", "serve", "verify", "bench"])
-@pytest.mark.parametrize("name", precision.CHOICES)
-def test_every_command_takes_every_name(command, name):
-    extra = {"decide": ["--model", "m", "f.json"], "verify": ["--model", "m"], "demo": [], "serve": ["--model", "m"],
-             "bench": []}[command]
-    args = cli.build_parser().parse_args([command, "--precision", name] + extra)
-    assert (args.precisions if command == "bench" else args.precision) == name   # bench's is a list
-
-
-@pytest.mark.parametrize("command", ["decide", "serve", "verify"])
-def test_a_command_refuses_an_unknown_name(command, capsys):
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args([command, "--model", "m", "--precision", "bf16"] +
-                                      (["f.json"] if command == "decide" else []))
-    assert "invalid choice: 'bf16'" in capsys.readouterr().err
-
-
 def test_bench_refuses_an_unknown_name_in_its_list():
     from clefcore import bench
     args = cli.build_parser().parse_args(["bench", "--precision", "fast,bf16"])

@@ -140,14 +140,15 @@ class _OutOfMemory(Exception):
 
 
 class _Ops:
-    """What reserve.py uses of CudaOps, with a device of ``free`` bytes."""
+    """What reserve.py uses of CudaOps and its device context, with a device of ``free`` bytes."""
 
     def __init__(self, free):
         pool = SimpleNamespace(free_all_blocks=lambda: None)
-        self.cp = SimpleNamespace(get_default_memory_pool=lambda: pool,
-                                  cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free)),
-                                                       memory=SimpleNamespace(OutOfMemoryError=_OutOfMemory)))
-        self.device_id, self.arena, self.caches = 0, None, Caches()
+        cp = SimpleNamespace(get_default_memory_pool=lambda: pool,
+                             cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (free, 2 * free)),
+                                                  memory=SimpleNamespace(OutOfMemoryError=_OutOfMemory)))
+        self.ctx = SimpleNamespace(cp=cp, device_id=0, caches=Caches())
+        self.arena = None
 
     def synchronize(self):
         pass
@@ -235,6 +236,6 @@ def test_reserve_names_running_out_of_memory_on_the_warm_up(book, error, raised,
 
 def test_reserve_gives_the_index_tables_an_arena_of_their_own(book):
     ops = _Ops(free=1 << 30)
-    ops.caches.uploads["stale"] = object()       # made before the reservation, in CuPy's pool
+    ops.ctx.caches.uploads["stale"] = object()       # made before the reservation, in CuPy's pool
     R.reserve(ops, _forwards(ops, [[1 << 20]] * 3))
-    assert ops.caches.uploads == {} and ops.caches.upload_arena.capacity == R.UPLOADS
+    assert ops.ctx.caches.uploads == {} and ops.ctx.caches.upload_arena.capacity == R.UPLOADS

@@ -26,6 +26,9 @@ def test_defaults_env_and_option_in_order():
     assert NAME not in _on(None, {ENV: "off"})
     assert NAME in _on(NAME, {ENV: "0"})               # the option beats the environment
     assert NAME not in _on(f"{NAME}=off", {ENV: "1"})
+    # the Switch objects, never names: a choice asks ``CONSTANT in on``, so a misspelt constant is an AttributeError
+    on = switches.resolve(NAME, environ={})
+    assert on == set(switches.BY_NAME.values()) and NAME not in on
 
 
 def test_every_switch_has_an_env_name_and_help():

@@ -83,10 +83,8 @@ class CudaOps:
                  graph_tokens: int = gpu_settings.GRAPH_TOKENS, graphs: int = 4,
                  kernels: str | None = None):
         import cupy
-        self.cp = cupy
         self.xp = cupy
         ctx = self.ctx = DeviceContext(cupy, device_id, ptx70, token_block)
-        self.device_id = ctx.device_id       # the context's, as are cp and caches: what reserve.py reads
         self.max_tokens = int(max_tokens)
         pin = gpu_settings.gemm_pin(gemm)
         if precision not in precision_modes.CHOICES:
@@ -123,7 +121,6 @@ class CudaOps:
         self.fp16_overflow = 0       # weight values saturated to +-65504
         self.fp16_underflow = 0      # nonzero weight values that became 0 in fp16
         self._counts = cupy.zeros(2, dtype=cupy.uint64)
-        self.caches = ctx.caches
         # the op families, each on the context, and given the others it calls
         self.matmul = Matmul(ctx, self.gemm, self.twins)
         self.norms = Norms(ctx, self.matmul)
@@ -169,7 +166,7 @@ class CudaOps:
         -> fp16, converted on the device and counted (a bf16 matrix travels as its 2-byte bits and is never
         widened on the host); the rest fp32."""
         from ...checkpoint import TensorRef, to_float32
-        cp = self.cp
+        cp = self.ctx.cp
         if isinstance(w, TensorRef):
             if w.dtype == "BF16" and len(w.shape) == 2 and min(w.shape) >= 16:
                 return self.twin(self._to_half_counted(cp.asarray(np.ascontiguousarray(w.raw)), "bf16_to_half_count"))
@@ -187,7 +184,7 @@ class CudaOps:
         twins = self.twins
         if twins.gemm is None:
             return w16
-        cp = self.cp
+        cp = self.ctx.cp
         N, K = w16.shape
         if N % 4 or K % 16:
             twins.skipped += 1
@@ -210,7 +207,7 @@ class CudaOps:
         return w16
 
     def _to_half_counted(self, src, kernel: str):
-        out = self.cp.empty(src.shape, dtype=self.cp.float16)
+        out = self.ctx.cp.empty(src.shape, dtype=self.ctx.cp.float16)
         self._counts.fill(0)
         self.ctx.kernel("gemm.cu", kernel)(self.ctx.grid1(src.size), (ELEM_THREADS,),
                                            (src, out, np.int64(src.size), self._counts))
@@ -231,7 +228,7 @@ class CudaOps:
 
     def table(self, ref):
         if self.tables == "device":
-            cp = self.cp
+            cp = self.ctx.cp
             if ref.dtype == "BF16":
                 return DeviceTable(cp.asarray(np.ascontiguousarray(ref.raw)), ref.shape)
             from ...checkpoint import bf16_bits, to_float32
@@ -377,20 +374,20 @@ class CudaOps:
 
     def check_finite(self, x, what: str = "output"):
         """Raise DeviceError when x holds NaN/Inf or is entirely zero (a silently dead kernel)."""
-        flags = self.cp.zeros(2, dtype=self.cp.uint64)
+        flags = self.ctx.cp.zeros(2, dtype=self.ctx.cp.uint64)
         size = self._finite_flags(x, flags)
         self._raise_if_bad(what, size, *(int(v) for v in flags.get()))
 
     def watch(self, x, what: str):
         """check_finite without waiting: the flags are read once, by check_watched() at the end of the forward."""
-        flags = self.cp.zeros(2, dtype=self.cp.uint64)
+        flags = self.ctx.cp.zeros(2, dtype=self.ctx.cp.uint64)
         self.ctx.watched.append((what, self._finite_flags(x, flags), flags))
 
     def check_watched(self):
         ctx = self.ctx
         watched, ctx.watched = ctx.watched, []
         if watched:
-            counts = self.cp.stack([f for _, _, f in watched]).get()
+            counts = self.ctx.cp.stack([f for _, _, f in watched]).get()
             ctx.staged.clear()
             for (what, size, _), (bad, nz) in zip(watched, counts):
                 self._raise_if_bad(what, size, int(bad), int(nz))
@@ -399,7 +396,7 @@ class CudaOps:
         """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
         whole reservation (the server's device-memory gauge)."""
         graphs = [g for g in (self.graphs, self.tower_graphs, self.head_graphs) if g is not None]
-        used = int(self.cp.get_default_memory_pool().used_bytes()) + sum(g.nbytes() for g in graphs)
+        used = int(self.ctx.cp.get_default_memory_pool().used_bytes()) + sum(g.nbytes() for g in graphs)
         return used + sum(int(a.capacity) for a in _arenas(self))
 
     def status(self) -> dict:
@@ -444,9 +441,9 @@ class CudaOps:
             self.arena.deactivate()
 
     def synchronize(self):
-        self.cp.cuda.Device(self.device_id).synchronize()
+        self.ctx.device.synchronize()
 
 
 def _arenas(ops) -> list:
     """The arenas reserve() made: the forwards' and the memoised index tables'."""
-    return [a for a in (ops.arena, ops.caches.upload_arena) if a is not None]
+    return [a for a in (ops.arena, ops.ctx.caches.upload_arena) if a is not None]

@@ -47,9 +47,9 @@ def _run(ops, worst_case, where: str) -> None:
     except errors.DeviceError:
         raise
     except Exception as error:   # noqa: BLE001 - only out-of-memory errors are translated, the rest re-raised
-        if not (isinstance(error, ops.cp.cuda.memory.OutOfMemoryError) or "ALLOC_FAILED" in str(error)):
+        if not (isinstance(error, ops.ctx.cp.cuda.memory.OutOfMemoryError) or "ALLOC_FAILED" in str(error)):
             raise
-        free, total = ops.cp.cuda.runtime.memGetInfo()
+        free, total = ops.ctx.cp.cuda.runtime.memGetInfo()
         raise errors.DeviceError(f"out of device memory {where} ({free} of {total} bytes free beyond the "
                                  f"weights: {type(error).__name__}: {error})") from None
 
@@ -58,15 +58,16 @@ def reserve(ops, worst_case: Callable[[], None]):
     """The arena for ``worst_case`` on ``ops``'s device, left active as ``ops.arena``; raises DeviceError with
     the numbers when the device cannot hold it."""
     from ...pool import Arena     # compiled from pyx/pool.pyx
-    cp = ops.cp
+    ctx = ops.ctx
+    cp = ctx.cp
     ops.arena = None
-    ops.caches.uploads.clear()
-    ops.caches.upload_arena = Arena(UPLOADS, ops.device_id, overflow=True)
+    ctx.caches.uploads.clear()
+    ctx.caches.upload_arena = Arena(UPLOADS, ctx.device_id, overflow=True)
     _run(ops, worst_case, "on the first run, outside any arena")
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
     trial_bytes = max(free - HEADROOM, GRANULE)
-    trial = ops.arena = Arena(trial_bytes, ops.device_id)
+    trial = ops.arena = Arena(trial_bytes, ctx.device_id)
     try:
         _run(ops, worst_case, "in the trial arena")
     except errors.DeviceError as error:
@@ -83,7 +84,7 @@ def reserve(ops, worst_case: Callable[[], None]):
     need = int(trial.extent)
     del trial
     size = -(-int(need * MARGIN) // GRANULE) * GRANULE
-    ops.arena = Arena(size, ops.device_id, overflow=True)
+    ops.arena = Arena(size, ctx.device_id, overflow=True)
     _run(ops, worst_case, "in the arena kept")
     if ops.arena.overflows:    # best fit placed the same work differently in the smaller arena
         overflow, ops.arena = ops.arena.overflow_bytes, None

@@ -42,13 +42,7 @@ class Vision:
             r0 += gh * gw
         return out
 
-    def gelu_tanh(self, x):
-        x = self.ctx.contiguous(x)
-        y = self.ctx.cp.empty(x.shape, dtype=self.ctx.cp.float32)
-        self._bias_gelu(x, None, y)
-        return y
-
-    def _bias_gelu(self, x, b, y):
+    def bias_gelu(self, x, b, y):
         """y = gelu_tanh(x + b) over x [.., N] fp32 (b [N] or None) into y: fp16 or fp32, x's shape."""
         ctx = self.ctx
         half = y.dtype == ctx.cp.float16
@@ -98,7 +92,7 @@ class Vision:
         h = self._project(x, w1, cp.empty((x.shape[0], w1.shape[0]), dtype=cp.float32))
         fast = ctx.plan.row.gemm.fp16 and w2.dtype == cp.float16
         g = cp.empty(h.shape, dtype=cp.float16 if fast else cp.float32)
-        self._bias_gelu(h, b1, g)
+        self.bias_gelu(h, b1, g)
         del h
         if w2.dtype != cp.float16:
             return self.matmul.linear(g, w2, b2)

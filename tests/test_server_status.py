@@ -19,8 +19,8 @@ from clefcore.server.metrics import Metrics
 
 
 def gpu_engine(cublas_missing, fallbacks=0, arena=None, tables=None):
-    backend = CudaOps.status(SimpleNamespace(ctx=SimpleNamespace(cublas_missing=cublas_missing), arena=arena,
-                                             caches=SimpleNamespace(upload_arena=tables)))
+    ctx = SimpleNamespace(cublas_missing=cublas_missing, caches=SimpleNamespace(upload_arena=tables))
+    backend = CudaOps.status(SimpleNamespace(ctx=ctx, arena=arena))
     return EngineStatus("m", "cuda:0", "fast", None, backend, fallbacks, 1234)
 
 

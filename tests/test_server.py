@@ -227,12 +227,6 @@ def test_images_get_422_in_both_validation_modes(server):
             assert empty.status == 200 and empty.json() == s.decide(text_only).json()
 
 
-def test_long_state_is_truncated_by_default(server):
-    reply = server.decide(ticket("log line with words " * 600))
-    assert reply.status == 200, reply
-    assert reply.json()["usage"]["input_tokens"] <= 24576
-
-
 def test_context_overflow_reject_and_truncate():
     long_state = ticket("log line with words " * 200)
     with Server("--context-length", "400", "--on-overflow", "reject").wait_ready() as s:

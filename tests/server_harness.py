@@ -23,7 +23,11 @@ from types import SimpleNamespace
 
 from clefcore.engine import EngineStatus
 from clefcore.example_request import support_ticket
+from clefcore.scheduler import Entry
+from clefcore.server.admission import Budgets, LaneView, QueueView, Snapshot
+from clefcore.server.batcher import Batcher
 from clefcore.server.device_watch import DeviceWatch
+from clefcore.server.metrics import Metrics
 
 GOLDEN = Path(__file__).parent / "golden"
 MODEL = GOLDEN / "model"
@@ -31,6 +35,12 @@ MODEL = GOLDEN / "model"
 # The example request as golden/requests.jsonl records it, naming "clef": some tests rely on a body whose
 # model differs from a route's clef-flash.
 SUPPORT_TICKET = support_ticket(model="clef")
+
+
+def short(n: int = 0) -> dict:
+    """A one-question request of ~134 prompt tokens, numbered ``n``."""
+    return {"model": "clef", "state": f"Checkout fails for customer {n}.",
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
 
 
 def ticket(state: str, **changes) -> dict:
@@ -116,12 +126,16 @@ class Server:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         return sum(_rss(p) for p in [pid, *map(int, children)])
 
-    def device_pid(self) -> int:
-        """The pid of the server's device process (the model's own process, server/device_process.py)."""
+    def device_pids(self) -> list[int]:
+        """The pids of the server's device processes (the model's own processes, server/device_process.py)."""
         pid = self.proc.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        # multiprocessing's resource tracker is a child too; the device process is the one spawned to serve
-        (device,) = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        # multiprocessing's resource tracker is a child too; device processes are the ones spawned to serve
+        return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+    def device_pid(self) -> int:
+        """The pid of the server's one device process."""
+        (device,) = self.device_pids()
         return device
 
     def events(self, name: str) -> list[dict]:
@@ -304,3 +318,40 @@ class Prepared(SimpleNamespace):
 def unwatched(metrics, stall_s: float = 30.0, grace_s: float = 60.0) -> DeviceWatch:
     """A device watch whose judgements go nowhere: for tests about scheduling, not stalls."""
     return DeviceWatch(metrics, stall_s, grace_s, on_change=lambda trouble: None, on_expired=lambda trouble: None)
+
+
+# --- admission's hand-worked numbers (tests/test_admission.py, tests/test_admission_lanes.py) ---------------
+# 1,000 tokens/s on each device, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at
+# 10,000 tokens.
+RATE = AGE_RATE = CHUNK = 1_000
+BUDGETS = Budgets(1.0, 10.0, 10_000)
+NOW = 1_000.0
+IDLE = LaneView(0, 0.0, None, math.inf)
+
+
+def entry(tokens: int, at: float) -> Entry:
+    return Entry(None, tokens, at + 60, at)
+
+
+def whole(*arrivals: tuple[int, float]) -> QueueView:
+    """A queue of whole prompts, (tokens, arrival) each, as the scheduler orders them."""
+    keyed = [(at + tokens / AGE_RATE, tokens) for tokens, at in arrivals]
+    return QueueView(AGE_RATE, sum(tokens for _, tokens in keyed),
+                     lambda key: sum(tokens for k, tokens in keyed if k <= key))
+
+
+def view(queue: QueueView = whole(), long: tuple[Entry, ...] = (), lanes: tuple[LaneView, ...] = (IDLE,), *,
+         measured: bool = True, chunk: int = CHUNK, share: float = 0.0, full: bool = False) -> Snapshot:
+    """What the policy reads at NOW: ``long`` queued long prompts, keyed by their arrival and size."""
+    keyed = tuple((e, e.enqueued_at + e.tokens / AGE_RATE) for e in long)
+    return Snapshot(NOW, RATE, measured, chunk, queue, keyed, lanes, share, full)
+
+
+def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:
+    """A batcher on these numbers, steps (batches and chunks) of 1,000 tokens, over ``devices`` (None: no
+    device process, nothing dispatched: not started); ``kw`` changes them. Its metrics; no stall watch."""
+    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8, budgets=BUDGETS,
+                   chunk_tokens=CHUNK, age_rate=float(AGE_RATE), start_rate=float(RATE))
+    options.update(kw)
+    metrics = Metrics()
+    return Batcher(list(devices), metrics, watch=unwatched(metrics), **options), metrics

@@ -17,11 +17,10 @@ from clefcore.scheduler import Entry
 from clefcore.server import errors
 from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, CostPolicy, Eviction, LaneView,
                                       Queues, QueueView, RateMeter, Reason, RecentShare, Refusal, Refused,
-                                      Snapshot, retry_after, size_class)
-from clefcore.server.batcher import Batcher
+                                      retry_after, size_class)
 from clefcore.server.device_process import Step
 from clefcore.server.metrics import Metrics
-from server_harness import FAKE_STATUS, Prepared, unwatched
+from server_harness import BUDGETS, CHUNK, FAKE_STATUS, IDLE, NOW, Prepared, batcher, entry, view, whole
 
 
 def test_rate_meter_starts_at_its_guess_and_follows_the_device():
@@ -92,31 +91,7 @@ def test_retry_after_and_size_classes():
 
 
 
-# --- the policy, on snapshots ---------------------------------------------------------------------------------
-# 1,000 tokens/s, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at 10,000 tokens.
-RATE = AGE_RATE = CHUNK = 1_000
-BUDGETS = Budgets(1.0, 10.0, 10_000)
-NOW = 1_000.0
-IDLE = LaneView(0, 0.0, None, math.inf)
-
-
-def entry(tokens: int, at: float) -> Entry:
-    return Entry(None, tokens, at + 60, at)
-
-
-def whole(*arrivals: tuple[int, float]) -> QueueView:
-    """A queue of whole prompts, (tokens, arrival) each, as the scheduler orders them."""
-    keyed = [(at + tokens / AGE_RATE, tokens) for tokens, at in arrivals]
-    return QueueView(AGE_RATE, sum(tokens for _, tokens in keyed),
-                     lambda key: sum(tokens for k, tokens in keyed if k <= key))
-
-
-def view(queue: QueueView = whole(), long: tuple[Entry, ...] = (), lanes: tuple[LaneView, ...] = (IDLE,), *,
-         measured: bool = True, chunk: int = CHUNK, share: float = 0.0, full: bool = False) -> Snapshot:
-    """What the policy reads at NOW: ``long`` queued long prompts, keyed by their arrival and size."""
-    keyed = tuple((e, e.enqueued_at + e.tokens / AGE_RATE) for e in long)
-    return Snapshot(NOW, RATE, measured, chunk, queue, keyed, lanes, share, full)
-
+# --- the policy, on snapshots (server_harness's numbers) ----------------------------------------------
 
 def promised(policy: CostPolicy, e: Entry) -> Entry:
     """``e`` as admitted when it arrived, to an empty queue: promised by the end of its budget then."""
@@ -251,17 +226,6 @@ def test_queued_long_prompts_past_their_budget_are_evicted_in_start_order():
     assert eviction.entry is first and eviction.refusal.reason is Reason.EVICTED   # 11 s: past 10 s
     assert eviction.refusal.wait_s == pytest.approx(11.0) and eviction.refusal.retry_after_s >= 1
     # the second: 12 s without the first (14 s with it), kept
-
-
-def test_a_full_queue_refuses_what_it_cannot_make_room_for():
-    policy = CostPolicy(BUDGETS)
-    small, large = entry(1_500, NOW), entry(4_000, NOW)
-    full = view(long=(small, large), full=True)
-    assert policy.refusal(5_000, full).reason is Reason.QUEUE_FULL    # nothing queued is larger
-    decision = policy.decide(300, full)                                # the 4,000-token one makes room
-    assert isinstance(decision, Admit) and decision.evict.entry is large
-    assert decision.evict.refusal.reason is Reason.EVICTED
-    assert policy.unread((), full, 0) is None     # size unknown, and a long prompt could make room: read it
 
 
 # --- the Admission object -------------------------------------------------------------------------------------
@@ -508,18 +472,6 @@ class HeldDevice:
         self.left = 0
 
 
-def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:
-    """Tests/test_admission.py's numbers: 1,000 tokens/s, steps (batches and chunks) of 1,000 tokens, aging at
-    1,000 tokens/s, budgets of 1 s up to 10 s at 10,000 tokens. Devices None: no device process, nothing
-    dispatched (not started)."""
-    options = dict(max_queue=64, max_batch_tokens=1_000, max_batch_requests=8, budgets=BUDGETS,
-                   chunk_tokens=CHUNK, age_rate=float(AGE_RATE), start_rate=float(RATE))
-    options.update(kw)
-    metrics = Metrics()
-    watch = unwatched(metrics)
-    return Batcher(list(devices), metrics, watch=watch, **options), metrics
-
-
 def fake_clock(monkeypatch) -> SimpleNamespace:
     clock = SimpleNamespace(t=0.0)
     monkeypatch.setattr("clefcore.server.batcher.time", SimpleNamespace(monotonic=lambda: clock.t))
@@ -534,6 +486,7 @@ def test_a_full_queue_gives_up_its_largest_long_prompt_for_a_smaller_request():
         small, large = (asyncio.ensure_future(b.submit(Prepared(num_tokens=n), deadline)) for n in (1_500, 4_000))
         await asyncio.sleep(0)
         assert b.full()
+        assert b.admission.on_arrival(None) is None     # size unknown, a long prompt could make room: read
         with pytest.raises(Refused) as no:                        # nothing queued is larger
             await b.submit(Prepared(num_tokens=5_000), deadline)
         assert no.value.refusal.reason is Reason.QUEUE_FULL

@@ -10,48 +10,27 @@ import time
 
 import pytest
 
-from clefcore.scheduler import Entry
-from clefcore.server.admission import Budgets, CostPolicy, LaneView, QueueView, Snapshot
-from clefcore.server.batcher import Batcher
+from clefcore.server.admission import Budgets, CostPolicy, LaneView
 from clefcore.server.device_process import Step
-from clefcore.server.metrics import Metrics
-from server_harness import FAKE_STATUS, Prepared, unwatched
+from server_harness import BUDGETS, FAKE_STATUS, IDLE, NOW, Prepared, batcher, entry, view, whole
 
-
-# Each device at 1,000 tokens/s, chunks of 1,000 tokens, aging at 1,000 tokens/s, budgets of 1 s up to 10 s at
-# 10,000 tokens (tests/test_admission.py's, on more devices).
-POLICY = CostPolicy(Budgets(1.0, 10.0, 10_000))
-NOW = 1_000.0
-IDLE = LaneView(0, 0.0, None, math.inf)
-
-
-def whole(*arrivals: tuple[int, float]) -> QueueView:
-    """A queue of whole prompts, (tokens, arrival) each, as the scheduler orders them (aging at 1,000/s)."""
-    keyed = [(at + tokens / 1_000, tokens) for tokens, at in arrivals]
-    return QueueView(1_000.0, sum(t for _, t in keyed), lambda key: sum(t for k, t in keyed if k <= key))
-
-
-def view(lanes: tuple[LaneView, ...], queue: QueueView = whole(), long: tuple[Entry, ...] = (), *,
-         chunk: int = 1_000) -> Snapshot:
-    keyed = tuple((e, e.enqueued_at + e.tokens / 1_000) for e in long)
-    return Snapshot(NOW, 1_000.0, True, chunk, queue, keyed, lanes, 0.0, False)
+POLICY = CostPolicy(BUDGETS)   # server_harness's numbers, on more devices
 
 
 def test_two_busy_lanes_a_short_request_waits_for_half_their_steps_left_then_its_own_run():
     first = LaneView(4_000, NOW - 1.0, None, math.inf)    # 3,000 left
     second = LaneView(2_000, NOW - 0.5, None, math.inf)   # 1,500 left
-    two = view((first, second), chunk=0)
+    two = view(lanes=(first, second), chunk=0)
     # 4,500 tokens ahead over two devices (2.25 s), then its own 100 on one (0.1 s)
     assert POLICY.expected_wait(100, two) == pytest.approx(2.35)
     # the order alone: one step on each lane (4,000 and 2,000) and its own run on each, over both: 6,200 / 2,000
     assert POLICY.budget(100, two) == pytest.approx(3.1)
     assert POLICY.refusal(100, two) is None
-    assert POLICY.expected_wait(100, view((first,), chunk=0)) == pytest.approx(3.1)   # the first lane alone
 
 
 def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
     ten = whole(*[(300, NOW)] * 10)                                    # 3,000 tokens of whole prompts
-    one, two = view((IDLE,), ten), view((IDLE, IDLE), ten)
+    one, two = view(ten), view(ten, lanes=(IDLE, IDLE))
     for each in (one, two):
         # idle lanes: the floor is a step, a chunk and its own run however many lanes there are
         assert POLICY.budget(400, each) == pytest.approx(2.4)
@@ -59,29 +38,28 @@ def test_queued_work_drains_over_both_lanes_so_what_one_refuses_two_admit():
     assert POLICY.expected_wait(400, two) == pytest.approx(1.9)     # 1.5 s ahead + its own 0.4 s
     assert POLICY.refusal(400, one).reason == "queued_work"
     assert POLICY.refusal(400, two) is None
-    refusal = POLICY.refusal(400, view((IDLE, IDLE), whole(*[(300, NOW)] * 15)))   # 4,500: 2.65 s > 2.4 s
+    # 4,500 tokens: 2.65 s > 2.4 s
+    refusal = POLICY.refusal(400, view(whole(*[(300, NOW)] * 15), lanes=(IDLE, IDLE)))
     assert refusal.wait_s == pytest.approx(2.65) and refusal.retry_after_s == 1
 
 
 def test_each_lanes_due_chunk_counts_and_a_chunk_not_yet_due_does_not():
     due = LaneView(0, 0.0, 5_000, NOW - 4)        # its next chunk's key came long ago
     stepped = LaneView(0, 0.0, 5_000, NOW + 1)    # just stepped: due in 1 s
-    assert POLICY.expected_wait(100, view((due, stepped))) == pytest.approx(0.6)   # one chunk over two, its own
-    assert POLICY.expected_wait(100, view((due, due))) == pytest.approx(1.1)       # both lanes' chunks over two
+    assert POLICY.expected_wait(100, view(lanes=(due, stepped))) == pytest.approx(0.6)   # one chunk over two
+    assert POLICY.expected_wait(100, view(lanes=(due, due))) == pytest.approx(1.1)   # both lanes' chunks
 
 
 def test_a_long_prompt_counts_the_chunked_runs_and_long_prompts_ahead_over_the_lanes():
     policy = CostPolicy(Budgets(1.0, 20.0, 10_000))
     running = LaneView(0, 0.0, 3_000, NOW + 1)
-    waiting = Entry(None, 8_000, NOW + 59, NOW - 1)
+    waiting = entry(8_000, NOW - 1)
     # 3,000 left of the run and the 8,000 ahead, over two devices (5.5 s), then its own 9,000 on one (9 s)
-    assert policy.expected_wait(9_000, view((running, IDLE), long=(waiting,))) == pytest.approx(14.5)
+    assert policy.expected_wait(9_000, view(long=(waiting,), lanes=(running, IDLE))) == pytest.approx(14.5)
 
 
 def test_the_estimated_wait_is_the_backlog_over_every_lane():
-    metrics = Metrics()
-    b = Batcher([None, None], metrics, watch=unwatched(metrics), max_queue=64, max_batch_tokens=1_000,
-                max_batch_requests=8, budgets=Budgets(1.0, 20.0, 10_000), start_rate=1_000.0, chunk_tokens=1_000)
+    b, metrics = batcher([None, None], budgets=Budgets(1.0, 20.0, 10_000), age_rate=None)
 
     async def queue_one():
         waiting = asyncio.ensure_future(b.submit(Prepared(num_tokens=8_000), time.monotonic() + 60))
@@ -133,10 +111,8 @@ def test_a_chunked_run_stays_on_the_lane_that_started_it():
     devices = [FakeDevice("a"), FakeDevice("b")]
 
     async def main():
-        metrics = Metrics()
-        b = Batcher(devices, metrics, watch=unwatched(metrics), max_queue=64, max_batch_tokens=1_000,
-                    max_batch_requests=2, budgets=Budgets(100.0, 100.0, 10_000), start_rate=100_000.0,
-                    chunk_tokens=1_000)
+        b, _ = batcher(devices, max_batch_requests=2, budgets=Budgets(100.0, 100.0, 10_000),
+                       start_rate=100_000.0, age_rate=None)
         b.start()
         deadline = time.monotonic() + 30
         longs = [asyncio.ensure_future(b.submit(Prepared(num_tokens=4_000, name=f"long{i}"), deadline))

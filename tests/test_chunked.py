@@ -3,19 +3,14 @@ sizes that cut it anywhere, with other forwards run between its steps."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import clefcore
 from clefcore.model.head import head_rows, readout
 from clefcore.model.prefill import ChunkedPrefill
-
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_requests import GOLD, accepted  # noqa: E402
-from gpu_only import MARKS  # noqa: E402
+from golden_requests import GOLD, accepted
+from gpu_only import MARKS
 
 
 def _longest(engine, n=2):

@@ -7,13 +7,10 @@ one path segment (`run/@cf%2Fcloudflare%2Fclef-flash`)."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import MODEL, SUPPORT_TICKET, Server, ticket  # noqa: E402
+from server_harness import SUPPORT_TICKET, Server, ticket
 
 typesafe_sdk = pytest.importorskip("typesafe_sdk")
 cloudflare = pytest.importorskip("cloudflare")
@@ -44,12 +41,6 @@ def server():
     with Server("--api-key", KEY) as s:
         s.wait_ready()
         yield s
-
-
-@pytest.fixture(scope="module")
-def engine():
-    import clefcore
-    return clefcore.load(str(MODEL), device="cpu", context_length=24576)  # the server's --context-length
 
 
 def last_request_line(server: Server, path_part: str) -> dict:

@@ -142,9 +142,7 @@ def test_one_dead_device_process_fails_the_whole_server():
     """A pod missing a GPU is restarted whole: one of the two device processes killed, the server logs
     device_lost and exits 1, and the other device process ends with it."""
     with Server("--device", "cpu,cpu").wait_ready() as s:
-        children = Path(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read_text().split()
-        # multiprocessing's resource tracker is a child too; the device processes are the ones spawned to serve
-        devices = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        devices = s.device_pids()
         assert len(devices) == 2
         os.kill(devices[0], signal.SIGKILL)
         assert s.wait_exit(30) == 1

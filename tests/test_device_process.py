@@ -10,8 +10,6 @@ import pickle
 import signal
 import sys
 import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -21,8 +19,8 @@ from clefcore.example_request import support_ticket
 from clefcore.options import EngineOptions
 from clefcore.server.device_process import DeviceProcess
 from clefcore.server.testhooks import TestHooks
+from server_harness import MODEL, Server, ticket, until
 
-MODEL = Path(__file__).parent / "golden" / "model"
 RESERVE = {"batch_tokens": 16384, "batch_requests": 32, "chunk_tokens": 4096}   # the serve defaults
 NO_HOOKS = TestHooks(fail_marker=None, batch_delay_s=0.0, load_delay_s=0.0)
 
@@ -213,7 +211,6 @@ def test_a_server_whose_device_process_dies_under_load_answers_everything_and_ex
     """kill -KILL under load: the request on the device gets 500, the queued ones (they never reached it) 503
     with Retry-After, no connection is dropped, and the server exits 1 so that it is restarted."""
     from concurrent.futures import ThreadPoolExecutor
-    from server_harness import Server, ticket, until
 
     server = Server("--max-batch-requests", "1", "--min-queue-wait", "1000",
                     env={"CLEFCORE_TEST_BATCH_DELAY_S": "0.5"}).wait_ready()

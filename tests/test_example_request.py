@@ -5,24 +5,14 @@ playground at GET /example (tests/test_server_playground.py)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
-
-import clefcore
 from clefcore import cli
 from clefcore.example_request import support_ticket
-
-GOLD = Path(__file__).parent / "golden" / "model"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return clefcore.load(GOLD)
+from server_harness import MODEL
 
 
 def test_demo_answers_the_example_request(engine, capsys):
-    assert cli.main(["demo", "--model", str(GOLD)]) == 0
+    assert cli.main(["demo", "--model", str(MODEL)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["request"] == support_ticket()
     assert out["response"] == engine.decide(support_ticket())

@@ -57,6 +57,9 @@ def test_a_scrape_sums_over_both_workers(tmp_path):
         pids = worker_pids(server)
         assert len(pids) == 2 and server.proc.pid not in pids
         assert server.metric("clef_devices") == 2
+        # each worker listens on the one port and logs its own start
+        assert {e["pid"] for e in server.events("listening")} == set(pids)
+        assert len(server.wait_for_events("ready", lambda events: len(events) >= 2)) == 2
         n = 24
         for i in range(n):  # a new connection each: SO_REUSEPORT spreads them over the workers
             assert server.decide(ticket(f"Checkout error number {i}.")).status == 200
@@ -78,7 +81,7 @@ def test_a_scrape_sums_over_both_workers(tmp_path):
         for lane in ("0", "1"):
             assert server.metric("clef_device_busy_seconds_total", f'lane="{lane}"') > 0, text
         assert server.metric("clef_request_duration_seconds_count", 'route="/v1/systemone"') == n
-        assert server.terminate() == 0
+        assert server.terminate() == 0 and len(server.events("exit")) == 2
     # Dead workers' live gauges are gone (they would hold clef_ready and the queue depth); counters stay.
     left = sorted(p.name for p in metrics_dir.iterdir())
     assert not [name for name in left if name.startswith("gauge_live")], left

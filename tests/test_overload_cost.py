@@ -13,18 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from server_harness import Server, loadtests, ticket
-
-
-def small(n: int) -> dict:  # ~140 prompt tokens: the burst is ~4,500, well under a second of device work
-    return {"model": "clef", "state": f"Checkout fails for customer {n}.",
-            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+from server_harness import Server, loadtests, short, ticket
 
 
 def test_a_burst_of_32_small_requests_from_16_clients_on_an_idle_server_is_answered_in_full():
+    # ~140 prompt tokens each: the burst is ~4,500, well under a second of device work
     with Server().wait_ready() as s, ThreadPoolExecutor(16) as pool:
         # each client sends its two one after the other
-        statuses = sum(pool.map(lambda n: [s.decide(small(100 * n + i)).status for i in range(2)], range(16)), [])
+        pairs = pool.map(lambda n: [s.decide(short(100 * n + i)).status for i in range(2)], range(16))
+        statuses = sum(pairs, [])
         assert statuses == [200] * 32, statuses
 
 

@@ -34,7 +34,8 @@ def error_of(reply, status: int, kind: str) -> dict:
 def test_health_live_models(server):
     health = server.get("/health")
     assert health.status == 200 and health.json()["status"] == "ok"
-    assert health.json()["device"] == "cpu"
+    assert health.json()["device"] == "cpu" and health.json()["precision"] == "fp32"
+    assert health.json()["precision_fallbacks"] == 0 and "cublas" not in health.json()
     assert server.get("/live").json() == {"status": "alive"}
     models = server.get("/v1/models").json()["models"]
     assert set(models[0]) >= {"name", "description", "release_date"}
@@ -73,6 +74,8 @@ def test_metrics_exposition(server):
                  "clef_prefill_seconds_bucket", "clef_request_duration_seconds_bucket", "clef_device_memory_bytes",
                  "clef_ready 1.0"):
         assert name in text, name
+    assert 'clef_engine_info{device="cpu",precision="fp32"} 1.0' in text
+    assert "clef_precision_fallbacks_total 0.0" in text and "clef_cublas_available" not in text
     assert server.metric("clef_requests_total", 'route="/v1/systemone",status="200"') >= 1
     # one spelling of a route on every series that carries it
     assert server.metric("clef_request_duration_seconds_count", 'route="/v1/systemone"') >= 1
@@ -94,14 +97,10 @@ def test_labelled_counters_start_at_zero_for_every_known_label_value(server):
     assert all(e.status >= 500 for e in made) and [e.kind for e in made] == list(errors.SERVER_KINDS)
 
 
-def test_openapi_and_playground(server):
+def test_openapi(server):
     spec = server.get("/openapi.json").json()
-    assert spec["openapi"].startswith("3.")
     assert "/v1/systemone" in spec["paths"] and "/health" in spec["paths"]
     assert spec["components"]["schemas"]["SystemOneRequest"]["properties"]["questions"]["maxProperties"] == 64
-    page = server.get("/")
-    assert page.status == 200 and page.headers["content-type"].startswith("text/html")
-    assert b"fetch(\"v1/systemone\"" in page.data   # relative: it works under a mount prefix too
 
 
 def test_unknown_route_and_method(server):
@@ -113,24 +112,19 @@ def test_unknown_route_and_method(server):
 
 # --- decisions ------------------------------------------------------------------------------------------
 
-def test_support_ticket_answer_follows_client_rules(server, engine):
-    reply = server.decide(SUPPORT_TICKET)
-    assert reply.status == 200 and reply.headers["content-type"].startswith("application/json")
-    body = reply.json()
-    check_client_rules(SUPPORT_TICKET, body)
-    assert body["usage"]["output_tokens"] == 0
-    assert same_answers(body, engine.decide(SUPPORT_TICKET), tol=0)
-
-
 def test_golden_requests_answer_like_the_engine(server, engine):
-    """Every golden request the Cloudflare rules accept answers exactly like the in-process engine; the
-    ones they refuse are 422 with a field path."""
+    """Every golden request the Cloudflare rules accept (SUPPORT_TICKET among them) answers exactly like the
+    in-process engine, in JSON with no output tokens; the ones they refuse are 422 with a field path."""
     answered = refused = 0
-    for line in (GOLDEN / "requests.jsonl").read_text().splitlines():
+    lines = (GOLDEN / "requests.jsonl").read_text().splitlines()
+    assert SUPPORT_TICKET in map(json.loads, lines)
+    for line in lines:
         reply = server.post("/v1/systemone", line)
         body = json.loads(line)
         if reply.status == 200:
+            assert reply.headers["content-type"].startswith("application/json")
             check_client_rules(body, reply.json())
+            assert reply.json()["usage"]["output_tokens"] == 0
             assert same_answers(reply.json(), engine.decide(body), tol=0)
             answered += 1
         else:
@@ -231,12 +225,6 @@ def test_images_get_422_in_both_validation_modes(server):
             assert err["field"] == "images[0]" and err["message"].startswith("images[0]: image payload is invalid")
             empty = s.decide(dict(GOLDEN_IMAGES_0, images=[]))  # no image in it: a text-only request
             assert empty.status == 200 and empty.json() == s.decide(text_only).json()
-
-
-def test_long_state_is_truncated_by_default(server):
-    reply = server.decide(ticket("log line with words " * 600))
-    assert reply.status == 200, reply
-    assert reply.json()["usage"]["input_tokens"] <= 24576
 
 
 def test_context_overflow_reject_and_truncate():

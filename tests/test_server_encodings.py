@@ -90,8 +90,7 @@ def test_coding_names_aliases_and_stacks(server, body, plain, encoding, encode):
 
 
 @pytest.mark.parametrize("encoding", sorted(ENCODERS))
-def test_cloudflare_route_decodes_too(server, encoding):
-    body = json.dumps(ticket("Checkout fails for every customer. " * 40, model="clef")).encode()
+def test_cloudflare_route_decodes_too(server, body, encoding):
     reply = send(server, ENCODERS[encoding](body), encoding, CF)
     assert reply.status == 200, reply
     assert reply.json() == server.post(CF, body).json()

@@ -277,7 +277,7 @@ def test_service_config_is_the_serve_flags():
         ServiceConfig(model="m", device=" , ")
     args = cli.build_parser().parse_args(["serve", "--model", "m", "--stall-timeout", "5", "--device-grace", "9"])
     assert (ServiceConfig.from_args(args).stall_timeout, ServiceConfig.from_args(args).device_grace) == (5.0, 9.0)
-    for field, value, limit in (("max_queue", 0, "> 0"), ("chunk_tokens", -1, ">= 0"), ("age_rate", 0.0, "> 0"),
+    for field, value, limit in (("max_queue", 0, "> 0"), ("age_rate", 0.0, "> 0"),
                                 ("stall_timeout", 0.0, "> 0"), ("device_grace", -1.0, "> 0"),
                                 ("on_overflow", "drop", "one of truncate, reject")):
         with pytest.raises(ValueError, match=f"{field} must be {limit}"):

@@ -11,23 +11,14 @@ from __future__ import annotations
 import json
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-import clefcore
-
-from server_harness import MODEL, Server, loadtests, same_answers
+from server_harness import Server, loadtests, same_answers, short
 
 TOKEN_DELAY = {"CLEFCORE_TEST_TOKEN_DELAY_S": "0.001"}  # 1 ms per prompt token
-
-
-def short(n: int = 0) -> dict:  # ~134 prompt tokens
-    return {"model": "clef", "state": f"Checkout fails for customer {n}.",
-            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
 
 
 def long(n: int = 0, repeat: int = 80) -> dict:  # ~1,300 prompt tokens at repeat=80
@@ -51,8 +42,7 @@ def in_threads(*calls) -> list[threading.Thread]:
     return threads
 
 
-def test_chunked_request_answers_like_the_engines_unchunked_decide():
-    engine = clefcore.load(str(MODEL))
+def test_chunked_request_answers_like_the_engines_unchunked_decide(engine):
     body = long(3, repeat=30)
     assert engine.prepare(body).num_tokens > 3 * 97
     with Server("--chunk-tokens", "97").wait_ready() as s:
@@ -143,19 +133,6 @@ def test_chunked_requests_fail_alone_time_out_and_drain():
         for t in threads:
             t.join(30)
         assert [r.status for _, r in out] == [200]
-
-
-@pytest.mark.parametrize("flag, value, message", [
-    ("--chunk-tokens", "-1", "must be >= 0"),
-    ("--max-queue-wait", "0", "must be > 0"),
-    ("--age-rate", "fast", "tokens/s, inf or auto"),
-    ("--min-queue-wait", "-1", "must be > 0"),
-])
-def test_bad_overload_flags_are_refused_by_name(flag, value, message):
-    done = subprocess.run([sys.executable, "-m", "clefcore.cli", "serve", "--model", str(MODEL), flag, value],
-                          capture_output=True, text=True, timeout=60, cwd="/")
-    assert done.returncode == 2
-    assert flag in done.stderr and message in done.stderr
 
 
 def test_a_client_that_leaves_stops_its_chunked_run():

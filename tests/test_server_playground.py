@@ -103,8 +103,10 @@ def test_page_starts_from_the_example_the_server_serves(server):
     assert served.status == 200 and served.headers["content-type"].startswith("application/json"), served
     assert served.json() == support_ticket()
     html, _ = _page(server)
-    # the script fetches it (relative to the page, as the decide call) before Decide is enabled ...
-    assert 'fetch("example")' in html and '<button id="send" type="button" disabled>' in html
+    # the script fetches it (relative to the page, as the decide call: they work under a mount prefix too)
+    # before Decide is enabled ...
+    assert 'fetch("example")' in html and 'fetch("v1/systemone"' in html
+    assert '<button id="send" type="button" disabled>' in html
     # ... and keeps no copy of its own: none of the example's sentences is in the page
     sentences = [t for t in _texts(support_ticket()) if " " in t]
     assert len(sentences) >= 8

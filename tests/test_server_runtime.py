@@ -1,5 +1,5 @@
 """The server under concurrency and faults: batching, 429 backpressure, deadlines, 503 while loading and
-draining, device-failure isolation, client disconnects, a failed load, one worker per device.
+draining, device-failure isolation, client disconnects, a failed load.
 
 The test hooks (server/testhooks.py) slow the device step or make it fail for a marked request, so every
 situation is produced on purpose instead of hoped for."""
@@ -292,18 +292,3 @@ def test_failed_load_exits_nonzero(tmp_path):
     with Server("--model", str(tmp_path)) as s:
         assert s.wait_exit(60) == 1
         assert s.events("load_failed")
-
-
-def test_one_worker_per_device_shares_the_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with Server("--device", "cpu,cpu", "--spread", "workers", "--port", str(port), "--min-queue-wait", "1000") as s:
-        s.wait_ready()
-        # Both workers come up and log their own start; either may answer.
-        until(lambda: len(s.events("ready")) >= 2, 60, "both workers ready")
-        workers = {e["pid"] for e in s.events("listening")}
-        assert len(workers) == 2
-        assert all(r.status == 200 for r in concurrently(s.decide, [SUPPORT_TICKET] * 8))
-        assert s.terminate(60) == 0
-        assert len(s.events("exit")) == 2

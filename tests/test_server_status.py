@@ -17,8 +17,6 @@ from clefcore.engine import EngineStatus
 from clefcore.server.engine_status import describe
 from clefcore.server.metrics import Metrics
 
-from server_harness import Server
-
 
 def gpu_engine(cublas_missing, fallbacks=0, arena=None, tables=None):
     ctx = SimpleNamespace(cublas_missing=cublas_missing, caches=SimpleNamespace(upload_arena=tables))
@@ -104,12 +102,3 @@ def test_the_loop_lag_histogram_sees_a_blocked_loop():
     buckets = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in text.splitlines() if line.startswith("clef_event_loop_lag_seconds_bucket")}
     assert count >= 6 and buckets["0.1"] == count - 1 and buckets["0.25"] == count   # one sample waited ~0.2 s
-
-
-def test_a_real_cpu_server_reports_its_engine():
-    with Server().wait_ready() as server:
-        health = server.get("/health").json()
-        assert health["precision"] == "fp32" and health["precision_fallbacks"] == 0 and "cublas" not in health
-        text = server.get("/metrics").text
-        assert 'clef_engine_info{device="cpu",precision="fp32"} 1.0' in text
-        assert "clef_precision_fallbacks_total 0.0" in text and "clef_cublas_available" not in text

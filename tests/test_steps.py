@@ -18,11 +18,8 @@ from clefcore.options import STEP_BUDGET_S, STEP_CAP_TOKENS, STEP_FLOOR_TOKENS, 
 from clefcore.server.admission import Budgets, measured_rate
 from clefcore.server.batcher import Batcher
 from clefcore.server.device_process import Step
-from clefcore.server.metrics import Metrics
 from clefcore.server.steps import StepSize
-from server_harness import FAKE_STATUS, Prepared, unwatched
-
-from server_harness import Server
+from server_harness import FAKE_STATUS, Prepared, Server, batcher
 
 
 def test_auto_is_the_rate_times_the_budget_between_the_floor_and_the_cap():
@@ -63,12 +60,11 @@ def test_a_server_sizes_its_steps_from_the_rate_it_measured_at_start():
         assert s.metric("clef_step_tokens", 'limit="chunk_tokens"') == max(STEP_FLOOR_TOKENS, int(2 * rate))
 
 
-def batcher(**kw) -> Batcher:
-    options = dict(max_queue=64, max_batch_tokens=None, max_batch_requests=64, budgets=Budgets(100.0, 100.0, 10_000),
-                   chunk_tokens=None, step_budget=0.5, start_rate=2_000.0)
-    options.update(kw)
-    metrics = Metrics()
-    return Batcher([None], metrics, watch=unwatched(metrics), **options)
+def auto_batcher(**kw) -> Batcher:
+    """Steps of 0.5 s at auto, not started."""
+    options = dict(max_batch_tokens=None, max_batch_requests=64, budgets=Budgets(100.0, 100.0, 10_000),
+                   chunk_tokens=None, step_budget=0.5, start_rate=2_000.0, age_rate=None)
+    return batcher(**dict(options, **kw))[0]
 
 
 def step_gauge(b: Batcher, limit: str) -> float:
@@ -82,7 +78,7 @@ def stepped(b: Batcher, tokens: int, seconds: float) -> None:
 
 
 def test_auto_sizes_follow_the_measured_rate():
-    b = batcher(start_rate=6_000.0)                                # the rate measured at start
+    b = auto_batcher(start_rate=6_000.0)                           # the rate measured at start
     assert (b.batch_tokens, b.chunk_tokens) == (3_000, 3_000)      # 0.5 s of it
     assert step_gauge(b, "max_batch_tokens") == step_gauge(b, "chunk_tokens") == 3_000
     assert not b.admission.snapshot().chunked(2_500)
@@ -96,7 +92,7 @@ def test_auto_sizes_follow_the_measured_rate():
     assert b.admission.snapshot().chunked(2_500)                   # what runs chunked follows the chunk
     # aging follows it too, at a third of it: a request is passed by shorter work for up to 3x its own run
     assert b.admission.snapshot().whole.age_rate == pytest.approx(b.rate / 3)
-    fixed = batcher(max_batch_tokens=4_096, chunk_tokens=0)
+    fixed = auto_batcher(max_batch_tokens=4_096, chunk_tokens=0)
     stepped(fixed, 100, 1.0)
     assert (fixed.batch_tokens, fixed.chunk_tokens) == (4_096, 0)
     assert not fixed.admission.snapshot().chunked(24_000)
@@ -105,14 +101,11 @@ def test_auto_sizes_follow_the_measured_rate():
 
 def test_config_defaults_to_auto_and_reserves_the_cap():
     config = ServiceConfig(model="m")
-    assert (config.max_batch_tokens, config.chunk_tokens, config.step_budget) == (None, None, STEP_BUDGET_S)
     assert config.reserve_limits == {"batch_tokens": STEP_CAP_TOKENS, "batch_requests": 32,
                                      "chunk_tokens": STEP_CAP_TOKENS}
     explicit = ServiceConfig(model="m", max_batch_tokens=2_048, chunk_tokens=0)
     assert explicit.reserve_limits == {"batch_tokens": 2_048, "batch_requests": 32, "chunk_tokens": 0}
     parser = cli.build_parser()
-    flags = ServiceConfig.from_args(parser.parse_args(["serve", "--model", "m"]))
-    assert flags == config
     flags = ServiceConfig.from_args(parser.parse_args(["serve", "--model", "m", "--max-batch-tokens", "1024",
                                                        "--chunk-tokens", "AUTO", "--step-budget", "0.05"]))
     assert (flags.max_batch_tokens, flags.chunk_tokens, flags.step_budget) == (1_024, None, 0.05)
@@ -127,8 +120,12 @@ def test_config_defaults_to_auto_and_reserves_the_cap():
     ("--max-batch-tokens", "many", "invalid int or auto value"),
     ("--chunk-tokens", "-5", "must be >= 0"),
     ("--step-budget", "0", "must be > 0"),
+    ("--max-queue-wait", "0", "must be > 0"),
+    ("--age-rate", "fast", "tokens/s, inf or auto"),
+    ("--min-queue-wait", "-1", "must be > 0"),
 ])
-def test_bad_step_flags_are_refused_by_name(flag, value, message, capsys):
+def test_bad_step_and_overload_flags_are_refused_by_name(flag, value, message, capsys):
+    """As `clefcore serve` (cli.main) parses them: exit 2, naming the flag and its limit."""
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args(["serve", "--model", "m", flag, value])
     assert exited.value.code == 2
@@ -194,10 +191,8 @@ def run_on_fake_clock(monkeypatch, plan, max_batch_requests=64):
         await asyncio.sleep(0)                       # the new tasks queue their requests before the step ends
 
     device = FakeDevice(clock, arrive)
-    metrics = Metrics()
-    b = Batcher([device], metrics, watch=unwatched(metrics), max_queue=10_000, max_batch_tokens=1_000,
-                max_batch_requests=max_batch_requests, budgets=Budgets(1e3, 1e3, 10_000), start_rate=1_000.0,
-                chunk_tokens=1_000, age_rate=1_000.0)
+    b, _ = batcher([device], max_queue=10_000, max_batch_requests=max_batch_requests,
+                   budgets=Budgets(1e3, 1e3, 10_000))
 
     async def main():
         b.start()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,7 @@ from clefcore.backends.cuda.ops import CudaOps
 from clefcore.backends.interface import Backend
 from clefcore.precision import FP32, Plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import MODEL, REQUESTS  # noqa: E402
+from golden_images_data import MODEL, REQUESTS
 
 METHODS = {n: f for n, f in vars(Backend).items() if inspect.isfunction(f) and not n.startswith("_")}
 DATA = [n for n in Backend.__annotations__]

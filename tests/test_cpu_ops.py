@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clefcore.backends import cpu
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gdn_state import recurrence  # noqa: E402
+from test_gdn_state import recurrence
 
 
 def recurrent_delta_rule(q, k, v, g, beta):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from clefcore.backends import cpu
 from clefcore.backends.cpu import CpuOps
 from clefcore.errors import DeviceError, GuardError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import MARKS
 
 GOLD = Path(__file__).parent / "golden"
 MODEL = GOLD / "model"

@@ -4,9 +4,7 @@ numpy twins of the kernels."""
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +15,7 @@ from clefcore.backends.cuda.compile import kernel_dir
 from clefcore.backends.cuda.delta_rule import DeltaRule
 from clefcore.precision import Plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-import gdn_wy_model as wy  # noqa: E402
+import gdn_wy_model as wy
 
 C = wy.C
 SM70_SMEM = 98304   # the most dynamic shared memory a block may opt in to on sm_70 (the lowest target)

@@ -3,7 +3,6 @@ backend."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +12,7 @@ import clefcore
 from clefcore.errors import DeviceError
 from clefcore.example_request import support_ticket
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_GPU  # noqa: E402
+from gpu_only import HAVE_GPU
 
 MODEL = Path(__file__).parent / "golden" / "model"
 

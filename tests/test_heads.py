@@ -3,20 +3,18 @@ attention groups equal separate calls: CPU always, the GPU backend when CuPy see
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_GPU  # noqa: E402
+from gpu_only import HAVE_GPU
 
-import clefcore  # noqa: E402
-from clefcore.backends import cpu  # noqa: E402
-from clefcore.jsonvalue import parse_body  # noqa: E402
-from clefcore.model.backbone import backbone  # noqa: E402
-from clefcore.model.head import heads  # noqa: E402
+import clefcore
+from clefcore.backends import cpu
+from clefcore.jsonvalue import parse_body
+from clefcore.model.backbone import backbone
+from clefcore.model.head import heads
 
 GOLD = Path(__file__).parent / "golden"
 REQUESTS = (GOLD / "requests.jsonl").read_bytes().splitlines()

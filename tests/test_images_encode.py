@@ -3,8 +3,6 @@ M-RoPE positions and the two error rows of the golden-images fixtures."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +15,7 @@ from clefcore.preprocess import preprocess
 from clefcore.tokenize import Tokenizer
 from clefcore.validate import validate_request
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import EXPECTED, MODEL, REQUESTS, fixture_file  # noqa: E402
+from golden_images_data import EXPECTED, MODEL, REQUESTS, fixture_file
 
 ENCODER = Encoder(Tokenizer(MODEL / "tokenizer.json"))
 

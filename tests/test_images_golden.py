@@ -4,7 +4,6 @@ README's (logits 2e-4 absolute, states 2e-4 relative, response numbers 1e-4)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +17,8 @@ from clefcore.jsonvalue import parse_body
 from clefcore.model.backbone import embed_with_images
 from clefcore.preparer import Preparer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file  # noqa: E402
-from test_golden import check_cli_against_fixture  # noqa: E402
+from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file
+from test_golden import check_cli_against_fixture
 
 OK = [fx for fx in EXPECTED if "error" not in fx]
 

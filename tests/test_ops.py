@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 import types
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -45,9 +43,8 @@ from clefcore.backends import cpu
 from clefcore.bench import kernels as bench_kernels
 from clefcore.precision import FP32, GemmOperands
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_GPU, MARKS  # noqa: E402
-import gdn_wy_model as wy  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_GPU, MARKS
+import gdn_wy_model as wy
 
 RNG = np.random.default_rng()
 

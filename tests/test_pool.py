@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 pool = pytest.importorskip("clefcore.pool")
-sys.path.insert(0, str(Path(__file__).parent))
 from gpu_only import HAVE_CUBLAS, HAVE_GPU  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +9,7 @@ from safetensors.numpy import load_file
 
 from clefcore import preprocess as pp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import EXPECTED, image_file  # noqa: E402
+from golden_images_data import EXPECTED, image_file
 
 IMAGES = {img["image"]: img for fx in EXPECTED for img in fx["images"] if "grid_thw" in img}
 

@@ -4,9 +4,7 @@ unchanged."""
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +17,8 @@ from clefcore.engine import padded
 from clefcore.errors import DeviceError
 from clefcore.example_request import support_ticket
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_requests import GOLD, accepted  # noqa: E402
-from gpu_only import HAVE_GPU  # noqa: E402
+from golden_requests import GOLD, accepted
+from gpu_only import HAVE_GPU
 
 LIMITS = dict(batch_tokens=1024, batch_requests=4, chunk_tokens=256)
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, MARKS
 
-from clefcore import verify  # noqa: E402
-from clefcore.backends.cpu import CpuOps  # noqa: E402
-from clefcore.checkpoint import Checkpoint  # noqa: E402
-from clefcore.model import vision  # noqa: E402
-from clefcore.model.params import load_params  # noqa: E402
+from clefcore import verify
+from clefcore.backends.cpu import CpuOps
+from clefcore.checkpoint import Checkpoint
+from clefcore.model import vision
+from clefcore.model.params import load_params
 
 MODEL = Path(__file__).parent / "golden" / "model"
 cpu = CpuOps()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ from clefcore.checkpoint import Checkpoint
 from clefcore.model import vision
 from clefcore.precision import Plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import EXPECTED, MODEL, fixture_file, image_file  # noqa: E402
+from golden_images_data import EXPECTED, MODEL, fixture_file, image_file
 
 NUMPY = CpuOps()
 PARAMS = vision.load_vision(Checkpoint(MODEL), NUMPY)

@@ -12,16 +12,12 @@ import clefcore
 from clefcore.errors import DeviceError
 from clefcore.example_request import support_ticket
 
-from gpu_only import HAVE_GPU
+from test_heads import devices
 
 MODEL = Path(__file__).parent / "golden" / "model"
 
 
-def _devices():
-    return ["cpu"] + ([pytest.param("cuda:0", marks=pytest.mark.gpu)] if HAVE_GPU else [])
-
-
-@pytest.fixture(scope="module", params=_devices())
+@pytest.fixture(scope="module", params=devices())
 def engine(request):
     return clefcore.load(str(MODEL), device=request.param)
 

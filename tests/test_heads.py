@@ -38,11 +38,12 @@ def test_mha_groups_equal_separate_calls():
         cpu.mha(xq[:3], xkv[:10], in_w, in_b, out_w, out_b, heads, (np.array([0, 0, 1]), np.zeros(10, int)))
 
 
-def _devices():
+def devices():
+    """The CPU, and the first GPU (marked gpu) when CuPy sees one."""
     return ["cpu"] + ([pytest.param("cuda:0", marks=pytest.mark.gpu)] if HAVE_GPU else [])
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", devices())
 def test_packed_head_equals_one_by_one(device):
     # on the GPU the exact path: packed and alone run GEMMs of other row counts, which the autotune may give other
     # paths; in fast mode those differ at fp16's rounding, which would hide the packing's own errors

@@ -132,15 +132,14 @@ def test_synthetic_tiny_checkpoint_loads_and_answers(tmp_path):
         assert f.read_bytes() == (again / f.name).read_bytes()
 
 
-def test_streamed_reference_params_match_loaded():
+def test_streamed_reference_params_match_loaded(gold_params):
     """`clefcore verify` streams the fp32 reference weights from disk layer by layer (so it fits hosts with
     less RAM than the fp32 model); the numbers must be the loaded model's exactly."""
     from clefcore import verify
     from clefcore.backends.cpu import CpuOps
     from clefcore.model.backbone import backbone
-    from clefcore.model.params import load_params
-    ck, cpu = Checkpoint(GOLDEN_MODEL), CpuOps()
-    loaded, streamed = load_params(ck, cpu), verify.streamed_reference_params(ck)
+    ck, cpu, loaded = Checkpoint(GOLDEN_MODEL), CpuOps(), gold_params
+    streamed = verify.streamed_reference_params(ck)
     ids = np.arange(130) * 7 % ck.text.vocab_size
     h1, k1 = backbone(cpu, loaded, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
     h2, k2 = backbone(cpu, streamed, ids, np.array([0, 60, 130]), np.r_[np.arange(60), np.arange(70)], True)
@@ -168,13 +167,11 @@ def test_load_progress_bar_on_a_terminal(monkeypatch):
     assert out.getvalue().count("\r") == n and out.getvalue().endswith(f"] {n}/{n}\n")
 
 
-def test_fused_projections_are_stacked_at_load():
+def test_fused_projections_are_stacked_at_load(gold_params):
     """FUSED parts become one weight (rows in the listed order), stored under the fused name only."""
-    from clefcore.backends.cpu import CpuOps
     from clefcore.checkpoint import stack_refs
-    from clefcore.model.params import FUSED, load_params
-    ck = Checkpoint(GOLDEN_MODEL)
-    p = load_params(ck, CpuOps())
+    from clefcore.model.params import FUSED
+    ck, p = Checkpoint(GOLDEN_MODEL), gold_params
     kinds = {"linear_attn.in_proj.weight": "linear_attention", "self_attn.qkv_proj.weight": "full_attention"}
     assert set(FUSED) == set(kinds)
     for fused, parts in FUSED.items():

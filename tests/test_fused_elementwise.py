@@ -191,7 +191,7 @@ class _Recording(CpuOps):
     gated_rmsnorm, sigmoid_gate = _asked("gated_rmsnorm"), _asked("sigmoid_gate")
 
 
-def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader():
+def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader(gold_params):
     """Each layer's input norm, post-mixer norm, GDN output norm and attention gate are asked for GEMM operands;
     the q/k norms (read by the rotary) and the final norm (read by the head) are not. On numpy the flag changes
     nothing: the same hidden states bit for bit."""
@@ -209,7 +209,7 @@ def test_the_backbone_asks_for_gemm_operands_where_a_gemm_is_the_only_reader():
     assert asked == {("rmsnorm", True): len(kinds), ("add_rmsnorm", True): len(kinds),
                      ("gated_rmsnorm", True): n_gdn, ("sigmoid_gate", True): n_attn,
                      ("rmsnorm", False): 2 * n_attn + 1}
-    plain, _ = backbone(CpuOps(), load_params(ck, CpuOps()), ids, np.array([0, 70]), np.arange(70))
+    plain, _ = backbone(CpuOps(), gold_params, ids, np.array([0, 70]), np.arange(70))
     assert np.array_equal(hs, plain)
 
 

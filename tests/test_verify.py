@@ -77,10 +77,10 @@ def test_compare_flags_a_perturbed_weight(where, name, flag):
     assert flagged and re.match(flag, flagged[0])
 
 
-def test_compare_without_the_tower_runs_the_text_request_alone():
+def test_compare_without_the_tower_runs_the_text_request_alone(gold_params):
     ck = Checkpoint(MODEL)
     lines = []
-    assert verify.compare(ck, cpu, load_params(ck, cpu), out=lines.append)
+    assert verify.compare(ck, cpu, gold_params, out=lines.append)
     assert "(text); per-layer" in lines[0] and not any("image" in line for line in lines)
 
 

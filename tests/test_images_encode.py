@@ -3,7 +3,6 @@ M-RoPE positions and the two error rows of the golden-images fixtures."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from safetensors.numpy import load_file

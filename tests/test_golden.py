@@ -30,6 +30,11 @@ def clefcore_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "clefcore.cli"]
 
 
+def rel(got, want) -> float:
+    """max |got - want| / max |want|: the fixtures' relative measure for hidden states."""
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
 def assert_same_response(got, want, path="response"):
     """Structure, keys, key order and strings exact; numbers within 1e-4."""
     if isinstance(want, dict):
@@ -97,10 +102,8 @@ def test_every_layer_matches(fx, engine):
     _, hs, layers = engine.forward([prepared.record], keep_layers=True)
     # the fixture's last layer entry is the residual stream before the final norm, like ours
     for i, (got, want) in enumerate(zip(layers, ref["layer_outputs"])):
-        rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel <= 1e-4, f"layer {i}: max |diff| / max |value| = {rel:.2e}"
-    rel = np.abs(hs - ref["last_hidden_state"]).max() / np.abs(ref["last_hidden_state"]).max()
-    assert rel <= 1e-4, f"final norm output: {rel:.2e}"
+        assert (r := rel(got, want)) <= 1e-4, f"layer {i}: max |diff| / max |value| = {r:.2e}"
+    assert (r := rel(hs, ref["last_hidden_state"])) <= 1e-4, f"final norm output: {r:.2e}"
 
 
 def test_packed_batch_equals_one_by_one(engine):

@@ -18,7 +18,7 @@ from clefcore.model.backbone import embed_with_images
 from clefcore.preparer import Preparer
 
 from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file
-from test_golden import check_cli_against_fixture
+from test_golden import check_cli_against_fixture, rel
 
 OK = [fx for fx in EXPECTED if "error" not in fx]
 
@@ -53,11 +53,10 @@ def test_states_and_logits(fx, engine):
     st = load_file(str(states))
     rows, embeds = engine.image_inputs([p.record])
     x = embed_with_images(engine.ops, engine.params, p.record.input_ids, rows, embeds)
-    assert np.abs(x - st["inputs_embeds"]).max() / np.abs(st["inputs_embeds"]).max() < 2e-4
+    assert rel(x, st["inputs_embeds"]) < 2e-4
     for i, (got, want) in enumerate(zip(layers, st["layer_outputs"], strict=True)):
-        rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel < 2e-4, f"layer {i}: {rel:.2e}"
-    assert np.abs(hs - st["last_hidden_state"]).max() / np.abs(st["last_hidden_state"]).max() < 2e-4
+        assert (r := rel(got, want)) < 2e-4, f"layer {i}: {r:.2e}"
+    assert rel(hs, st["last_hidden_state"]) < 2e-4
 
 
 def test_packed_with_text_only_requests(engine):

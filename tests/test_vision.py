@@ -13,14 +13,11 @@ from clefcore.model import vision
 from clefcore.precision import Plan
 
 from golden_images_data import EXPECTED, MODEL, fixture_file, image_file
+from test_golden import rel
 
 NUMPY = CpuOps()
 PARAMS = vision.load_vision(Checkpoint(MODEL), NUMPY)
 TOL = 1e-5   # relative to the tensor's largest value: the fixture README's suggestion for the vision tensors
-
-
-def rel(got, want) -> float:
-    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
 
 
 def pixels_of(fx):

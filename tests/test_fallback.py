@@ -18,19 +18,13 @@ from clefcore.backends.cpu import CpuOps
 from clefcore.errors import DeviceError, GuardError
 
 from gpu_only import MARKS
+from test_reserve import _numbers
 
 GOLD = Path(__file__).parent / "golden"
 MODEL = GOLD / "model"
 BODIES = [json.loads(line) for line in (GOLD / "requests.jsonl").read_text().splitlines()[:3]]
 LAYER = 2          # a linear-attention layer in the middle of the tiny model
 SCALE = 400.0      # gate/up weights ~0.02 * 400: |silu(g) * u| reaches ~1e5 on these requests
-
-
-def _probabilities(response: dict) -> list[float]:
-    out = []
-    for a in response["answers"].values():
-        out += list(a["probabilities"].values()) if "probabilities" in a else [a["noul"]]
-    return out
 
 
 def _scale_mlp(engine, factor: float) -> None:
@@ -103,7 +97,8 @@ def test_cpu_fast_in_range_does_not_fall_back(cpu_exact):
     out = engine.decide_many(BODIES)
     assert engine.fallbacks == 0 and engine.ops.fallbacks == 0
     exact = clefcore.load(MODEL, device="cpu", validation="reference").decide_many(BODIES)
-    d = max(abs(a - b) for o, e in zip(out, exact) for a, b in zip(_probabilities(o), _probabilities(e)))
+    got, want = (_numbers([a for r in rs for a in r["answers"].values()]) for rs in (out, exact))
+    d = float(np.abs(got - want).max())
     assert 0 < d < 1e-2                                  # the rounding is real, and within fast's contract
 
 

@@ -6,8 +6,6 @@ probe for an optional attribute) and answer as the plain numpy backend does."""
 from __future__ import annotations
 
 import inspect
-import json
-from pathlib import Path
 
 import pytest
 
@@ -20,10 +18,11 @@ from clefcore.backends.interface import Backend
 from clefcore.precision import FP32, Plan
 
 from golden_images_data import MODEL, REQUESTS
+from golden_requests import BODIES
 
 METHODS = {n: f for n, f in vars(Backend).items() if inspect.isfunction(f) and not n.startswith("_")}
 DATA = [n for n in Backend.__annotations__]
-TEXT = json.loads((Path(__file__).parent / "golden" / "requests.jsonl").read_text().splitlines()[0])
+TEXT = BODIES[0]
 
 
 def _params(fn, drop_self: bool) -> list[str]:

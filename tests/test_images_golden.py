@@ -4,7 +4,6 @@ README's (logits 2e-4 absolute, states 2e-4 relative, response numbers 1e-4)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from clefcore.model.backbone import embed_with_images
 from clefcore.preparer import Preparer
 
 from golden_images_data import EXPECTED, MODEL, REQUEST_BYTES, fixture_file
+from golden_requests import BODIES
 from test_golden import check_cli_against_fixture, rel
 
 OK = [fx for fx in EXPECTED if "error" not in fx]
@@ -61,8 +61,7 @@ def test_states_and_logits(fx, engine):
 
 def test_packed_with_text_only_requests(engine):
     """Image and text-only requests in one forward: each answer equals its own forward's."""
-    text = json.loads((Path(__file__).parent / "golden" / "requests.jsonl").read_text().splitlines()[0])
-    records = [prepared(engine, 3).record, engine.prepare(text).record, prepared(engine, 0).record]
+    records = [prepared(engine, 3).record, engine.prepare(BODIES[0]).record, prepared(engine, 0).record]
     packed, _, _ = engine.forward(records)
     for rec, z_packed in zip(records, packed):
         (z_single,), _, _ = engine.forward([rec])

@@ -23,14 +23,9 @@ from gpu_only import HAVE_GPU
 LIMITS = dict(batch_tokens=1024, batch_requests=4, chunk_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def cpu_engine():
-    return clefcore.load(GOLD / "model", "cpu", context_length=2048)
-
-
 @pytest.mark.parametrize("tokens", [1, 300, 1001])
-def test_padded_lengthens_the_state_only(cpu_engine, tokens):
-    base = cpu_engine.prepare(support_ticket())
+def test_padded_lengthens_the_state_only(engine, tokens):
+    base = engine.prepare(support_ticket())
     p = padded(base, tokens)
     r, b = p.record, base.record
     assert p.num_tokens == max(tokens, base.num_tokens)
@@ -43,13 +38,13 @@ def test_padded_lengthens_the_state_only(cpu_engine, tokens):
         assert np.array_equal(r.input_ids[slice(*q.question_span)], b.input_ids[slice(*bq.question_span)])
         for o, bo in zip(q.option_spans, bq.option_spans):
             assert np.array_equal(r.input_ids[slice(*o)], b.input_ids[slice(*bo)])
-    out = cpu_engine.infer([p])[0]                    # a well-formed decision
+    out = engine.infer([p])[0]                        # a well-formed decision
     assert list(out["answers"]) == list(support_ticket()["questions"])
 
 
-def test_the_cpu_reserves_nothing(cpu_engine):
-    assert cpu_engine.reserve(**LIMITS) == 0
-    assert cpu_engine.status().backend.get("reserved_bytes", 0) == 0
+def test_the_cpu_reserves_nothing(engine):
+    assert engine.reserve(**LIMITS) == 0
+    assert engine.status().backend.get("reserved_bytes", 0) == 0
 
 
 def _numbers(answers) -> np.ndarray:

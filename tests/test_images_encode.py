@@ -31,15 +31,11 @@ OK = [fx for fx in EXPECTED if "error" not in fx]
 
 @pytest.mark.parametrize("fx", OK, ids=[fx["name"] for fx in OK])
 def test_ids_spans_and_positions(fx):
+    """State, image spans, M-RoPE positions (ids and question spans: test_images_golden's CLI test)."""
     rec = encode(fx["index"])
-    assert rec.input_ids.tolist() == fx["input_ids"]
     assert list(rec.state_span) == fx["state_span"]
     assert rec.state_tokens_before_truncation == fx["state_tokens_before_truncation"]
     assert rec.state_truncated == fx["state_truncated"]
-    for q, want in zip(rec.questions, fx["questions"], strict=True):
-        assert (q.id, list(q.question_span), list(q.option_ids)) == (want["id"], want["question_span"],
-                                                                     want["option_ids"])
-        assert [list(s) for s in q.option_spans] == want["option_spans"]
     assert len(rec.image_spans) == len(fx["images"])
     for (start, end, rows, cols), img in zip(rec.image_spans, fx["images"]):
         assert [start, end] == img["pad_span"] and [rows, cols] == img["llm_grid_hw"]

@@ -1,6 +1,6 @@
 """The golden request bodies (tests/golden/requests.jsonl) and, prepared by an engine, the ones it accepts (the
-set also holds bodies every engine must refuse): real prompts of several lengths for the engine's tests. Import
-it after ``sys.path.insert(0, tests dir)``."""
+set also holds bodies every engine must refuse): real prompts of several lengths for the engine's tests. Tests
+import it by name: conftest.py puts this folder on sys.path."""
 
 from __future__ import annotations
 

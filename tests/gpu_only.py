@@ -1,7 +1,7 @@
 """One answer to "is there a GPU?" for the test modules: ``HAVE_GPU``, ``HAVE_FP8`` (fp8 tensor cores, compute
 capability 8.9+, which the split8 precision needs), ``HAVE_MMA`` (compute capability 8.0+, where gemm_mma.cu runs in
 native code), ``HAVE_CUBLAS`` / ``NEEDS_CUBLAS`` and ``MARKS`` (the ``gpu`` marker plus a clean skip without
-CuPy or a visible CUDA device). Import it after ``sys.path.insert(0, tests dir)``."""
+CuPy or a visible CUDA device). Tests import it by name: conftest.py puts this folder on sys.path."""
 
 from __future__ import annotations
 

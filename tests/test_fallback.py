@@ -18,7 +18,7 @@ from clefcore.backends.cpu import CpuOps
 from clefcore.errors import DeviceError, GuardError
 
 from gpu_only import MARKS
-from test_reserve import _numbers
+from test_reserve import answer_numbers
 
 GOLD = Path(__file__).parent / "golden"
 MODEL = GOLD / "model"
@@ -97,7 +97,7 @@ def test_cpu_fast_in_range_does_not_fall_back(cpu_exact):
     out = engine.decide_many(BODIES)
     assert engine.fallbacks == 0 and engine.ops.fallbacks == 0
     exact = clefcore.load(MODEL, device="cpu", validation="reference").decide_many(BODIES)
-    got, want = (_numbers([a for r in rs for a in r["answers"].values()]) for rs in (out, exact))
+    got, want = (answer_numbers([a for r in rs for a in r["answers"].values()]) for rs in (out, exact))
     d = float(np.abs(got - want).max())
     assert 0 < d < 1e-2                                  # the rounding is real, and within fast's contract
 

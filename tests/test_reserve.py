@@ -47,7 +47,7 @@ def test_the_cpu_reserves_nothing(engine):
     assert engine.status().backend.get("reserved_bytes", 0) == 0
 
 
-def _numbers(answers) -> np.ndarray:
+def answer_numbers(answers) -> np.ndarray:
     """Every probability in a list of answers (each a question's dict), in order."""
     out = []
     for a in answers:
@@ -85,13 +85,13 @@ def test_after_the_reservation_nothing_allocates_and_answers_are_unchanged():
     assert pool.total_bytes() == before           # every forward's buffers came from the arena
     assert engine.status().backend["reserve_overflows"] == 0
     assert len(got) == len(want) > 20
-    np.testing.assert_allclose(_numbers(got), _numbers(want), rtol=1e-6, atol=1e-7)   # the same kernels
+    np.testing.assert_allclose(answer_numbers(got), answer_numbers(want), rtol=1e-6, atol=1e-7)  # same kernels
 
     # beyond the limits (a batch 4x --max-batch-tokens): answered all the same, from CuPy's pool, and counted
     big = padded(engine.prepare(support_ticket()), LIMITS["batch_tokens"])
-    np.testing.assert_allclose(_numbers(a for r in engine.infer([big] * 4) for a in r["answers"].values()),
-                               _numbers(a for r in ref.infer([big] * 4) for a in r["answers"].values()),
-                               rtol=1e-6, atol=1e-7)
+    got, want = (answer_numbers(a for r in e.infer([big] * 4) for a in r["answers"].values())
+                 for e in (engine, ref))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert engine.status().backend["reserve_overflows"] > 0
 
 

@@ -2,7 +2,7 @@
 per-question probabilities within each precision mode's contract of the reference (exact 2e-4, fast 1e-2), hidden
 states close, packed == one by one. Runs both modes for the native build and for the compute_70 PTX of the pip
 NVRTC 12 (the Volta code path, JIT-compiled), and split8 with every GEMM on cuBLAS(Lt) where fp8 exists.
-tests/test_vision_gpu.py runs the image fixtures over the same modes and bounds (_modes, cuda_options, BOUND)."""
+tests/test_vision_gpu.py runs the image fixtures over the same modes and bounds (modes, cuda_options, BOUND)."""
 
 import json
 import sys
@@ -35,7 +35,7 @@ BOUND = {"exact": 2e-4, "fast": 1e-2}
 STATES_BOUND = {"exact": 2e-3, "fast": 5e-2}
 
 
-def _modes():
+def modes():
     """fast and exact on the native build and on the compute_70 PTX (Volta code path) where NVRTC 12 is at hand;
     split8 through cuBLAS(Lt) on fp8 GPUs where cuBLAS loads."""
     from clefcore.backends.cuda import compile as C
@@ -45,14 +45,14 @@ def _modes():
 
 
 def cuda_options(mode: str) -> dict:
-    """CudaOps keyword arguments (also clefcore.load's) for one of _modes()."""
+    """CudaOps keyword arguments (also clefcore.load's) for one of modes()."""
     if mode == "split8":     # cuBLAS(Lt) for every GEMM: at these small shapes the autotune picks wmma
         return dict(precision="split8", gemm="cublas")
     build, precision = mode.split("-")
     return dict(ptx70=build == "ptx70", precision=precision)
 
 
-@pytest.fixture(scope="module", params=_modes())
+@pytest.fixture(scope="module", params=modes())
 def loaded(request):
     from clefcore.backends.cuda import CudaOps
     ops = CudaOps(0, **cuda_options(request.param))
@@ -70,7 +70,7 @@ def _questions(rec):
             for q in rec["questions"]]
 
 
-def _softmax(z):
+def softmax(z):
     z = np.asarray(z, np.float64)
     e = np.exp(z - z.max())
     return e / e.sum()
@@ -86,7 +86,7 @@ def test_golden_probabilities(loaded):
         ops.check_finite(hs, "final hidden states")
         logits = heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]
         for q, z in zip(rec["questions"], logits):
-            p = _softmax(z)
+            p = softmax(z)
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))
             worst = max(worst, err)
             assert err <= BOUND[ops.mode], f"{rec['name']} / {q['id']}: probability error {err:.2e} ({ops.mode})"

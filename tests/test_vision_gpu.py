@@ -21,13 +21,13 @@ import clefcore  # noqa: E402
 from clefcore.backends.cpu import CpuOps  # noqa: E402
 from clefcore.model import vision  # noqa: E402
 from golden_images_data import EXPECTED, MODEL  # noqa: E402
-from test_gpu_engine import BOUND, STATES_BOUND, _modes, _softmax, cuda_options  # noqa: E402
+from test_gpu_engine import BOUND, STATES_BOUND, modes, softmax, cuda_options  # noqa: E402
 from test_images_golden import OK, prepared  # noqa: E402
 
 TEXT = json.loads((Path(__file__).parent / "golden" / "requests.jsonl").read_text().splitlines()[0])
 
 
-@pytest.fixture(scope="module", params=_modes())
+@pytest.fixture(scope="module", params=modes())
 def engine(request):
     return clefcore.load(MODEL, device="cuda:0", confidence="reference", validation="reference",
                          **cuda_options(request.param))
@@ -45,11 +45,11 @@ def _label(engine) -> str:
 
 def _prob_error(logits, questions) -> float:
     """Worst probability error of one request's logits against the fixture's probabilities."""
-    return max(float(np.max(np.abs(_softmax(z) - np.array(q["probabilities"])))) for z, q in zip(logits, questions))
+    return max(float(np.max(np.abs(softmax(z) - np.array(q["probabilities"])))) for z, q in zip(logits, questions))
 
 
 def _prob_diff(a, b) -> float:
-    return max(float(np.max(np.abs(_softmax(x) - _softmax(y)))) for x, y in zip(a, b))
+    return max(float(np.max(np.abs(softmax(x) - softmax(y)))) for x, y in zip(a, b))
 
 
 def test_golden_images_probabilities(engine):

@@ -95,6 +95,10 @@ class DeviceError(ClefError):
     type = "device_error"
 
 
+class ArenaFull(DeviceError):
+    """An arena (clefcore.pool.Arena) without overflow has no free piece as large as an allocation asks for."""
+
+
 class GuardError(DeviceError):
     """A per-layer guard tripped: a layer's output holds NaN/Inf or is all zero. ``what`` names the layer and its
     tokens. In the fast precision the engine answers such a batch again on the range-safe exact path."""

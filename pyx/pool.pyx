@@ -5,8 +5,8 @@
 ``activate()`` and ``deactivate()`` (``CudaOps.begin_forward`` / ``end_forward``) every CuPy allocation of the
 current thread is carved out of it, best fit and 256-byte aligned, and its range goes back to the arena when
 the array dies. So a forward never calls cudaMalloc, and the token-blocked prefill's early frees are reused
-by the next block. Running out raises ``clefcore.errors.DeviceError`` naming the bytes asked for, the largest
-free piece and the free total; an arena made with ``overflow=True`` instead takes that allocation from CuPy's
+by the next block. Running out raises ``clefcore.errors.ArenaFull`` (a DeviceError) naming the bytes asked
+for, the largest free piece and the free total; an arena made with ``overflow=True`` instead takes that allocation from CuPy's
 own pool and counts it (``overflows``, ``overflow_bytes``): work beyond what the arena was sized for (an image
 batch) is answered, and the count says the reservation was short.
 
@@ -24,7 +24,7 @@ from bisect import bisect_left
 cimport cython
 import cupy
 
-from clefcore.errors import DeviceError
+from clefcore.errors import ArenaFull, DeviceError
 
 DEF ALIGN = 256
 
@@ -178,7 +178,7 @@ cdef class Arena:
             with cupy.cuda.Device(self.device_id):
                 return cupy.get_default_memory_pool().malloc(nbytes)
         if start < 0:
-            raise DeviceError(f"arena out of memory: asked for {nbytes} bytes; largest free piece "
+            raise ArenaFull(f"arena out of memory: asked for {nbytes} bytes; largest free piece "
                               f"{self.free.largest_free()} bytes, {self.free.capacity - self.free.in_use} of "
                               f"{self.free.capacity} bytes free (lower the token block or the batch's tokens)")
         piece = _Piece()

@@ -58,11 +58,12 @@ def test_no_padding_for_packed_or_long_prompts():
 
 # ------------------------------------------------------------------------------------------------- GPU
 
-@pytest.fixture(scope="module")
-def gpu():
+@pytest.fixture(scope="module", params=["graph_arenas=off", "graph_arenas"])
+def gpu(request):
+    """Each graph's memory in a CuPy pool (the default) and in an arena of its own (the graph_arenas switch)."""
     from clefcore.backends.cuda import CudaOps
     ck = Checkpoint(GOLD)
-    ops = CudaOps(0, graph_tokens=256)
+    ops = CudaOps(0, graph_tokens=256, kernels=request.param)
     return ck, ops, load_params(ck, ops)
 
 

@@ -9,6 +9,11 @@ valid for its whole life: its activations live in its own pool (never handed to 
 pins every index table ``DeviceContext.upload`` returned during the capture and the weights the graph reads. A
 capture that fails for any reason falls back to eager runs for that key and is logged: a graph may make a
 forward faster, never wrong.
+Under the ``graph_arenas`` switch a graph's memory is instead one ``clefcore.pool.Arena`` (one cudaMalloc):
+captured first in a trial arena (the cache's largest need so far, doubled until the graph fits), then, where the
+trial was larger than this graph needs, again in an arena of its own extent plus reserve.py's margin. A CuPy pool
+is many small cudaMallocs, and the driver keeps what they held after the graph is dropped (about 1 MiB a capture
+on an H100): the head's captures come with the traffic.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to the device context after every launch, so ``check_watched`` reads them.
 Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under
@@ -22,6 +27,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from ... import errors, switches
+from .reserve import GRANULE, MARGIN
 
 log = logging.getLogger("clefcore.cuda")
 
@@ -55,7 +63,8 @@ class _Entry:
     inputs: list          # static input buffers (the graph reads these addresses)
     output: object        # the array fn returned during the capture (the graph writes it)
     watched: list         # CudaOps.watch records made during the capture
-    pool: object          # the private MemoryPool holding every activation of the graph
+    memory: object        # the private MemoryPool or Arena holding every activation of the graph
+    nbytes: int           # the device bytes it holds
     reads: tuple          # the arrays besides the inputs that the graph reads (weights): held, and compared
     pinned: list = field(default_factory=list)
 
@@ -74,6 +83,7 @@ class GraphCache:
         self._seen = _Recent(REMEMBERED)
         self._failed = _Recent(REMEMBERED)
         self._stream = None          # the side stream every capture of this cache runs on (made at the first)
+        self._trial_bytes = GRANULE  # graph_arenas: the trial arena's size, the largest graph's need so far
         self.launches = 0
         self.captures = 0
 
@@ -95,7 +105,7 @@ class GraphCache:
         return 0 < tokens <= self.max_tokens and self.capacity > 0
 
     def nbytes(self) -> int:
-        return sum(e.pool.total_bytes() for e in self._graphs.values())
+        return sum(e.nbytes for e in self._graphs.values())
 
     def run(self, key, fn, inputs, reads):
         """``reads``: every array ``fn`` reads besides its inputs (the weights). Their addresses are baked into
@@ -127,19 +137,57 @@ class GraphCache:
         return e.output
 
     def _capture(self, key, fn, inputs, reads):
-        ctx, cp = self.ctx, self.ctx.cp
-        pool = cp.cuda.MemoryPool()
         # one side stream for all of them: what a library keeps per stream (a cuBLAS workspace) is made once, not
         # once per capture, and the head's captures come with the traffic
         if self._stream is None:
-            self._stream = cp.cuda.Stream(non_blocking=True)
-        stream = self._stream
+            self._stream = self.ctx.cp.cuda.Stream(non_blocking=True)
+        self.ctx.cp.cuda.get_current_stream().synchronize()   # the inputs are ready before the side stream copies
+        try:
+            if switches.GRAPH_ARENAS in self.ctx.switches:
+                e = self._capture_in_arena(fn, inputs, reads)
+            else:
+                pool = self.ctx.cp.cuda.MemoryPool()
+                e = self._capture_in(pool, fn, inputs, reads)
+                e.nbytes = int(pool.total_bytes())
+        except Exception as exc:  # noqa: BLE001 - any capture failure means "run this key eagerly"
+            log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly", key,
+                        exc.__class__.__name__, exc)
+            self._failed.add(key)
+            return None
+        self._graphs[key] = e
+        self.captures += 1
+        while len(self._graphs) > self.capacity:
+            self._graphs.popitem(last=False)
+        log.info("captured a CUDA graph for %s (%d graphs, %.1f MiB)", key, len(self._graphs), self.nbytes() / 2 ** 20)
+        return e
+
+    def _capture_in_arena(self, fn, inputs, reads):
+        from ...pool import Arena     # compiled from pyx/pool.pyx
+        device = self.ctx.device_id
+        while True:
+            trial = Arena(self._trial_bytes, device)      # a DeviceError where the device has no such block
+            try:
+                e = self._capture_in(trial, fn, inputs, reads)
+                break
+            except errors.ArenaFull:
+                self._trial_bytes *= 2
+        e.nbytes = int(trial.capacity)
+        need = -(-int(trial.extent * MARGIN) // GRANULE) * GRANULE
+        if need < trial.capacity:
+            try:                                           # this graph alone, without the trial's spare bytes
+                e = self._capture_in(Arena(need, device), fn, inputs, reads)
+                e.nbytes = need
+            except errors.ArenaFull:                       # best fit placed it otherwise: the trial's is kept
+                pass
+        return e
+
+    def _capture_in(self, memory, fn, inputs, reads):
+        """One capture of ``fn`` with every allocation from ``memory`` (a MemoryPool or an Arena)."""
+        ctx, cp, stream = self.ctx, self.ctx.cp, self._stream
         before = ctx.watched
         ctx.watched, ctx.pinned = [], []
-        graph = out = None
-        cp.cuda.get_current_stream().synchronize()       # the inputs are ready before the side stream copies them
         try:
-            with cp.cuda.using_allocator(pool.malloc), stream:
+            with cp.cuda.using_allocator(memory.malloc), stream:
                 static = [x.copy() for x in inputs]
                 stream.synchronize()
                 stream.begin_capture()
@@ -149,18 +197,6 @@ class GraphCache:
                     graph = stream.end_capture()
                 graph.upload(stream)
                 stream.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means "run this key eagerly"
-            log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly", key,
-                        exc.__class__.__name__, exc)
-            self._failed.add(key)
-            return None
+            return _Entry(graph, static, out, ctx.watched, memory, 0, tuple(reads), ctx.pinned)
         finally:
-            watched, pinned = ctx.watched, ctx.pinned
             ctx.watched, ctx.pinned = before, None
-        e = _Entry(graph, static, out, watched, pool, reads, pinned)
-        self._graphs[key] = e
-        self.captures += 1
-        while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
-        log.info("captured a CUDA graph for %s (%d graphs, %.1f MiB)", key, len(self._graphs), self.nbytes() / 2 ** 20)
-        return e

@@ -4,6 +4,8 @@ changes no row on the CPU; on a GPU replays match eager runs, and packed or long
 from __future__ import annotations
 
 import sys
+import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,96 @@ def test_no_padding_for_packed_or_long_prompts():
     got = [pad.padded_length(T, n) for T, n in ((346, 1), (1024, 1), (1025, 1), (346, 2))]
     assert got == [384, 1024, None, None]
     assert _PadOnly(bucket=128, max_tokens=0).padded_length(10, 1) is None
+
+
+MiB = 1 << 20
+
+
+class _Stream:
+    """What a capture asks of a CuPy stream, with nothing behind it: a context, a capture that records no work."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+    def begin_capture(self):
+        pass
+
+    def end_capture(self):
+        return types.SimpleNamespace(upload=lambda stream: None, launch=lambda stream: None)
+
+
+class _FakeArena:
+    """clefcore.pool.Arena's bookkeeping without a device: a bump allocator that raises ArenaFull past capacity."""
+    made = []
+
+    def __init__(self, nbytes, device_id=0):
+        if nbytes > 64 * MiB:
+            raise errors.DeviceError(f"arena: cannot reserve {nbytes} bytes")
+        self.capacity, self.extent = nbytes, 0
+        _FakeArena.made.append(nbytes)
+
+    def malloc(self, n):
+        if self.extent + n > self.capacity:
+            raise errors.ArenaFull(f"arena out of memory: asked for {n} bytes")
+        self.extent += n
+        return n
+
+
+def _arena_cache(monkeypatch):
+    """A GraphCache under graph_arenas whose CuPy is a stand-in and whose arenas are _FakeArena: fn(nbytes)
+    allocates nbytes from whatever allocator is active, as an op does inside a capture."""
+    from clefcore import switches
+    active = []
+
+    @contextmanager
+    def using_allocator(malloc):
+        active.append(malloc)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    cuda = types.SimpleNamespace(Stream=lambda non_blocking: _Stream(), using_allocator=using_allocator,
+                                 get_current_stream=_Stream)
+    ctx = types.SimpleNamespace(cp=types.SimpleNamespace(cuda=cuda, copyto=lambda dst, src: None),
+                                switches=frozenset({switches.GRAPH_ARENAS}), device_id=0, watched=[], pinned=None)
+    monkeypatch.setitem(sys.modules, "clefcore.pool", types.SimpleNamespace(Arena=_FakeArena))
+    _FakeArena.made = []
+
+    def fn(x):
+        return active[-1](int(x.sum())) if active else None
+    return GraphCache(ctx, max_tokens=1024, capacity=4), fn
+
+
+def test_a_graph_arena_is_found_by_doubling_then_cut_to_the_graphs_need(monkeypatch):
+    cache, fn = _arena_cache(monkeypatch)
+    five = np.array([5 * MiB])
+    for _ in range(2):                                     # seen, then captured
+        cache.run("five", fn, [five], ())
+    # 2 and 4 MiB run out, 8 MiB holds it; 5 MiB with the 5 % margin is 6 MiB in whole 2 MiB granules
+    assert _FakeArena.made == [2 * MiB, 4 * MiB, 8 * MiB, 6 * MiB]
+    assert cache.nbytes() == 6 * MiB and cache.captures == 1
+    one = np.array([1 * MiB])
+    for _ in range(2):
+        cache.run("one", fn, [one], ())
+    # the next trial starts at the largest need so far, not at the doubling's 8 MiB
+    assert _FakeArena.made[4:] == [6 * MiB, 2 * MiB]
+    assert cache.nbytes() == 8 * MiB and cache.captures == 2
+
+
+def test_a_graph_no_arena_can_hold_runs_eagerly(monkeypatch):
+    cache, fn = _arena_cache(monkeypatch)
+    huge = np.array([100 * MiB])
+    for _ in range(3):
+        cache.run("huge", fn, [huge], ())
+    assert _FakeArena.made == [2 * MiB << i for i in range(6)]   # up to 64 MiB, then the device says no
+    assert cache.captures == 0 and cache.nbytes() == 0 and "huge" in cache._failed
 
 
 # ------------------------------------------------------------------------------------------------- GPU

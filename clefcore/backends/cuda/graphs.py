@@ -10,8 +10,9 @@ pins every index table ``DeviceContext.upload`` returned during the capture and 
 capture that fails for any reason falls back to eager runs for that key and is logged: a graph may make a
 forward faster, never wrong.
 Under the ``graph_arenas`` switch a graph's memory is instead one ``clefcore.pool.Arena`` (one cudaMalloc):
-captured first in a trial arena (the cache's largest need so far, doubled until the graph fits), then, where the
-trial was larger than this graph needs, again in an arena of its own extent plus reserve.py's margin. A CuPy pool
+captured first in a trial arena (the largest need of the cache's graphs so far, doubled until the graph fits),
+then, where the trial was larger than this graph needs, again in an arena of its own extent plus reserve.py's
+margin. A CuPy pool
 is many small cudaMallocs, and the driver keeps what they held after the graph is dropped (about 1 MiB a capture
 on an H100): the head's captures come with the traffic.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
@@ -83,7 +84,8 @@ class GraphCache:
         self._seen = _Recent(REMEMBERED)
         self._failed = _Recent(REMEMBERED)
         self._stream = None          # the side stream every capture of this cache runs on (made at the first)
-        self._trial_bytes = GRANULE  # graph_arenas: the trial arena's size, the largest graph's need so far
+        self._trial_bytes = GRANULE  # graph_arenas: the next trial arena's size
+        self._largest = GRANULE      # graph_arenas: the largest graph's need so far
         self.launches = 0
         self.captures = 0
 
@@ -173,6 +175,8 @@ class GraphCache:
                 self._trial_bytes *= 2
         e.nbytes = int(trial.capacity)
         need = -(-int(trial.extent * MARGIN) // GRANULE) * GRANULE
+        self._largest = max(self._largest, need)
+        self._trial_bytes = self._largest              # not the doubling's overshoot
         if need < trial.capacity:
             try:                                           # this graph alone, without the trial's spare bytes
                 e = self._capture_in(Arena(need, device), fn, inputs, reads)

@@ -32,7 +32,7 @@ class Switch:
 GRAPH_ARENAS = Switch(
     "graph_arenas", False,
     "each CUDA graph's memory is one reservation of its own (clefcore.pool.Arena, sized by a trial capture) instead "
-    "of a CuPy pool of many small cudaMallocs, which the driver does not give back when the graph is dropped "
+    "of a CuPy pool of many small cudaMallocs, whose memory the device does not get back when the graph is dropped "
     "(about 1 MiB left behind per head-graph capture on an H100)")
 SWITCHES: tuple[Switch, ...] = (GRAPH_ARENAS,)
 BY_NAME = {s.name: s for s in SWITCHES}

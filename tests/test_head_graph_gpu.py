@@ -347,13 +347,13 @@ def test_captures_that_come_with_the_traffic_hold_no_more_memory(gpu, request):
     """Every schema seen twice is captured, and the cache keeps the last few: forty more captures past a full
     cache leave the device's memory beyond the cache's own graphs where it was (nothing a capture makes, such as
     a library's per-stream workspace, may pile up; 4 MiB of slack, two of the arenas' granules). In CuPy pools
-    they do not: the driver keeps about 1 MiB of the small cudaMallocs of each dropped graph's pool
+    they do not: about 1 MiB of each dropped graph's pool of small cudaMallocs is not given back to the device
     (docs/bench/2026-12-07-h100-op-objects), which the graph_arenas switch is for."""
     import cupy
     from clefcore import switches
     ops, p = gpu
     if switches.GRAPH_ARENAS not in ops.ctx.switches:
-        request.applymarker(pytest.mark.xfail(reason="CuPy pools: about 1 MiB a capture stays with the driver"))
+        request.applymarker(pytest.mark.xfail(reason="CuPy pools: about 1 MiB a capture is not given back"))
     cache = ops.head_graphs
 
     def used_beyond_the_cache():

@@ -12,9 +12,8 @@ forward faster, never wrong.
 Under the ``graph_arenas`` switch a graph's memory is instead one ``clefcore.pool.Arena`` (one cudaMalloc):
 captured first in a trial arena (the largest need of the cache's graphs so far, doubled until the graph fits),
 then, where the trial was larger than this graph needs, again in an arena of its own extent plus reserve.py's
-margin. A CuPy pool
-is many small cudaMallocs, and the driver keeps what they held after the graph is dropped (about 1 MiB a capture
-on an H100): the head's captures come with the traffic.
+margin. A CuPy pool is many small cudaMallocs, and the device does not get back what they held when the graph is
+dropped (about 1 MiB a capture on an H100): the head's captures come with the traffic.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to the device context after every launch, so ``check_watched`` reads them.
 Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under

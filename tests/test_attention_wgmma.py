@@ -3,9 +3,7 @@
 (tests/attn_wgmma_model.py: its shared-memory layouts and descriptors, its tiling, masking and roundings)
 against the numpy attention. The kernel itself runs in test_attention_wgmma_gpu.py."""
 
-import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +13,8 @@ from clefcore.backends.cuda.attention import Attention
 from clefcore.kernel_select import ATTN, ATTN_WGMMA, Device, Setting, causal_attention
 from clefcore.precision import TABLE
 
-sys.path.insert(0, str(Path(__file__).parent))
-import attn_wgmma_model as model  # noqa: E402
-from gpu_only import reseed  # noqa: E402
+import attn_wgmma_model as model
+from gpu_only import reseed
 
 RNG = np.random.default_rng()
 

@@ -14,8 +14,6 @@ the order of the fp32 sums of the tensor cores, which moves a probability across
 and then: the new kernel's error may exceed the old one's by a quarter at most (on the H200 the two are expected
 to agree far closer; the bound is what "not worse" means here)."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +22,7 @@ from clefcore.backends import cpu
 from clefcore import kernel_select
 from clefcore.kernel_select import ATTN, ATTN_WGMMA, causal_attention
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS, reseed  # noqa: E402
+from gpu_only import MARKS, reseed
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

@@ -16,23 +16,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_MMA, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, HAVE_MMA, MARKS
 
-import clefcore  # noqa: E402
-from clefcore import images  # noqa: E402
-from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights  # noqa: E402
-from clefcore.backends.cpu import CpuOps  # noqa: E402
-from clefcore.backends.cuda.matmul import shape_key  # noqa: E402
-from clefcore.checkpoint import Checkpoint  # noqa: E402
-from clefcore.config import read_json  # noqa: E402
-from clefcore.encode import mrope_positions  # noqa: E402
-from clefcore.errors import DeviceError  # noqa: E402
-from clefcore.kernel_select import GemmRoute  # noqa: E402
-from clefcore.model import vision  # noqa: E402
-from clefcore.model.head import HeadLayout  # noqa: E402
-from clefcore.model.params import load_params  # noqa: E402
-from clefcore.synth import picture_png  # noqa: E402
+import clefcore
+from clefcore import images
+from clefcore.bench import end_to_end, image, kernels, peers, provenance, records, weights
+from clefcore.backends.cpu import CpuOps
+from clefcore.backends.cuda.matmul import shape_key
+from clefcore.checkpoint import Checkpoint
+from clefcore.config import read_json
+from clefcore.encode import mrope_positions
+from clefcore.errors import DeviceError
+from clefcore.kernel_select import GemmRoute
+from clefcore.model import vision
+from clefcore.model.head import HeadLayout
+from clefcore.model.params import load_params
+from clefcore.synth import picture_png
 
 cupy = pytest.importorskip("cupy")
 

@@ -5,11 +5,9 @@ short description of the product's current results."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_docs import BENCH, BENCHMARKS, ROOT, cited_paths, expand_braces  # noqa: E402
+from bench_docs import BENCH, BENCHMARKS, ROOT, cited_paths, expand_braces
 
 RECORD = re.compile(r"\d{4}-\d{2}-\d{2}-[a-z0-9]+(?:-[a-z0-9]+)*")
 # words about how the work was organised, which the docs leave out

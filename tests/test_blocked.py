@@ -3,7 +3,6 @@ sequences at awkward places; the ops that carry state across a block boundary on
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,7 @@ from clefcore.checkpoint import Checkpoint
 from clefcore.model.backbone import _conv_tail, backbone, block_plan
 from clefcore.model.params import load_params
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_GPU  # noqa: E402
+from gpu_only import HAVE_GPU
 
 GOLD = Path(__file__).parent / "golden" / "model"
 RNG = np.random.default_rng(11)

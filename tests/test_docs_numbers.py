@@ -20,14 +20,12 @@ committed record yet, so that the gap stays in sight.
 from __future__ import annotations
 
 import re
-import sys
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_docs import DOCS, ROOT, Figure, figure_of, figures, unbacked  # noqa: E402
+from bench_docs import DOCS, ROOT, Figure, figure_of, figures, unbacked
 
 # (page, a snippet of the line, the figures on it that are not measurements): why
 SETTINGS = {

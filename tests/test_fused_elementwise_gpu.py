@@ -12,7 +12,6 @@ rounding it; the fused gate/up GEMM adds each output's products in the plain ker
 inherit."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,7 @@ import pytest
 from clefcore.backends import cpu
 from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute, mma_tile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_MMA, MARKS, reseed  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_MMA, MARKS, reseed
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

@@ -3,16 +3,13 @@ GPU, beyond the op table's rows (tests/test_ops.py, which hold them to the refer
 bound): the same bits twice, and the golden fixtures through the whole model. Natively and through the
 compute_70 PTX (the Volta code path)."""
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS, reseed  # noqa: E402
-import gdn_wy_model as wy  # noqa: E402
+from gpu_only import MARKS, reseed
+import gdn_wy_model as wy
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

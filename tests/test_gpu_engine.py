@@ -5,15 +5,13 @@ NVRTC 12 (the Volta code path, JIT-compiled), and split8 with every GEMM on cuBL
 tests/test_vision_gpu.py runs the image fixtures over the same modes and bounds (modes, cuda_options, BOUND)."""
 
 import json
-import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

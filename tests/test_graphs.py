@@ -18,8 +18,7 @@ from clefcore.checkpoint import Checkpoint
 from clefcore.model.backbone import backbone
 from clefcore.model.params import load_params
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import MARKS
 
 GOLD = Path(__file__).parent / "golden" / "model"
 

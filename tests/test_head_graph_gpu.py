@@ -22,7 +22,6 @@ without one (tests/test_head_layout.py).
 
 from __future__ import annotations
 
-import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,8 +37,7 @@ from clefcore.model import head as head_module
 from clefcore.model.head import HeadLayout, heads
 from clefcore.model.params import load_params
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS, NEEDS_CUBLAS, reseed  # noqa: E402
+from gpu_only import MARKS, NEEDS_CUBLAS, reseed
 
 pytestmark = MARKS
 GOLD = Path(__file__).parent / "golden" / "model"

@@ -4,8 +4,6 @@ image tokens (clefcore/preparer.py): refused from the image's size, before it is
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -14,9 +12,8 @@ from clefcore.errors import CheckpointError, ImageTokensError
 from clefcore.preparer import PROCESSOR_DEFAULT_PIXELS, ImageLimits, pixel_bounds, request_pixels
 from clefcore.preprocess import PixelBounds
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import MODEL  # noqa: E402
-from test_images import encode  # noqa: E402
+from golden_images_data import MODEL
+from test_images import encode
 
 
 def _png(width: int, height: int) -> bytes:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +15,7 @@ from safetensors.numpy import load_file
 from clefcore import images
 from clefcore.errors import RequestError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import EXPECTED, REQUESTS, image_file  # noqa: E402
+from golden_images_data import EXPECTED, REQUESTS, image_file
 
 PNG_URL = REQUESTS[0]["images"][0]              # shapes_64x48 as a data URL
 PNG_B64 = PNG_URL.split(",", 1)[1]

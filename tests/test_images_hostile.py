@@ -6,9 +6,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +15,8 @@ from PIL import Image
 import clefcore
 from clefcore.errors import RequestError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from golden_images_data import MODEL, REQUESTS  # noqa: E402
-from test_images import encode as _encode, png_chunks, url  # noqa: E402
+from golden_images_data import MODEL, REQUESTS
+from test_images import encode as _encode, png_chunks, url
 
 BASE = {k: v for k, v in REQUESTS[0].items() if k != "images"}
 

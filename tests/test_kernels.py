@@ -5,9 +5,7 @@ and state carried between calls. Runs for the native NVRTC build and for the com
 NVRTC 12 and JIT-compiled by the driver (the Volta code path itself); bounds as tests/test_ops.py states them.
 """
 
-import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +14,7 @@ from clefcore.backends import cpu
 from clefcore.kernel_select import MMA_TILES, WGMMA_TILE, GemmRoute, mma_tile
 from clefcore.precision import Plan
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS, reseed  # noqa: E402
+from gpu_only import HAVE_CUBLAS, HAVE_FP8, MARKS, reseed
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server_harness import SUPPORT_TICKET, Server, ticket  # noqa: E402
+from server_harness import SUPPORT_TICKET, Server, ticket
 
 yaml = pytest.importorskip("yaml")
 promql_parser = pytest.importorskip("promql_parser")   # the test extras install it

@@ -5,14 +5,12 @@ against the numpy tower (the hidden-state bounds); image and text-only requests 
 as each alone; chunked prefill with images answers as the whole prompt. Skips cleanly without a GPU."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS  # noqa: E402
+from gpu_only import MARKS
 
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")

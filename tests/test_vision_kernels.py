@@ -11,8 +11,6 @@ the probabilities P each rounded to 11 significant bits, 2^-11 = 4.9e-4 relative
 bound is 4e-3; gelu_tanh is fp32 throughout (only tanhf's last bits differ from numpy's), 1e-6 like the erf
 GELU's.
 """
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +19,7 @@ from clefcore.backends import cpu
 from clefcore.backends.cuda import compile as C
 from clefcore.backends.cuda.attention import BIDIR_DIMS, attention_tiles
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_only import MARKS, reseed  # noqa: E402
+from gpu_only import MARKS, reseed
 
 RNG = np.random.default_rng()
 

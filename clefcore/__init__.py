@@ -11,5 +11,5 @@ from .options import EngineOptions
 from .errors import CheckpointError, ClefError, ContextLengthError, DeviceError, RequestError
 
 __version__ = "0.2.0"
-__all__ = ["load", "EngineOptions", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError", "CheckpointError",
-           "DeviceError", "__version__"]
+__all__ = ["load", "EngineOptions", "Engine", "Prepared", "ClefError", "RequestError", "ContextLengthError",
+           "CheckpointError", "DeviceError", "__version__"]

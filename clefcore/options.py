@@ -437,9 +437,9 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
                              "measured at start (attention's time grows with the square of a prompt's length)")
     parser.add_argument("--stall-timeout", type=_positive(float), default=d.stall_timeout,
                         help="seconds a call on the device may run, or 4x its expected time (its tokens and its "
-                             "images' vision towers, at their cost's ceiling, at the measured rate) if longer, before the device counts as "
-                             "stalled: /health answers 503 and the queued requests 503 until it answers again "
-                             "(default: %(default)s)")
+                             "images' vision towers, at their cost's ceiling, at the measured rate) if longer, "
+                             "before the device counts as stalled: /health answers 503 and the queued requests 503 "
+                             "until it answers again (default: %(default)s)")
     parser.add_argument("--device-grace", type=_positive(float), default=d.device_grace,
                         help="seconds a device may stay stalled, or keep failing its self-check, before the server "
                              "gives it up: its process is killed, its requests get 500 and the server exits 1 to be "

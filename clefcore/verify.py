@@ -2,9 +2,9 @@
 
 Runs the example request (clefcore/example_request.py) through the GPU path and the fp32 numpy path, prints
 per-layer max abs / rel differences of the residual stream, the head logits side by side (and the answers when
-``clefcore.engine`` can make them), and exits non-zero when any difference is beyond tolerance. When the checkpoint has a vision
-tower (and ``--no-images`` is not given) the same request with an image is packed beside it: the tower's
-output is compared too, and the backbone runs both requests in one forward with M-RoPE positions, as the
+``clefcore.engine`` can make them), and exits non-zero when any difference is beyond tolerance. When the
+checkpoint has a vision tower (and ``--no-images`` is not given) the same request with an image is packed beside it:
+the tower's output is compared too, and the backbone runs both requests in one forward with M-RoPE positions, as the
 server packs them. The numpy side streams the backbone from disk but holds the tower in fp32 (1.8 GB on
 Clef-flash).
 """
@@ -38,7 +38,8 @@ def add_arguments(parser):
     # the images switch and the GPU options, to check what the deployment serves with
     EngineOptions().add_flags(parser, ("images",) + EngineOptions.GPU)
     parser.add_argument("--layer-tol", type=float, default=None,
-                        help="max |gpu-cpu| / max |cpu| per layer (default: the precision mode's, 2e-3 exact, 3e-2 fast)")
+                        help="max |gpu-cpu| / max |cpu| per layer "
+                             "(default: the precision mode's, 2e-3 exact, 3e-2 fast)")
     parser.add_argument("--prob-tol", type=float, default=None,
                         help="max probability difference (default: the precision mode's contract, 2e-3 exact, "
                              "1e-2 fast)")

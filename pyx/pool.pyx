@@ -6,9 +6,9 @@
 current thread is carved out of it, best fit and 256-byte aligned, and its range goes back to the arena when
 the array dies. So a forward never calls cudaMalloc, and the token-blocked prefill's early frees are reused
 by the next block. Running out raises ``clefcore.errors.ArenaFull`` (a DeviceError) naming the bytes asked
-for, the largest free piece and the free total; an arena made with ``overflow=True`` instead takes that allocation from CuPy's
-own pool and counts it (``overflows``, ``overflow_bytes``): work beyond what the arena was sized for (an image
-batch) is answered, and the count says the reservation was short.
+for, the largest free piece and the free total; an arena made with ``overflow=True`` instead takes that
+allocation from CuPy's own pool and counts it (``overflows``, ``overflow_bytes``): work beyond what the arena was
+sized for (an image batch) is answered, and the count says the reservation was short.
 
 Ownership: the Arena owns the reservation (a ``cupy.cuda.Memory``). Each piece handed out is a
 ``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is a ``_Piece``; CuPy keeps the owner alive as

@@ -8,12 +8,12 @@ batcher runs after such a failure tells a failed device from a failed request.
 
 The batcher reports every call on a device (``started``/``ended``) with its cost in tokens (its prompt tokens and
 its images' vision towers at their ceiling, server/image_cost.py) and the measured rate; the call's limit is
-``STALL_FACTOR`` times its expected time (cost over the rate), never under ``stall_timeout_s``: a step that is long because its work is
-large (a big image's tower) gets a limit as long, while a call that hangs still runs past its own. A device past
-its limit, or one whose self-check failed, is in trouble: ``on_change`` tells the Service, which stops taking
-requests (``/health`` 503) and refuses the queued ones (503, another replica may answer them). Trouble ends when
-the call ends or a later self-check passes (``on_change`` again). Trouble that lasts ``grace_s`` is given up
-(``on_expired``): the Service kills the device process and fails, and ``clefcore serve`` exits non-zero to be
+``STALL_FACTOR`` times its expected time (cost over the rate), never under ``stall_timeout_s``: a step that is long
+because its work is large (a big image's tower) gets a limit as long, while a call that hangs still runs past its
+own. A device past its limit, or one whose self-check failed, is in trouble: ``on_change`` tells the Service, which
+stops taking requests (``/health`` 503) and refuses the queued ones (503, another replica may answer them). Trouble
+ends when the call ends or a later self-check passes (``on_change`` again). Trouble that lasts ``grace_s`` is given
+up (``on_expired``): the Service kills the device process and fails, and ``clefcore serve`` exits non-zero to be
 restarted. Each episode is one log line when it begins (``device_stalled`` / ``device_faulted``) and one when it
 ends (``device_recovered`` / ``device_given_up``).
 

@@ -59,8 +59,8 @@ class TowerCost:
         for a point's whole time, the small image's for the patches, the large one's for their square. It is
         never below ``fit``'s and grows faster beyond the measured sizes, where ``fit`` extrapolates: on a CPU the
         tower of an image several times the large one's patches took well over what ``fit`` said (memory, not
-        arithmetic, grows past the caches there), and more after a noisy small point. Its use is the stall limit, which must
-        never take a long tower for a hung device. No samples: nothing."""
+        arithmetic, grows past the caches there), and more after a noisy small point. Its use is the stall limit,
+        which must never take a long tower for a hung device. No samples: nothing."""
         if not samples:
             return cls(0.0, 0.0)
         (p1, t1), (p2, t2) = _two_points(samples, rate)

@@ -8,12 +8,12 @@ process (tests) never collide and nothing a library registers globally leaks int
 One process on several devices (``--spread queue``): one registry; the busy counter has a series per device
 (its ``lane``), the other values are the pod's.
 
-Several workers (``--spread workers`` with ``--workers N`` or ``--device a,b``): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before
-it starts them, so every value is written to a per-process file there, and a scrape, whichever worker the
-kernel hands it to, merges all the files (prometheus_client's MultiProcessCollector): counters and histograms
-are summed over workers, dead ones included, since what they counted happened. Each gauge says how its
-workers combine (``multiprocess_mode``, chosen per gauge below); the ``live*`` modes forget a worker once the
-supervisor marks it dead.
+Several workers (``--spread workers`` with ``--workers N`` or ``--device a,b``): the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before it starts them, so every value is written to a per-process file there, and a
+scrape, whichever worker the kernel hands it to, merges all the files (prometheus_client's MultiProcessCollector):
+counters and histograms are summed over workers, dead ones included, since what they counted happened. Each gauge
+says how its workers combine (``multiprocess_mode``, chosen per gauge below); the ``live*`` modes forget a worker
+once the supervisor marks it dead.
 """
 
 from __future__ import annotations

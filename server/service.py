@@ -402,10 +402,10 @@ class Service:
                      body_bytes: int | None = None, read_bytes: int = 0, trace: dict | None = None) -> dict:
         """Prepare the body that ``read()`` returns (as parsed from JSON; it runs on the prepare threads, and what
         it raises is raised here), queue it, wait for its forward (inside ``accept``). ``route``: the e2e
-        latency histogram's label (the HTTP route's path, as on clef_requests_total), measured from ``started`` (time.monotonic). ``body_bytes``: its size as a
-        plain body when known, which teaches the early refusal tokens per byte; ``read_bytes``: its decoded
-        size, its turn on the threads. ``trace`` (the request's log line) gets its tokens and its trip through
-        the batcher."""
+        latency histogram's label (the HTTP route's path, as on clef_requests_total), measured from ``started``
+        (time.monotonic). ``body_bytes``: its size as a plain body when known, which teaches the early refusal
+        tokens per byte; ``read_bytes``: its decoded size, its turn on the threads. ``trace`` (the request's log
+        line) gets its tokens and its trip through the batcher."""
         cfg = self.config
         trace = {} if trace is None else trace
         prepared = await self.on_threads(read_bytes, lambda: self.preparer.prepare(read(),

@@ -254,8 +254,8 @@ def test_no_cut_where_a_token_may_stand_for_unbounded_text(tmp_path, change):
     elif change == "whitespace":
         spec["pre_tokenizer"]["pretokenizers"] = [{"type": "WhitespaceSplit"}, byte_level]
     elif change == "strip_normalizer":
-        spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"},
-                                                                   {"type": "Strip", "strip_left": True, "strip_right": True}]}
+        strip = {"type": "Strip", "strip_left": True, "strip_right": True}
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, strip]}
     else:
         spec["decoder"] = {"type": "Fuse"}
     path = tmp_path / "tokenizer.json"

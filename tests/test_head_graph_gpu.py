@@ -530,8 +530,9 @@ def test_the_segment_kernel(gpu, width, sizes):
 
 
 def test_bench_breakdown_times_the_head_over_a_clients_series(tmp_path):
-    """`clefcore bench --breakdown N`: the breakdown's timed runs, a series of the case's schema with other state lengths in its bucket, every one a replay of the head's graph
-    (single and packed), timed apart from the backbone."""
+    """`clefcore bench --breakdown N`: the breakdown's timed runs, a series of the case's schema with other state
+    lengths in its bucket, every one a replay of the head's graph (single and packed), timed apart from the
+    backbone."""
     import json
     from clefcore import bench
     report = tmp_path / "bench.json"

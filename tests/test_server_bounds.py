@@ -83,7 +83,8 @@ def lags_over(server: Server, seconds: float) -> float:
     """How many times the server's event loop woke its 20 ms timer more than ``seconds`` late, so far."""
     values = {}
     for line in server.get("/metrics").text.splitlines():   # both from one reading
-        if line.startswith(("clef_event_loop_lag_seconds_count", f'clef_event_loop_lag_seconds_bucket{{le="{seconds}"')):
+        wanted = ("clef_event_loop_lag_seconds_count", f'clef_event_loop_lag_seconds_bucket{{le="{seconds}"')
+        if line.startswith(wanted):
             values[line.split(" ")[0].split("{")[0]] = float(line.rsplit(" ", 1)[1])
     return values["clef_event_loop_lag_seconds_count"] - values["clef_event_loop_lag_seconds_bucket"]
 

@@ -201,8 +201,9 @@ def tower(ops: Backend, p: VisionParams, pixel_values, grids, keep: dict | None 
 
     A backend with ``ops.tower_graphs`` (CUDA; None on the CPU) replays one graph per set of image sizes while
     their merged tokens stay within its token limit (a 1024 x 1024 image's 1,024 at the default): the tower is
-    ~500 short launches, which the host issues more slowly than the GPU runs them. The host tables are made here, outside the graph, and go
-    in as its inputs; the output is copied, since the graph's buffer is rewritten by its next replay."""
+    ~500 short launches, which the host issues more slowly than the GPU runs them. The host tables are made here,
+    outside the graph, and go in as its inputs; the output is copied, since the graph's buffer is rewritten by its
+    next replay."""
     grids = tuple(tuple(int(v) for v in g) for g in grids)              # a key of the graph and table caches
     sizes = [t * gh * gw for t, gh, gw in grids]
     cu = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)      # each image attends only to itself

@@ -4,12 +4,13 @@ fast differs from exact in one thing: each weight GEMM's fp32 activation is roun
 into hi + lo halves). The causal attention reads q, K, V and P in fp16 on every path, and the delta rule runs
 three passes (fp32-grade) in both modes, so they are common to both. This study runs the CPU engine's ops with
 the fp16 rounding of the GEMM activations of chosen families only, on the text golden set
-(tests/golden/expected.jsonl, the fp32 reference), and prints the worst and the mean |dp| for: every family rounded (fast's
-emulation, to compare with the GPU's 6.3e-3..6.6e-3), each family alone, and every family but one.
+(tests/golden/expected.jsonl, the fp32 reference), and prints the worst and the mean |dp| for: every family
+rounded (fast's emulation, to compare with the GPU's 6.3e-3..6.6e-3), each family alone, and every family but one.
 
 Families: backbone "attn_proj" (q/k/v/gate and o projections of the full-attention layers); the Gated DeltaNet's
-input projection by its output columns, "gdn_qk" and "gdn_v" (the conv's input: keys and queries, values), "gdn_z" (the output gate), "gdn_ab" (the
-decay and beta gates' inputs: 2 x value heads columns), and its output projection "gdn_out"; "mlp_in" (gate and up), "mlp_down" (down's input: silu(gate) * up),
+input projection by its output columns, "gdn_qk" and "gdn_v" (the conv's input: keys and queries, values),
+"gdn_z" (the output gate), "gdn_ab" (the decay and beta gates' inputs: 2 x value heads columns), and its output
+projection "gdn_out"; "mlp_in" (gate and up), "mlp_down" (down's input: silu(gate) * up),
 "head" (the joint head's linears and its attention's projections), plus "attention" (q, K, V and P in fp16, as
 the kernels read them on every path).
 
@@ -62,7 +63,8 @@ class Emulated(CpuOps):
             return cpu.linear(h(x) if family in self.rounded else x, w, b)
         exact, rounded = cpu.linear(x, w, b), cpu.linear(h(x), w, b)
         qk, cd, zd = self.gdn_cols
-        for name, cols in (("gdn_qk", slice(0, qk)), ("gdn_v", slice(qk, cd)), ("gdn_z", slice(cd, cd + zd)), ("gdn_ab", slice(cd + zd, None))):
+        for name, cols in (("gdn_qk", slice(0, qk)), ("gdn_v", slice(qk, cd)), ("gdn_z", slice(cd, cd + zd)),
+                           ("gdn_ab", slice(cd + zd, None))):
             if name in self.rounded:
                 exact[:, cols] = rounded[:, cols]
         return exact

@@ -179,8 +179,8 @@ cdef class Arena:
                 return cupy.get_default_memory_pool().malloc(nbytes)
         if start < 0:
             raise ArenaFull(f"arena out of memory: asked for {nbytes} bytes; largest free piece "
-                              f"{self.free.largest_free()} bytes, {self.free.capacity - self.free.in_use} of "
-                              f"{self.free.capacity} bytes free (lower the token block or the batch's tokens)")
+                            f"{self.free.largest_free()} bytes, {self.free.capacity - self.free.in_use} of "
+                            f"{self.free.capacity} bytes free (lower the token block or the batch's tokens)")
         piece = _Piece()
         piece.arena, piece.start, piece.size = self, start, size
         mem = cupy.cuda.UnownedMemory(self.base + start, size, piece, self.device_id)

@@ -138,13 +138,17 @@ def test_a_graph_arena_is_found_by_doubling_then_cut_to_the_graphs_need(monkeypa
     assert cache.nbytes() == 8 * MiB and cache.captures == 2
 
 
-def test_a_graph_no_arena_can_hold_runs_eagerly(monkeypatch):
+def test_a_graph_no_arena_can_hold_runs_eagerly_and_sizes_no_later_trial(monkeypatch):
     cache, fn = _arena_cache(monkeypatch)
     huge = np.array([100 * MiB])
     for _ in range(3):
         cache.run("huge", fn, [huge], ())
     assert _FakeArena.made == [2 * MiB << i for i in range(6)]   # up to 64 MiB, then the device says no
     assert cache.captures == 0 and cache.nbytes() == 0 and "huge" in cache._failed
+    one = np.array([1 * MiB])
+    for _ in range(2):
+        cache.run("one", fn, [one], ())
+    assert _FakeArena.made[6:] == [2 * MiB] and cache.captures == 1   # its trial is the need so far, 2 MiB
 
 
 # ------------------------------------------------------------------------------------------------- GPU

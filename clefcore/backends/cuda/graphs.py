@@ -83,8 +83,7 @@ class GraphCache:
         self._seen = _Recent(REMEMBERED)
         self._failed = _Recent(REMEMBERED)
         self._stream = None          # the side stream every capture of this cache runs on (made at the first)
-        self._trial_bytes = GRANULE  # graph_arenas: the next trial arena's size
-        self._largest = GRANULE      # graph_arenas: the largest graph's need so far
+        self._largest = GRANULE      # graph_arenas: the largest captured graph's need, the next trial's size
         self.launches = 0
         self.captures = 0
 
@@ -164,18 +163,17 @@ class GraphCache:
 
     def _capture_in_arena(self, fn, inputs, reads):
         from ...pool import Arena     # compiled from pyx/pool.pyx
-        device = self.ctx.device_id
+        device, size = self.ctx.device_id, self._largest
         while True:
-            trial = Arena(self._trial_bytes, device)      # a DeviceError where the device has no such block
+            trial = Arena(size, device)                    # a DeviceError where the device has no such block
             try:
                 e = self._capture_in(trial, fn, inputs, reads)
                 break
             except errors.ArenaFull:
-                self._trial_bytes *= 2
+                size *= 2
         e.nbytes = int(trial.capacity)
         need = -(-int(trial.extent * MARGIN) // GRANULE) * GRANULE
-        self._largest = max(self._largest, need)
-        self._trial_bytes = self._largest              # not the doubling's overshoot
+        self._largest = max(self._largest, need)         # a graph that fits nowhere leaves it as it was
         if need < trial.capacity:
             try:                                           # this graph alone, without the trial's spare bytes
                 e = self._capture_in(Arena(need, device), fn, inputs, reads)

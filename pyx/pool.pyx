@@ -190,6 +190,10 @@ cdef class Arena:
         """CuPy allocator protocol."""
         return self.alloc(nbytes)
 
+    def total_bytes(self):
+        """As CuPy's MemoryPool says it: the device bytes held, here the whole reservation."""
+        return self.free.capacity
+
     def activate(self):
         """Route this thread's CuPy allocations into the arena until ``deactivate()``."""
         if self._ctx is None:

@@ -89,6 +89,9 @@ class _FakeArena:
         self.capacity, self.extent = nbytes, 0
         _FakeArena.made.append(nbytes)
 
+    def total_bytes(self):
+        return self.capacity
+
     def malloc(self, n):
         if self.extent + n > self.capacity:
             raise errors.ArenaFull(f"arena out of memory: asked for {n} bytes")

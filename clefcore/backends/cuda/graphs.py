@@ -64,7 +64,6 @@ class _Entry:
     output: object        # the array fn returned during the capture (the graph writes it)
     watched: list         # CudaOps.watch records made during the capture
     memory: object        # the private MemoryPool or Arena holding every activation of the graph
-    nbytes: int           # the device bytes it holds
     reads: tuple          # the arrays besides the inputs that the graph reads (weights): held, and compared
     pinned: list = field(default_factory=list)
 
@@ -105,7 +104,7 @@ class GraphCache:
         return 0 < tokens <= self.max_tokens and self.capacity > 0
 
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._graphs.values())
+        return sum(e.memory.total_bytes() for e in self._graphs.values())
 
     def run(self, key, fn, inputs, reads):
         """``reads``: every array ``fn`` reads besides its inputs (the weights). Their addresses are baked into
@@ -146,9 +145,7 @@ class GraphCache:
             if switches.GRAPH_ARENAS in self.ctx.switches:
                 e = self._capture_in_arena(fn, inputs, reads)
             else:
-                pool = self.ctx.cp.cuda.MemoryPool()
-                e = self._capture_in(pool, fn, inputs, reads)
-                e.nbytes = int(pool.total_bytes())
+                e = self._capture_in(self.ctx.cp.cuda.MemoryPool(), fn, inputs, reads)
         except Exception as exc:  # noqa: BLE001 - any capture failure means "run this key eagerly"
             log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly", key,
                         exc.__class__.__name__, exc)
@@ -171,13 +168,11 @@ class GraphCache:
                 break
             except errors.ArenaFull:
                 size *= 2
-        e.nbytes = int(trial.capacity)
         need = -(-int(trial.extent * MARGIN) // GRANULE) * GRANULE
         self._largest = max(self._largest, need)         # a graph that fits nowhere leaves it as it was
         if need < trial.capacity:
             try:                                           # this graph alone, without the trial's spare bytes
                 e = self._capture_in(Arena(need, device), fn, inputs, reads)
-                e.nbytes = need
             except errors.ArenaFull:                       # best fit placed it otherwise: the trial's is kept
                 pass
         return e
@@ -198,6 +193,6 @@ class GraphCache:
                     graph = stream.end_capture()
                 graph.upload(stream)
                 stream.synchronize()
-            return _Entry(graph, static, out, ctx.watched, memory, 0, tuple(reads), ctx.pinned)
+            return _Entry(graph, static, out, ctx.watched, memory, tuple(reads), ctx.pinned)
         finally:
             ctx.watched, ctx.pinned = before, None

@@ -32,6 +32,7 @@ from .preparer import NO_IMAGES, Prepared, Preparer
 
 log = logging.getLogger("clefcore")
 
+
 @dataclass(frozen=True)
 class EngineStatus:
     """What a loaded engine runs as and what it has done so far (the server's /health, /metrics and logs)."""
@@ -178,7 +179,7 @@ class Engine:
         with self.on_device():
             rows, embeds = self.image_inputs(records)
             hs, layers = backbone(ops, self.params, ids, cu, positions, keep_layers=keep_layers, check=False,
-                                        image_rows=rows, image_embeds=embeds)
+                                  image_rows=rows, image_embeds=embeds)
             try:
                 # the head is queued behind the backbone without waiting for its guard flags
                 logits = heads(ops, self.params, hs, ids, cu, [r.questions for r in records])

@@ -214,8 +214,8 @@ def format_report(report: dict) -> str:
     if client is not None:
         lines.append(f"  event-loop lag: client p50 {client['p50_ms']} ms, p99 {client['p99_ms']} ms, max "
                      f"{client['max_ms']} ms; server " + ("not reported" if server is None else
-                                                           f"p99 <= {server['p99_ms_at_most']} ms, "
-                                                           f"{server['over_50ms_share']:.2%} over 50 ms"))
+                                                          f"p99 <= {server['p99_ms_at_most']} ms, "
+                                                          f"{server['over_50ms_share']:.2%} over 50 ms"))
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ def model_options(p: argparse.ArgumentParser, absent: str | None = None) -> None
                    help="with a Hub id: the branch, tag or commit hash to load from the cache (default: the cache's "
                         "main ref, the commit the last download of main fetched)")
 
+
 # --max-batch-tokens and --chunk-tokens at auto: the tokens of a step that takes --step-budget at the measured
 # rate, within these bounds. The floor keeps an ordinary decision (the schema and a short state: a few hundred
 # to a thousand tokens) in one piece, packed with others rather than chunked, and a slow device's steps from

@@ -53,7 +53,6 @@ class Tokenizer:
         return ids
 
 
-
 # Normalizers and pre-tokenizers that never fold more than COMPOSED_PER_BYTE characters into a byte nor drop text:
 # canonical and compatibility forms (NFC and NFKC compose at most three characters into two bytes, U+0055 U+0308
 # U+0304 -> U+01D5), byte-level encoding, and splits that keep what they split on.

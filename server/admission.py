@@ -83,6 +83,7 @@ class Reason(StrEnum):
     QUEUE_FULL = "queue_full"     # the queues hold their bound in requests, and nothing queued gives way
     EVICTED = "evicted"           # admitted, then displaced by cheaper work before it started
 
+
 # Size classes of the refusal counter's label (prompt tokens, upper bounds).
 SIZE_CLASSES = (1024, 2048, 4096, 8192, 16384)
 

@@ -43,9 +43,11 @@ LOOP_LAG_INTERVAL_S = 0.02
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+
 def multiprocess_dir() -> str | None:
     """The shared directory when this process is one of several workers, else None."""
     return os.environ.get(MULTIPROC_ENV) or None
+
 
 def clear_multiprocess_dir() -> None:
     """Remove every process's value files: only before any worker of this run has written one."""
@@ -54,6 +56,7 @@ def clear_multiprocess_dir() -> None:
         for name in os.listdir(path):
             if name.endswith(".db"):
                 os.unlink(os.path.join(path, name))
+
 
 class Metrics:
     def __init__(self) -> None:

@@ -434,7 +434,7 @@ class Service:
         metrics.prompt_tokens_hist.observe(prepared.num_tokens)
         metrics.e2e.labels(route).observe(time.monotonic() - started)
         trace.update(queue_ms=round(outcome.queue_wait_s * 1000, 2), prefill_ms=round(outcome.prefill_s * 1000, 2),
-                   batch_requests=outcome.batch_requests, batch_tokens=outcome.batch_tokens)
+                     batch_requests=outcome.batch_requests, batch_tokens=outcome.batch_tokens)
         response = outcome.response
         # The engine echoes the request's `model`; strict clients (instructor-php) refuse an empty one.
         if not str(response.get("model", "")).strip():

@@ -16,8 +16,8 @@ import pytest
 from clefcore.scheduler import Entry
 from clefcore.server import errors
 from clefcore.server.admission import (Admission, Admit, BodySizer, Budgets, CostPolicy, Eviction, LaneView,
-                                      Queues, QueueView, RateMeter, Reason, RecentShare, Refusal, Refused,
-                                      retry_after, size_class)
+                                       Queues, QueueView, RateMeter, Reason, RecentShare, Refusal, Refused,
+                                       retry_after, size_class)
 from clefcore.server.device_process import Step
 from clefcore.server.metrics import Metrics
 from server_harness import BUDGETS, CHUNK, FAKE_STATUS, IDLE, NOW, Prepared, batcher, entry, view, whole
@@ -87,8 +87,6 @@ def test_retry_after_and_size_classes():
     assert retry_after(1e9, 1.0, 15.0) == 15         # at most the cap
     assert [size_class(n) for n in (None, 1, 1_024, 1_025, 9_000, 30_000)] == [
         "unknown", "1024", "1024", "2048", "16384", "+Inf"]
-
-
 
 
 # --- the policy, on snapshots (server_harness's numbers) ----------------------------------------------

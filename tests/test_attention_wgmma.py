@@ -113,7 +113,7 @@ def test_model_matches_numpy(cu, hq, hkv):
     v = RNG.standard_normal((T, hkv, model.D)).astype(np.float16)
     scale = model.D ** -0.5
     _check(model.attention(q, k, v, cu, scale), cpu.attention(q, k.astype(np.float32), v.astype(np.float32), cu,
-                                                               scale))
+                                                              scale))
 
 
 @pytest.mark.parametrize("block,cu", [(1, [0, 3, 70]), (63, [0, 65, 130, 300]), (65, [0, 65, 130, 300]),

@@ -86,7 +86,7 @@ def test_backbone_matches_transformers(index, tmp_path):
         assert rel < 1e-4, f"config {index}, length {len(ids)}: rel error {rel:.2e}"
     cu = np.concatenate([[0], np.cumsum(LENGTHS)])
     packed, _ = backbone(cpu, params, np.concatenate(seqs), cu,
-                               np.concatenate([np.arange(n) for n in LENGTHS]))
+                         np.concatenate([np.arange(n) for n in LENGTHS]))
     for i, w in enumerate(want):
         rel = np.abs(packed[cu[i]:cu[i + 1]] - w).max() / np.abs(w).max()
         assert rel < 1e-4, f"config {index}, packed sequence {i}: rel error {rel:.2e}"

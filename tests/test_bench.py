@@ -118,7 +118,7 @@ def _no_cublas_child(args, cwd, timeout):
     the repo root so that it imports the clefcore this test imports."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(NO_CUBLAS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                           if p])
+                                                            if p])
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -220,7 +220,7 @@ def test_bench_without_cublas_runs_on_its_own_gemms(tmp_path):
         # --breakdown 200: the 200-token case, not the 320-token packed one; the head's launches end before it does
         parts = cases[0]["breakdown"]
         assert "breakdown" not in cases[1] and set(parts) == {"backbone_ms", "head_ms", "head_launch_ms",
-                                                               "head_graph_replays", "series_tokens"}
+                                                              "head_graph_replays", "series_tokens"}
         # the case's own runs saw its schema and bucket first: every timed run of the series replays the head
         assert parts["head_graph_replays"] == len(parts["series_tokens"])
         assert len(parts["series_tokens"]) == 1 and 128 < parts["series_tokens"][0] < 200   # --reps 1: one, cut

@@ -66,7 +66,7 @@ def test_golden(encoders, index):
     assert record.input_ids.dtype == np.int32
     keys = ("id", "type", "type_index", "question_span", "option_ids", "option_spans")
     want = {key: expected[key] for key in ("input_ids", "num_tokens", "state_span",
-                                            "state_tokens_before_truncation", "state_truncated")}
+                                           "state_tokens_before_truncation", "state_truncated")}
     want["questions"] = [{key: q[key] for key in keys} for q in expected["questions"]]
     assert as_expected(record) == want
 

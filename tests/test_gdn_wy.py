@@ -239,7 +239,7 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
     ops = twin_rule(MODES[mode])
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 130]))
     assert {n for _, n, _ in ops.ctx.launched} == {f"gdn_wy_{k}{'_d128' if dk == dv == 128 else ''}"
-                                              for k in ("prep", "scan", "out")}
+                                                   for k in ("prep", "scan", "out")}
     assert max(s for _, _, s in ops.ctx.launched) <= SM70_SMEM
 
 

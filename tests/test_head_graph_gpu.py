@@ -544,6 +544,6 @@ def test_bench_breakdown_times_the_head_over_a_clients_series(tmp_path):
         parts = case["breakdown"]
         T = case["tokens"]
         assert len(parts["series_tokens"]) == 2 and all((T - 1) // 128 == (t - 1) // 128 and t < T
-                                                         for t in parts["series_tokens"]), parts
+                                                        for t in parts["series_tokens"]), parts
         assert parts["head_graph_replays"] == 2 and case["cuda_graph"], case
         assert 0 < parts["head_launch_ms"] <= parts["head_ms"] and parts["backbone_ms"] > 0, parts

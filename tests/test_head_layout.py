@@ -411,7 +411,7 @@ def test_the_segment_softmax_runs_one_kernel(monkeypatch):
     fake = types.SimpleNamespace(ctx=types.SimpleNamespace(cp=np, f32=lambda x: np.asarray(x, np.float32),
                                                            contiguous=np.ascontiguousarray, asarray=np.asarray))
     Head.segment_softmax_sum(fake, np.zeros(5, np.float32), np.zeros((5, 3), np.float32),
-                                np.array([0, 0, 1, 1, 1]), 2)
+                             np.array([0, 0, 1, 1, 1]), 2)
     assert launched == [((5,), (15,), np.int64, 5, 3, (2, 3))]
 
 

@@ -209,4 +209,3 @@ def test_a_tower_slower_than_its_fit_beyond_the_measured_sizes_is_busy_at_the_ce
     assert steps == ([] if packed else [1, 0])
     _, _, troubles = serve(fit, SLOWER, [request], stall_s=0.1)     # the control: the fit's limit trips
     assert [t.kind for t in troubles if t is not None] == ["stalled"]
-

@@ -54,7 +54,7 @@ def test_ids_spans_and_positions(fx):
 
 
 @pytest.mark.parametrize("index,error,field", [(7, RequestError, "state"),           # a literal image pad
-                                                (8, ContextLengthError, None)])       # schema + image tokens
+                                               (8, ContextLengthError, None)])       # schema + image tokens
 def test_the_error_rows(index, error, field):
     with pytest.raises(error) as info:
         encode(index)

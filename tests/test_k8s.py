@@ -557,7 +557,7 @@ def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
     from clefcore import hub
     text = {"deployment": BASE / "deployment.yaml", "kserve": KSERVE / "inferenceservice.yaml"}[variant].read_text()
     assert re.findall(r"#\s+- (--(?:model|revision)=\S+)", text) == ["--model=Cloudflare/clef-flash",
-                                                                    "--revision=<commit>"]
+                                                                     "--revision=<commit>"]
     (home,) = re.findall(r"#\s+- name: HF_HOME\b.*\n\s*#\s+value: (\S+)", text)
     (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
     (container,) = spec["containers"]

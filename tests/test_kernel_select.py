@@ -69,7 +69,7 @@ def test_the_table_spans_every_path_switch_state_and_capability():
     ccs = {dev.cc for _, _, dev, _ in CASES}
     assert ccs == {(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)}
     assert {(dev.cc, dev.native, dev.cublas) for _, _, dev, _ in CASES} == set(itertools.product(ccs, (True, False),
-                                                                                                  (True, False)))
+                                                                                                 (True, False)))
 
 
 @pytest.mark.parametrize("path, on, dev, tile", CASES)

@@ -113,4 +113,3 @@ def test_the_rows_are_consistent():
             assert (ROOT / "cuda" / row.delta_rule.module).is_file(), path
     safe = precision.RANGE_SAFE
     assert safe.range_safe and safe.row == TABLE["split"] and not safe.row.gemm.fp8_lo
-

@@ -25,7 +25,7 @@ from clefcore.server.admission import Budgets, Refusal, Snapshot  # noqa: E402
 from clefcore.server.openapi import build_spec  # noqa: E402
 from clefcore.server.service import InferenceFailed, Service, ServiceConfig, Unavailable  # noqa: E402
 
-from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket
+from server_harness import MODEL, SUPPORT_TICKET, check_client_rules, same_answers, ticket  # noqa: E402
 
 KEY = "library-test-key"
 

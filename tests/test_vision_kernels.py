@@ -27,6 +27,8 @@ RNG = np.random.default_rng()
 @pytest.fixture(autouse=True)
 def _seeded(request):
     reseed(RNG, request)
+
+
 MODES = ["native"] + (["ptx70"] if C.ptx70_available() else [])
 ATTN_TOL = 4e-3
 # packed images: one patch, under / over one 16-row warp and one 64-row block, several of different sizes
@@ -201,5 +203,3 @@ def test_bidirectional_attention_exact(precision, cu, heads, D):
 def test_patch_rows_refuses_other_sizes(ops):
     with pytest.raises(ValueError, match="multiples of 32"):
         ops.patch_rows([np.zeros((48, 32, 3), np.uint8)])
-
-

@@ -142,7 +142,7 @@ def run(args) -> int:
               f"{load_s:.1f} s")
         print(f"end to end, {prec} (backbone + head, in-process):")
         out["end_to_end"][prec] = end_to_end.text_cases(cp, ops, params, lengths, args.packed, args.reps,
-                                                            args.breakdown)
+                                                        args.breakdown)
         if image_size:
             vp = image.tower(cp, ops, params, ck)
             vision_cfg = vp.config

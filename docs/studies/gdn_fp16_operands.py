@@ -12,18 +12,29 @@ import numpy as np
 
 from clefcore.backends import cpu
 
+
 def h(x):
     return x.astype(np.float16).astype(np.float32)
 
+
 def gdn(q, k, v, g, beta, rnd):
-    T, hk, dk = k.shape; hv, dv = v.shape[1:]; r = hv // hk; C = 64
-    n = -(-T // C); pad = n * C - T
+    T, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    r = hv // hk
+    C = 64
+    n = -(-T // C)
+    pad = n * C - T
+
     def chunks(a, heads):
         a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], np.float32)])
         return a.reshape(n, C, heads, -1).transpose(2, 0, 1, 3)
-    Q = np.repeat(chunks(q, hk), r, axis=0); K = np.repeat(chunks(k, hk), r, axis=0); V = chunks(v, hv)
-    B = chunks(beta[:, :, None], hv)[..., 0]; G = np.cumsum(chunks(g[:, :, None], hv)[..., 0], axis=-1)
-    tri_incl = np.tril(np.ones((C, C), bool)); tri_strict = np.tril(np.ones((C, C), bool), -1)
+    Q = np.repeat(chunks(q, hk), r, axis=0)
+    K = np.repeat(chunks(k, hk), r, axis=0)
+    V = chunks(v, hv)
+    B = chunks(beta[:, :, None], hv)[..., 0]
+    G = np.cumsum(chunks(g[:, :, None], hv)[..., 0], axis=-1)
+    tri_incl = np.tril(np.ones((C, C), bool))
+    tri_strict = np.tril(np.ones((C, C), bool), -1)
     D = np.exp(np.where(tri_incl, G[..., :, None] - G[..., None, :], -np.inf))
     mm = (lambda a, b: rnd(a) @ rnd(b))
     KK = mm(K, K.transpose(0, 1, 3, 2))
@@ -32,17 +43,22 @@ def gdn(q, k, v, g, beta, rnd):
     sol = np.linalg.solve(np.eye(C, dtype=np.float32) + A, rhs).astype(np.float32)
     Unew, W = sol[..., :dv], sol[..., dv:]
     QK = mm(Q, K.transpose(0, 1, 3, 2)) * D
-    Qg = Q * np.exp(G)[..., None]; Kd = K * np.exp(G[..., -1:] - G)[..., None]
-    S = np.zeros((hv, dk, dv), np.float32); O = np.empty((hv, n, C, dv), np.float32)
+    Qg = Q * np.exp(G)[..., None]
+    Kd = K * np.exp(G[..., -1:] - G)[..., None]
+    S = np.zeros((hv, dk, dv), np.float32)
+    O = np.empty((hv, n, C, dv), np.float32)
     for c in range(n):
         U = Unew[:, c] - mm(W[:, c], S)
         O[:, c] = mm(Qg[:, c], S) + mm(QK[:, c], U)
         S = np.exp(G[:, c, -1])[:, None, None] * S + mm(Kd[:, c].transpose(0, 2, 1), U)
     return O.transpose(1, 2, 0, 3).reshape(n * C, hv, dv)[:T]
 
+
 rng = np.random.default_rng(0)
 T, hk, hv, d = int(sys.argv[1]) if len(sys.argv) > 1 else 1024, 16, 32, 128
 def l2(x): return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
 for decay in (0.02, 0.3):
     q = (l2(rng.standard_normal((T, hk, d))) / np.sqrt(d)).astype(np.float32)
     k = l2(rng.standard_normal((T, hk, d))).astype(np.float32)

@@ -42,14 +42,14 @@ def sigmoid_gate_k(half: bool = False):
 def gelu_k():
     # numpy twin: clefcore/backends/cpu.py::gelu (exact erf GELU; evaluated in double like the reference)
     return ek("clef_gelu", "float32 x", "float32 y",
-               "double xd = (double)x; y = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)))")
+              "double xd = (double)x; y = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)))")
 
 
 def gdn_gates_k():
     # numpy twin: clefcore/backends/cpu.py::gdn_gates
     return ek("clef_gdn_gates", "float32 a, float32 b, float32 a_log, float32 dt_bias", "float32 g, float32 beta",
-               "float z = a + dt_bias; float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));"
-               "g = -expf(a_log) * sp; beta = 1.0f / (1.0f + expf(-b));")
+              "float z = a + dt_bias; float sp = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));"
+              "g = -expf(a_log) * sp; beta = 1.0f / (1.0f + expf(-b));")
 
 
 def segment_softmax_sum_k():

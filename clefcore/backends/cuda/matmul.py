@@ -29,7 +29,6 @@ MMA_SWIGLU = {"gemm_mma_f16a_big": "gemm_mma_swiglu_big", "gemm_mma_f16a": "gemm
               "gemm_wgmma_f16a": "gemm_wgmma_swiglu"}
 
 
-
 def shape_key(M, N, K, tag, path) -> tuple:
     """The autotune's key of a GEMM (``GemmChoices.chosen``): (N, K, M rounded up to a power of two of at
     least 16, operand tag, kernel path)."""
@@ -200,8 +199,8 @@ class Matmul:
         module, (name, bm, bn, smem) = self.mma_tile()
         fn = self.ctx.kernel(module, name, smem)
         fn((-(-N // bn), -(-M // bm)), (256,), (a16, w16, NULL if bias is None else bias,
-                                              NULL if res is None else res, out, np.int32(M), np.int32(N),
-                                              np.int32(K)), shared_mem=smem)
+                                                NULL if res is None else res, out, np.int32(M), np.int32(N),
+                                                np.int32(K)), shared_mem=smem)
         return out
 
     def mma_swiglu(self, a16, w_gate, w_up, h16):

@@ -104,22 +104,19 @@ def measured_rate(runs: list[tuple[int, float]]) -> float:
 
 
 class RateMeter:
-    """Tokens per second of device time, smoothed."""
+    """Tokens per second of device time, smoothed, from ``start``: the rate measured at start (a forward sized
+    like a step on the warm device), which every step's rate then moves."""
 
     def __init__(self, start: float):
         if not start > 0:
             raise ValueError(f"start rate must be > 0 tokens/s, got {start}")
         self.rate = float(start)
-        self.samples = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
-        sample = tokens / seconds
-        weight = min(_MAX_WEIGHT, 0.25 * tokens / _HALF_TOKENS) if self.samples else 1.0
-        weight = max(weight, 0.05)
-        self.rate += weight * (sample - self.rate)
-        self.samples += 1
+        weight = max(0.05, min(_MAX_WEIGHT, 0.25 * tokens / _HALF_TOKENS))
+        self.rate += weight * (tokens / seconds - self.rate)
 
 
 class RecentShare:
@@ -322,8 +319,7 @@ class QueueSource(Protocol):
 class Snapshot:
     """What a policy reads, taken at ``now``: the batcher's ``Queues`` and what admission measured."""
     now: float
-    rate: float                 # the measured device rate, tokens/s per device (the start guess until measured)
-    measured: bool              # a step has been measured since start
+    rate: float                 # the measured device rate, tokens/s per device
     chunk_tokens: int           # a longer prompt runs chunked (0: none does)
     whole: QueueView
     long: tuple[tuple[Entry, float], ...]   # the queued long prompts and their order keys, in arrival order
@@ -385,7 +381,7 @@ class CostPolicy:
         if view.full:  # refusal() found a larger queued long prompt to give up instead
             victim = self._evictable(tokens, view)
             evict = self._eviction(victim, self.expected_wait(victim.tokens, view), view)
-        return Admit(view.now + self._admission_budget(tokens, view), evict)
+        return Admit(view.now + self.budget(tokens, view), evict)
 
     def unread(self, estimates: Sequence[int], view: Snapshot, held: float) -> Refusal | None:
         """Refused when a request of the body's estimated size would be refused at every size in the estimate's
@@ -404,8 +400,8 @@ class CostPolicy:
         chunks makes it wait), so a prompt that a fresh one of its size would be admitted beside is kept, and
         a burst that follows a long prompt's admission does not turn it into a late 429. (The slack: whole
         prompts are taken a step at a time, so the work sorted before a long prompt swings by a step while it
-        waits.) Only once the rate is measured: promises are not weighed on a guess."""
-        if not view.long or not view.measured:
+        waits.)"""
+        if not view.long:
             return []
         evicted: list[Eviction] = []
         kept: list[tuple[float, int]] = []   # the long prompts kept before this one
@@ -420,10 +416,8 @@ class CostPolicy:
 
     def refusal(self, tokens: int, view: Snapshot, held: float = 0.0) -> Refusal | None:
         """Why a request of ``tokens`` prompt tokens would not be admitted, or None (``held``: as in
-        expected_wait). Until the first step is measured the rate is a guess per device kind, so the work is
-        judged against the largest budget only (a cold server's first burst is not refused on a guess, nor
-        admitted without bound)."""
-        budget = self._admission_budget(tokens, view)
+        expected_wait)."""
+        budget = self.budget(tokens, view)
         wait = self.expected_wait(tokens, view, held)
         if view.full and self._evictable(tokens, view) is None:
             return Refusal(Reason.QUEUE_FULL, retry_after(wait, 0.0, self._budgets.max_s), wait, budget)
@@ -513,12 +507,6 @@ class CostPolicy:
         return Eviction(entry, Refusal(Reason.EVICTED, retry_after(wait, budget, self._budgets.max_s), wait,
                                        budget))
 
-    def _admission_budget(self, tokens: int, view: Snapshot) -> float:
-        """The budget a request of ``tokens`` is judged against now: ``budget``, or the largest one until a step
-        is measured."""
-        budget = self.budget(tokens, view)
-        return budget if view.measured else max(budget, self._budgets.max_s)
-
 
 def _step_left(lane: LaneView, view: Snapshot) -> float:
     """Tokens of the step on the lane's device that are not done yet, at the measured rate."""
@@ -535,8 +523,8 @@ class Admission:
 
     def __init__(self, policy: AdmissionPolicy, start_rate: float, queues: QueueSource, *, rejected: Counter,
                  held_tokens: Gauge, on_rate: Callable[[float], None]):
-        """``start_rate``: the device rate (tokens/s) until a step is measured. ``rejected``: the refusal
-        counter (labels: reason, size class); ``held_tokens``: the gauge of held bodies' tokens. ``on_rate``:
+        """``start_rate``: the device rate (tokens/s) measured at start (``measured_rate``). ``rejected``: the
+        refusal counter (labels: reason, size class); ``held_tokens``: the gauge of held bodies' tokens. ``on_rate``:
         called with the rate each time a step moved it."""
         self._policy = policy
         self._queues = queues
@@ -550,19 +538,14 @@ class Admission:
 
     @property
     def rate(self) -> float:
-        """The device rate, tokens/s per device: measured, smoothed (RateMeter), or the start rate before."""
+        """The device rate, tokens/s per device: measured at start, then moved by every step (RateMeter)."""
         return self._rate.rate
-
-    @property
-    def measured(self) -> bool:
-        """A step has been measured since start."""
-        return self._rate.samples > 0
 
     def snapshot(self, now: float | None = None) -> Snapshot:
         """What the policy reads at ``now`` (default: the clock's now)."""
         now = time.monotonic() if now is None else now
         queues = self._queues.queues()
-        return Snapshot(now, self._rate.rate, self.measured, queues.chunk_tokens, queues.whole, queues.long,
+        return Snapshot(now, self._rate.rate, queues.chunk_tokens, queues.whole, queues.long,
                         queues.lanes, self._whole_waiting.share(now), queues.full)
 
     def on_arrival(self, body_bytes: int | None) -> Hold | None:

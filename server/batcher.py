@@ -148,8 +148,8 @@ class Batcher:
         ``chunk_tokens``: prompts longer than this run chunked, in chunks of this size (None: auto, as
         ServiceConfig's; 0: never).
         ``step_budget``: the seconds an auto-sized step takes at the measured rate.
-        ``start_rate``: the device rate (tokens/s) until a step is measured: the Service's measurement at start
-        (admission.measured_rate).
+        ``start_rate``: the device rate (tokens/s) measured at start (admission.measured_rate), which every step
+        then moves.
         ``age_rate``: the scheduler's aging in tokens per second of waiting (None: follow the measured device
         rate over AUTO_AGE_DIVISOR; inf: first in, first out). ``first_lane``: the busy counter's label of the
         first device (its place in --device). ``tower``: what an image's vision tower costs, in prompt tokens
@@ -374,9 +374,7 @@ class Batcher:
                 future.set_exception(DeadlineExceeded())
 
     async def _short_batch(self, lane: _Lane) -> None:
-        # promises are weighed once the rate is measured (a guess would cut batches for nothing)
-        rate = self.admission.rate if self.admission.measured else math.inf
-        batch = self._scheduler.take(self.batch_tokens, self._max_requests, time.monotonic(), rate)
+        batch = self._scheduler.take(self.batch_tokens, self._max_requests, time.monotonic(), self.admission.rate)
         self._expire(batch.expired)
         if not batch.entries:
             self._publish()

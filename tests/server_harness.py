@@ -341,10 +341,10 @@ def whole(*arrivals: tuple[int, float]) -> QueueView:
 
 
 def view(queue: QueueView = whole(), long: tuple[Entry, ...] = (), lanes: tuple[LaneView, ...] = (IDLE,), *,
-         measured: bool = True, chunk: int = CHUNK, share: float = 0.0, full: bool = False) -> Snapshot:
+         chunk: int = CHUNK, share: float = 0.0, full: bool = False) -> Snapshot:
     """What the policy reads at NOW: ``long`` queued long prompts, keyed by their arrival and size."""
     keyed = tuple((e, e.enqueued_at + e.tokens / AGE_RATE) for e in long)
-    return Snapshot(NOW, RATE, measured, chunk, queue, keyed, lanes, share, full)
+    return Snapshot(NOW, RATE, chunk, queue, keyed, lanes, share, full)
 
 
 def batcher(devices=(None,), **kw) -> tuple[Batcher, Metrics]:

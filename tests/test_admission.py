@@ -23,11 +23,11 @@ from clefcore.server.metrics import Metrics
 from server_harness import BUDGETS, CHUNK, FAKE_STATUS, IDLE, NOW, Prepared, batcher, entry, view, whole
 
 
-def test_rate_meter_starts_at_its_guess_and_follows_the_device():
+def test_rate_meter_starts_at_the_starts_measurement_and_follows_the_device():
     meter = RateMeter(2_000)
     assert meter.rate == 2_000
-    meter.observe(1_000, 0.1)  # the first sample replaces the guess
-    assert meter.rate == pytest.approx(10_000)
+    meter.observe(1_000, 0.1)  # a measurement at start, not a guess: the first sample moves it as any other
+    assert meter.rate == pytest.approx(2_400)
     for _ in range(200):
         meter.observe(16_384, 0.5)  # the device slowed to 32,768 tokens/s
     assert meter.rate == pytest.approx(32_768, rel=1e-3)
@@ -106,16 +106,6 @@ def whole_prompts_kept_coming() -> float:
         t += 0.1
         share.step(t, 0.1)
     return share.share(NOW)
-
-
-def test_until_the_rate_is_measured_work_is_judged_against_the_largest_budget_only():
-    policy = CostPolicy(BUDGETS)
-    ahead = whole(*[(300, NOW - 10)] * 10)                                 # 3 s ahead at the start value
-    assert policy.refusal(400, view(ahead, measured=False)) is None        # 3.4 s, within the largest budget
-    ahead = whole(*[(300, NOW - 10)] * 40)                                 # 12 s ahead
-    assert policy.refusal(400, view(ahead, measured=False)).budget_s == 10.0
-    # measured (1,000 tokens/s, as guessed): a step, a chunk and its own 400
-    assert policy.refusal(400, view(ahead)).budget_s == pytest.approx(2.4)
 
 
 def test_queued_long_prompts_do_not_count_against_a_short_one():
@@ -243,15 +233,12 @@ class Source:
         return self.now
 
 
-def admission(source: Source | None = None, start: float = 1_000.0,
-              measured: bool = True) -> tuple[Admission, Metrics, list[float]]:
-    """An Admission over ``source`` (None: empty queues) at ``start`` tokens/s, measured (at 1,000 tokens/s, as
-    guessed) or not; the metrics its refusals are counted in, and the rates it reported."""
+def admission(source: Source | None = None, start: float = 1_000.0) -> tuple[Admission, Metrics, list[float]]:
+    """An Admission over ``source`` (None: empty queues) whose rate was measured at ``start`` tokens/s; the metrics
+    its refusals are counted in, and the rates it reported."""
     metrics, rates = Metrics(), []
     a = Admission(CostPolicy(BUDGETS), start, source or Source(), rejected=metrics.rejected,
                   held_tokens=metrics.held_tokens, on_rate=rates.append)
-    if measured:
-        a.on_step(1_000, 1.0, started=0.0, waiting_since=None, now=0.0)
     return a, metrics, rates
 
 
@@ -265,15 +252,17 @@ def held(metrics: Metrics) -> float:
 
 
 def test_admission_learns_the_rate_and_the_waiting_share_from_steps():
-    a, _, rates = admission(start=2_000.0, measured=False)
-    assert a.rate == 2_000 and not a.measured and not a.snapshot(0.0).measured
-    a.on_step(1_000, 0.5, started=0.0, waiting_since=None, now=0.0)
-    assert a.rate == 2_000 and a.measured and a.snapshot(0.0).rate == 2_000 and rates == [2_000]
+    a, _, rates = admission(start=2_000.0)
+    assert a.rate == 2_000 and a.snapshot(0.0).rate == 2_000
+    # the start's measurement is moved, not replaced, by a first step twice as fast: a small one weighs 5 %
+    a.on_step(1_000, 0.25, started=0.0, waiting_since=None, now=0.0)
+    assert a.rate == pytest.approx(2_100) and a.snapshot(0.0).rate == a.rate and rates == [a.rate]
     a.on_step(1_000, 0.0, started=0.0, waiting_since=None, now=0.0)     # nothing learnt: still reported
-    assert rates == [2_000, 2_000]
-    # whole prompts waited from 9.5 through a step that ran from 9 to 10: half of the last second
-    a.on_step(1_000, 1.0, started=9.0, waiting_since=9.5, now=10.0)
-    assert a.rate < 2_000 and rates[-1] == a.rate
+    assert rates == [a.rate, a.rate]
+    # a full step weighs half; whole prompts waited from 9.5 through a step that ran from 9 to 10: half of the
+    # last second
+    a.on_step(16_384, 16.384, started=9.0, waiting_since=9.5, now=10.0)
+    assert a.rate == pytest.approx(1_550) and rates[-1] == a.rate
     assert 0.0 < a.snapshot(10.0).whole_share < 0.5
     steady = a.snapshot(10.0).whole_share
     a.on_step(1_000, 1.0, started=10.0, waiting_since=5.0, now=11.0)   # waited through all of the next step
@@ -601,7 +590,7 @@ def test_the_batcher_tells_admission_of_its_lanes_step_and_chunked_run(monkeypat
         device.steps.release()
         await asyncio.sleep(0.01)                    # the next chunk started at 1.0, due to end at 2.0
         assert b.admission.snapshot(1.0).lanes == (LaneView(1_000, 1.0, 2_000, 3.0),)
-        assert b.admission.measured and b.admission.rate == 1_000
+        assert b.admission.rate == 1_000
         device.steps.release()
         device.steps.release()
         await run

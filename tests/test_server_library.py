@@ -230,7 +230,7 @@ def test_an_admission_policy_of_our_own_is_the_one_asked(engine):
     assert made.budgets == Budgets(2.0, 9.0, 24576)          # built from the config's budgets
     assert made.unread_asked == 1                             # asked before the body was read, then once prepared
     ((tokens, view),) = made.asked
-    assert tokens > 0 and len(view.lanes) == 1 and view.measured is False and not view.full
+    assert tokens > 0 and len(view.lanes) == 1 and not view.full
 
 
 def test_mount_needs_a_prefix():

@@ -24,7 +24,8 @@ time counts only the work that runs before it in the scheduler's order (shortest
 work: server/batcher.py's doc), at the measured device rate. For a prompt that runs whole: what is left of the
 running step, the queued prompts ahead of it, at most one chunk of the long prompt being run and the first chunk
 of a queued long prompt whose key comes first. For a chunked prompt, two cases weighed by the share of recent
-time in which whole prompts were waiting: when none come, the whole prompts ahead of it, the runs and long
+time in which whole prompts were waiting (never less than the part of its wait the whole prompts queued now
+take to run): when none come, the whole prompts ahead of it, the runs and long
 prompts before it, then its own run; when they keep coming, shorter ones pass it until its key comes up and
 between the chunks of every run, so it starts at the latest of its key, the end of the whole work sorted before
 it and the end of the runs before it, and runs slower than its tokens by what passes each chunk. A queued long
@@ -471,12 +472,14 @@ class CostPolicy:
         Before it start the whole prompts whose keys come first (with what is left of the steps running and the
         ``held`` tokens of bodies being prepared), the rest of the runs started and the long prompts queued
         ahead (``ahead``: their keys and tokens, in order; a lane runs one at a time). Two cases, weighed by the
-        recent share of time whole prompts were waiting. None coming: all that runs, then its own
+        share of time whole prompts wait: the recent share, and never less than the part of the first case's
+        wait that the whole prompts queued now take to run (they wait that long at least; a burst that came
+        since the last step ended has not moved the recent share yet, and a long prompt judged on that share
+        alone was admitted, then evicted at the next step). None coming: all that runs, then its own
         run. Whole prompts coming all the time: shorter ones pass it until its key comes up, and pass every
         run between its chunks, its own too; so it starts at the latest of its key, the end of the whole prompts
         ahead of it, and the end of the runs before it (each of which starts no sooner than its own key)."""
         n, rate, slow, now = len(view.lanes), view.rate, self.slow(view), view.now
-        share = view.whole_share
         whole = view.whole.tokens_before(key) + held + sum(_step_left(lane, view) for lane in view.lanes)
         started = sum(lane.run_left for lane in view.lanes if lane.run_left is not None)
         alone = (whole + started + sum(t for _, t in ahead)) / (n * rate) + tokens / rate
@@ -484,6 +487,7 @@ class CostPolicy:
         for their_key, their_tokens in ahead:
             runs_end = max(runs_end, their_key - now) + their_tokens * slow / (n * rate)
         flowing = max(whole / (n * rate), runs_end, key - now) + tokens * slow / rate
+        share = max(view.whole_share, min(1.0, view.whole.live_tokens / (n * rate) / alone))
         return (1 - share) * alone + share * flowing
 
     def _starting_before(self, key: float, view: Snapshot) -> float:

@@ -116,8 +116,12 @@ def test_queued_long_prompts_do_not_count_against_a_short_one():
     three = whole(*[(300, NOW)] * 3)
     assert policy.expected_wait(100, view(three, long)) == pytest.approx(0.1)    # shortest first: ahead of them
     assert policy.expected_wait(400, view(three, long)) == pytest.approx(1.3)    # behind them: 900 + its own 400
-    # a long one behind: every whole prompt, the long one before it (shorter), its own, over the device
-    assert policy.expected_wait(9_000, view(three, long)) == pytest.approx((900 + 8_000 + 9_000) / 1_000)
+    # a long one behind: every whole prompt, the long one before it (shorter), its own, over the device; for the
+    # 0.9 s the three take to run whole prompts wait, so that part of it counts as their flow (the long one
+    # ahead runs from its key, 8 s, at twice its tokens' time, then its own, 18 s)
+    alone, flowing = (900 + 8_000 + 9_000) / 1_000, 8 + 16 + 18
+    share = 0.9 / alone
+    assert policy.expected_wait(9_000, view(three, long)) == pytest.approx((1 - share) * alone + share * flowing)
 
 
 def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone():
@@ -152,8 +156,9 @@ def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompt
     # prompts keep coming (each 1,000-token chunk lets pass what arrives within its aging: 1 s of work)
     assert policy.slow(view(one)) == 2.0
     assert policy.budget(5_000, view(one)) == pytest.approx(5 + 2 + 10)
-    # none came lately: the whole prompt whose key comes first (0.3 s), then its own 5 s
-    assert policy.expected_wait(5_000, view(one)) == pytest.approx(5.3)
+    # none came lately: the whole prompt whose key comes first (0.3 s), then its own 5 s; the 0.3 s that one
+    # waits is the least share of its wait that whole prompts flow
+    assert policy.expected_wait(5_000, view(one)) == pytest.approx((1 - 0.3 / 5.3) * 5.3 + 0.3 / 5.3 * 15)
     share = whole_prompts_kept_coming()
     assert share > 0.99
     # they keep coming: it starts when its key comes up (5 s), and runs in 10 s
@@ -168,6 +173,21 @@ def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompt
     # a whole prompt is not held back by them: the first chunk of the long prompt whose key came, and its own
     assert policy.expected_wait(500, ahead) == pytest.approx(1.8)
     assert policy.refusal(500, ahead) is None
+
+
+def test_a_burst_of_whole_prompts_counts_before_it_moves_the_recent_share():
+    """A long prompt that arrives with a burst of whole prompts queued, before a step has ended since the burst
+    came (the recent share still 0), is judged as the burst will make it wait: for the burst's run, at least,
+    whole prompts wait, so that share of its wait is the flowing case's."""
+    policy = CostPolicy(BUDGETS)
+    burst = whole(*[(300, NOW)] * 10)                  # 3 s of whole work, just queued
+    alone = 3 + 5                                      # the burst, then its own 5 s
+    flowing = 5 + 5_000 * 4 / 1_000                    # from its key at 5 s, at 4x (3,000 queued per chunk)
+    assert policy.slow(view(burst)) == 4.0
+    assert policy.expected_wait(5_000, view(burst)) == pytest.approx(5 / 8 * alone + 3 / 8 * flowing)
+    # a recent share above the burst's part rules; nothing queued whole: nothing flows
+    assert policy.expected_wait(5_000, view(burst, share=0.5)) == pytest.approx(0.5 * alone + 0.5 * flowing)
+    assert policy.expected_wait(5_000, view()) == pytest.approx(5.0)
 
 
 def test_a_queued_long_prompt_slowed_by_the_order_is_kept_and_one_a_run_holds_back_is_evicted():

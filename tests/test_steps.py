@@ -82,8 +82,8 @@ def test_auto_sizes_follow_the_measured_rate():
     assert (b.batch_tokens, b.chunk_tokens) == (3_000, 3_000)      # 0.5 s of it
     assert step_gauge(b, "max_batch_tokens") == step_gauge(b, "chunk_tokens") == 3_000
     assert not b.admission.snapshot().chunked(2_500)
-    stepped(b, 4_000, 1.0)                                         # the first step served replaces it
-    assert (b.batch_tokens, b.chunk_tokens) == (2_000, 2_000)
+    stepped(b, 4_000, 1.0)                                         # the first step served moves it: 4,000
+    assert (b.batch_tokens, b.chunk_tokens) == (2_877, 2_877)      # tokens weigh 12 %, 6,000 -> 5,756 tokens/s
     for _ in range(100):                                           # then the device slows down
         stepped(b, 8_000, 8.0)
     assert b.rate == pytest.approx(1_000, rel=1e-3)

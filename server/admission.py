@@ -25,14 +25,13 @@ work: server/batcher.py's doc), at the measured device rate. For a prompt that r
 running step, the queued prompts ahead of it, at most one chunk of the long prompt being run and the first chunk
 of a queued long prompt whose key comes first. For a chunked prompt, two cases weighed by the share of recent
 time in which whole prompts were waiting (never less than the part of its wait the whole prompts queued now
-take to run): when none come, the whole prompts ahead of it, the runs and long
-prompts before it, then its own run; when they keep coming, shorter ones pass it until its key comes up and
-between the chunks of every run, so it starts at the latest of its key, the end of the whole work sorted before
-it and the end of the runs before it, and runs slower than its tokens by what passes each chunk. A queued long
-prompt whose expected answer moves well past its promise (the later of the one made at admission and the
-budget the order gives its size now) is refused then (evicted). So when the device cannot
-keep up, the most expensive requests are the ones refused, and a short one is refused only when short work
-alone exceeds what the device does.
+take to run): when none come, the whole prompts ahead of it, the runs and long prompts before it, then its own
+run; when they keep coming, shorter ones pass it until its key comes up and between the chunks of every run, so
+it starts at the latest of its key, the end of the whole work sorted before it and the end of the runs before
+it, and runs slower than its tokens by what passes each chunk. A queued long prompt whose expected answer moves
+well past its promise (the later of the one made at admission and the budget the order gives its size now) is
+refused then (evicted). So when the device cannot keep up, the most expensive requests are the ones refused,
+and a short one is refused only when short work alone exceeds what the device does.
 
 The first check, before a body is read, takes the body's size as tokens (BodySizer) and adds the bodies that
 passed it earlier and are still being read and tokenized, those no larger in bytes, as work ahead (the

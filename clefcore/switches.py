@@ -26,15 +26,11 @@ class Switch:
         return "CLEFCORE_" + self.name.upper()
 
 
-# Each switch is a module constant here (``SOME_KERNEL = Switch(...)``), listed in SWITCHES. attention_wgmma.cu
-# (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and the WY-form delta rule ran correct
-# and faster on an H100 (2b7717a) and are what the backend runs, each where it applies (clefcore/kernel_select.py).
-GRAPH_ARENAS = Switch(
-    "graph_arenas", False,
-    "each CUDA graph's memory is one reservation of its own (clefcore.pool.Arena, sized by a trial capture) instead "
-    "of a CuPy pool of many small cudaMallocs, whose memory the device does not get back when the graph is dropped "
-    "(about 1 MiB left behind per head-graph capture on an H100)")
-SWITCHES: tuple[Switch, ...] = (GRAPH_ARENAS,)
+# Each switch is a module constant here (``SOME_KERNEL = Switch(...)``), listed in SWITCHES. None at present:
+# attention_wgmma.cu (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and the WY-form delta
+# rule ran correct and faster on an H100 (2b7717a) and are what the backend runs, each where it applies
+# (clefcore/kernel_select.py).
+SWITCHES: tuple[Switch, ...] = ()
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 

@@ -14,6 +14,8 @@ import gdn_wy_model as wy
 pytestmark = MARKS
 cupy = pytest.importorskip("cupy")
 
+from test_gpu_engine import BOUND, GOLD, RECORDS, questions, softmax  # noqa: E402
+
 RNG = np.random.default_rng()
 
 
@@ -55,7 +57,6 @@ def test_repeatable(ops):
 def test_golden_fixtures(ops):
     """The golden requests through the whole model: within the mode's contract (exact 2e-4, fast 1e-2; on the
     H100 at 2b7717a fast was 5.3e-3 with these kernels, exact 1e-4). The worst error is printed to compare."""
-    from test_gpu_engine import BOUND, GOLD, RECORDS, _questions, _softmax
     from clefcore.checkpoint import Checkpoint
     from clefcore.model.backbone import backbone
     from clefcore.model.head import heads
@@ -66,7 +67,7 @@ def test_golden_fixtures(ops):
         ids = np.array(rec["input_ids"], np.int64)
         L = len(ids)
         hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
-        for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]):
-            worst = max(worst, float(np.max(np.abs(_softmax(z) - np.array(q["probabilities"])))))
+        for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [questions(rec)])[0]):
+            worst = max(worst, float(np.max(np.abs(softmax(z) - np.array(q["probabilities"])))))
     print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
     assert worst <= BOUND[ops.mode]

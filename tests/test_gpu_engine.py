@@ -62,7 +62,7 @@ def loaded(request):
     return ops, params
 
 
-def _questions(rec):
+def questions(rec):
     return [types.SimpleNamespace(question_span=tuple(q["question_span"]),
                                   option_spans=[tuple(s) for s in q["option_spans"]], type_index=q["type_index"])
             for q in rec["questions"]]
@@ -82,7 +82,7 @@ def test_golden_probabilities(loaded):
         L = len(ids)
         hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         ops.check_finite(hs, "final hidden states")
-        logits = heads(ops, params, hs, ids, np.array([0, L]), [_questions(rec)])[0]
+        logits = heads(ops, params, hs, ids, np.array([0, L]), [questions(rec)])[0]
         for q, z in zip(rec["questions"], logits):
             p = softmax(z)
             err = float(np.max(np.abs(p - np.array(q["probabilities"]))))

@@ -100,9 +100,8 @@ class _FakeArena:
 
 
 def _arena_cache(monkeypatch):
-    """A GraphCache under graph_arenas whose CuPy is a stand-in and whose arenas are _FakeArena: fn(nbytes)
+    """A GraphCache whose CuPy is a stand-in and whose arenas are _FakeArena: fn(nbytes)
     allocates nbytes from whatever allocator is active, as an op does inside a capture."""
-    from clefcore import switches
     active = []
 
     @contextmanager
@@ -116,7 +115,7 @@ def _arena_cache(monkeypatch):
     cuda = types.SimpleNamespace(Stream=lambda non_blocking: _Stream(), using_allocator=using_allocator,
                                  get_current_stream=_Stream)
     ctx = types.SimpleNamespace(cp=types.SimpleNamespace(cuda=cuda, copyto=lambda dst, src: None),
-                                switches=frozenset({switches.GRAPH_ARENAS}), device_id=0, watched=[], pinned=None)
+                                device_id=0, watched=[], pinned=None)
     monkeypatch.setitem(sys.modules, "clefcore.pool", types.SimpleNamespace(Arena=_FakeArena))
     _FakeArena.made = []
 
@@ -156,12 +155,11 @@ def test_a_graph_no_arena_can_hold_runs_eagerly_and_sizes_no_later_trial(monkeyp
 
 # ------------------------------------------------------------------------------------------------- GPU
 
-@pytest.fixture(scope="module", params=["graph_arenas=off", "graph_arenas"])
-def gpu(request):
-    """Each graph's memory in a CuPy pool (the default) and in an arena of its own (the graph_arenas switch)."""
+@pytest.fixture(scope="module")
+def gpu():
     from clefcore.backends.cuda import CudaOps
     ck = Checkpoint(GOLD)
-    ops = CudaOps(0, graph_tokens=256, kernels=request.param)
+    ops = CudaOps(0, graph_tokens=256)
     return ck, ops, load_params(ck, ops)
 
 

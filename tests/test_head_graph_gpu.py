@@ -13,9 +13,6 @@ needs no padding (a whole number of 128-token buckets); padding adds masked keys
 within fp32 reordering (tests/test_head_layout.py checks the same in numpy). The batched product is CuPy's
 matmul's own cuBLAS call, bit for bit, and the per-question softmax sum the same bits run after run.
 
-Every test runs twice: each graph's memory in a CuPy pool (the default) and in an arena of its own (the
-graph_arenas switch, clefcore/backends/cuda/graphs.py).
-
 Needs a GPU; the keys, the tables, the routing, a numpy model of a replay and of the segment kernel are checked
 without one (tests/test_head_layout.py).
 """
@@ -50,10 +47,10 @@ def _seeded(request):
     reseed(RNG, request)
 
 
-@pytest.fixture(scope="module", params=["graph_arenas=off", "graph_arenas"])
-def gpu(request):
+@pytest.fixture(scope="module")
+def gpu():
     from clefcore.backends.cuda import CudaOps
-    ops = CudaOps(0, kernels=request.param)
+    ops = CudaOps(0)
     return ops, load_params(Checkpoint(GOLD), ops)
 
 
@@ -341,17 +338,14 @@ def test_the_cache_keeps_at_most_its_capacity(gpu):
         cache.capacity = saved
 
 
-def test_captures_that_come_with_the_traffic_hold_no_more_memory(gpu, request):
+def test_captures_that_come_with_the_traffic_hold_no_more_memory(gpu):
     """Every schema seen twice is captured, and the cache keeps the last few: forty more captures past a full
     cache leave the device's memory beyond the cache's own graphs where it was (nothing a capture makes, such as
     a library's per-stream workspace, may pile up; 4 MiB of slack, two of the arenas' granules). In CuPy pools
-    they do not: about 1 MiB of each dropped graph's pool of small cudaMallocs is not given back to the device
-    (docs/bench/2026-12-07-h100-op-objects), which the graph_arenas switch is for."""
+    they did not: about 1 MiB of each dropped graph's pool of small cudaMallocs was not given back to the device
+    (docs/bench/2026-12-07-h100-op-objects), which is why each graph's memory is one arena."""
     import cupy
-    from clefcore import switches
     ops, p = gpu
-    if switches.GRAPH_ARENAS not in ops.ctx.switches:
-        request.applymarker(pytest.mark.xfail(reason="CuPy pools: about 1 MiB a capture is not given back"))
     cache = ops.head_graphs
 
     def used_beyond_the_cache():

@@ -11,10 +11,8 @@
 #   [C.ptx70_path(p.name) for p in C.kernel_files()]"
 # Run (device tool): CLEFCORE_KERNEL_CACHE=$PWD/.whl/ptx70 bash docs/bench/run-gpu-validate.sh
 # T_GOLDEN, T_SUITE, T_LEAN: each step's limit in seconds (default 90, 250, 130); T_LEAN=skip leaves the lean step out.
-# T_ARENAS: where set, a last step of that many seconds runs the engine, vision, server and reserve GPU tests again
-# with the graph_arenas switch on (CLEFCORE_GRAPH_ARENAS=1; its own graph tests run under both in the suite).
 # SUITE: the test files of the whole-suite step (default: tests, all of them), for a run that must fit less time.
-# Writes to $OUT as it goes: device.txt, golden.txt, suite.txt, suite-no-cublas.txt, suite-graph-arenas.txt.
+# Writes to $OUT as it goes: device.txt, golden.txt, suite.txt, suite-no-cublas.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-validate-out}
 mkdir -p "$OUT"
@@ -32,8 +30,4 @@ timeout "${T_SUITE:-250}" pytest -q -p no:cacheprovider -m gpu ${SUITE:-tests} 2
 if [ "${T_LEAN:-}" != skip ]; then
   PYTHONPATH=tests/no_cublas:$PYTHONPATH timeout "${T_LEAN:-130}" pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py \
     tests/test_gpu_engine.py 2>&1 | tail -20 | tee "$OUT/suite-no-cublas.txt"
-fi
-if [ -n "${T_ARENAS:-}" ]; then
-  CLEFCORE_GRAPH_ARENAS=1 timeout "$T_ARENAS" pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
-    tests/test_vision_gpu.py tests/test_server_gpu.py tests/test_reserve.py 2>&1 | tail -20 | tee "$OUT/suite-graph-arenas.txt"
 fi

@@ -3,23 +3,22 @@ cuBLAS launches from Python, ~45 us each on an H200), not by the GPU; replaying 
 
 ``GraphCache.run(key, fn, inputs)`` returns ``fn(*inputs)``. The first time a key is seen it runs eagerly (that
 compiles the kernels and autotunes the GEMM shapes, neither of which may happen during a capture); the second
-time it captures ``fn`` on a side stream into a graph that owns a private memory pool; later calls copy the
-inputs into the graph's static input buffers and launch it. What the graph reads and writes therefore stays
-valid for its whole life: its activations live in its own pool (never handed to anyone else), and the entry
-pins every index table ``DeviceContext.upload`` returned during the capture and the weights the graph reads. A
-capture that fails for any reason falls back to eager runs for that key and is logged: a graph may make a
-forward faster, never wrong.
-Under the ``graph_arenas`` switch a graph's memory is instead one ``clefcore.pool.Arena`` (one cudaMalloc):
-captured first in a trial arena (the largest need of the cache's graphs so far, doubled until the graph fits),
-then, where the trial was larger than this graph needs, again in an arena of its own extent plus reserve.py's
-margin. A CuPy pool is many small cudaMallocs, and the device does not get back what they held when the graph is
-dropped (about 1 MiB a capture on an H100): the head's captures come with the traffic.
+time it captures ``fn`` on a side stream into a graph whose memory is one ``clefcore.pool.Arena`` (one
+cudaMalloc, never handed to anyone else): captured first in a trial arena (the largest need of the cache's graphs
+so far, doubled until the graph fits), then, where the trial was larger than this graph needs, again in an arena
+of its own extent plus reserve.py's margin. Not a CuPy pool: that is many small cudaMallocs, and the device does
+not get back what they held when the graph is dropped (about 1 MiB a capture on an H100), while the head's
+captures come with the traffic. Later calls copy the inputs into the graph's static input buffers and launch it.
+What the graph reads and writes therefore stays valid for its whole life: the entry holds its arena, every index
+table ``DeviceContext.upload`` returned during the capture and the weights the graph reads. A capture that fails
+for any reason falls back to eager runs for that key and is logged: a graph may make a forward faster, never
+wrong.
 The guard flags that ``CudaOps.watch`` set up during the capture are re-zeroed by the graph itself (their
 memsets are captured) and handed back to the device context after every launch, so ``check_watched`` reads them.
-Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and, under
-the head_graph switch, the joint head's (per question schema and padded length, clefcore/model/head.py). A cache
-remembers the keys it has seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the
-head's keys come with the traffic.
+Three caches use it: the backbone's (per padded length), the vision tower's (per set of image sizes) and the
+joint head's (per question schema and padded length, clefcore/model/head.py). A cache remembers the keys it has
+seen, and those whose capture failed, only as far back as ``REMEMBERED`` keys: the head's keys come with the
+traffic.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ... import errors, switches
+from ... import errors
 from .reserve import GRANULE, MARGIN
 
 log = logging.getLogger("clefcore.cuda")
@@ -63,7 +62,7 @@ class _Entry:
     inputs: list          # static input buffers (the graph reads these addresses)
     output: object        # the array fn returned during the capture (the graph writes it)
     watched: list         # CudaOps.watch records made during the capture
-    memory: object        # the private MemoryPool or Arena holding every activation of the graph
+    memory: object        # the Arena holding every activation of the graph
     reads: tuple          # the arrays besides the inputs that the graph reads (weights): held, and compared
     pinned: list = field(default_factory=list)
 
@@ -82,7 +81,7 @@ class GraphCache:
         self._seen = _Recent(REMEMBERED)
         self._failed = _Recent(REMEMBERED)
         self._stream = None          # the side stream every capture of this cache runs on (made at the first)
-        self._largest = GRANULE      # graph_arenas: the largest captured graph's need, the next trial's size
+        self._largest = GRANULE      # the largest captured graph's need, the next trial's size
         self.launches = 0
         self.captures = 0
 
@@ -142,10 +141,7 @@ class GraphCache:
             self._stream = self.ctx.cp.cuda.Stream(non_blocking=True)
         self.ctx.cp.cuda.get_current_stream().synchronize()   # the inputs are ready before the side stream copies
         try:
-            if switches.GRAPH_ARENAS in self.ctx.switches:
-                e = self._capture_in_arena(fn, inputs, reads)
-            else:
-                e = self._capture_in(self.ctx.cp.cuda.MemoryPool(), fn, inputs, reads)
+            e = self._capture_in_arena(fn, inputs, reads)
         except Exception as exc:  # noqa: BLE001 - any capture failure means "run this key eagerly"
             log.warning("CUDA graph capture failed for %s (%s: %s); running it eagerly", key,
                         exc.__class__.__name__, exc)
@@ -178,7 +174,7 @@ class GraphCache:
         return e
 
     def _capture_in(self, memory, fn, inputs, reads):
-        """One capture of ``fn`` with every allocation from ``memory`` (a MemoryPool or an Arena)."""
+        """One capture of ``fn`` with every allocation from ``memory`` (an Arena)."""
         ctx, cp, stream = self.ctx, self.ctx.cp, self._stream
         before = ctx.watched
         ctx.watched, ctx.pinned = [], []

@@ -393,7 +393,7 @@ class CudaOps:
                 self._raise_if_bad(what, size, int(bad), int(nz))
 
     def memory_in_use(self) -> int:
-        """Device bytes held by live arrays (weights included), the CUDA graphs' private pools and the arena's
+        """Device bytes held by live arrays (weights included), the CUDA graphs' own arenas and the arena's
         whole reservation (the server's device-memory gauge)."""
         graphs = [g for g in (self.graphs, self.tower_graphs, self.head_graphs) if g is not None]
         used = int(self.ctx.cp.get_default_memory_pool().used_bytes()) + sum(g.nbytes() for g in graphs)

@@ -19,7 +19,7 @@ the largest work it will ever ask for as a callable, and it runs three times:
 From then on every forward between ``begin_forward`` and ``end_forward`` is carved from the arena: no request
 within the limits calls cudaMalloc or can run out of memory. Work the worst case does not cover (the vision
 tower's activations) overflows into CuPy's pool, counted (``Arena.overflows``, /health). The CUDA graphs of
-short prompts keep their private pools outside the arena; a graph that finds no memory is not captured and its
+short prompts keep their own arenas outside this one; a graph that finds no memory is not captured and its
 prompt runs eagerly, in the arena."""
 
 from __future__ import annotations

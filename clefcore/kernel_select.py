@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from .precision import DeltaRule, Row
-from .switches import Switch
+from .precision import DELTA_FAST, DELTA_ONE_PASS, DeltaRule, Row
+from .switches import WY_ONE_PASS, Switch
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Device:
 @dataclass(frozen=True)
 class Setting:
     """Everything a choice depends on besides the op's shape: the plan's ``row`` (clefcore/precision.py), the
-    switches ``on`` (clefcore/switches.py; none changes a choice at present) and the ``device``."""
+    switches ``on`` (clefcore/switches.py) and the ``device``."""
 
     row: Row
     on: frozenset[Switch]
@@ -174,7 +174,10 @@ def bidirectional_attention(s: Setting) -> Products:
 # ------------------------------------------------------------------------------------------------ delta rule
 
 def delta_rule(s: Setting) -> DeltaRule:
-    """The Gated DeltaNet kernels: the row's (WY form; fast's file rounds the output's products once)."""
+    """The Gated DeltaNet kernels: the row's (WY form; fast's file rounds the output's products once), or under the
+    wy_one_pass switch, in fast, every product rounded once."""
+    if s.row.delta_rule is DELTA_FAST and WY_ONE_PASS in s.on:
+        return DELTA_ONE_PASS
     return s.row.delta_rule
 
 

@@ -77,6 +77,7 @@ class DeltaRule:
 DELTA_FP32 = DeltaRule(None, 0)
 DELTA_EXACT = DeltaRule("gated_delta_wy.cu", 3)          # every product split
 DELTA_FAST = DeltaRule("gated_delta_wy_fast.cu", 1)      # the state's products split, the output's rounded once
+DELTA_ONE_PASS = DeltaRule("gated_delta_wy_one_pass.cu", 1)   # every product rounded once (the wy_one_pass switch)
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,16 @@ class Switch:
         return "CLEFCORE_" + self.name.upper()
 
 
-# Each switch is a module constant here (``SOME_KERNEL = Switch(...)``), listed in SWITCHES. None at present:
-# attention_wgmma.cu (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and the WY-form delta
-# rule ran correct and faster on an H100 (2b7717a) and are what the backend runs, each where it applies
-# (clefcore/kernel_select.py).
-SWITCHES: tuple[Switch, ...] = ()
+# Each switch is a module constant here (``SOME_KERNEL = Switch(...)``), listed in SWITCHES; clefcore/kernel_select.py
+# reads them. attention_wgmma.cu (Hopper), the fused elementwise producers (fast), the head's CUDA graphs and the
+# WY-form delta rule ran correct and faster on an H100 (2b7717a) and are what the backend runs, each where it
+# applies; so does each CUDA graph's memory in an arena of its own (5226985).
+WY_ONE_PASS = Switch(
+    "wy_one_pass", False,
+    "fast's delta rule with every tensor-core product in one fp16 pass (cuda/gated_delta_wy_one_pass.cu), the "
+    "state's recurrence and the solve's K K^T included, which fast otherwise splits into hi + lo halves: a third "
+    "of the scan's dependent products per chunk (not yet run on a GPU)")
+SWITCHES: tuple[Switch, ...] = (WY_ONE_PASS,)
 BY_NAME = {s.name: s for s in SWITCHES}
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 

@@ -56,8 +56,10 @@ FP32 = Operands.all("fp32")
 # the output's three products once (their error reaches one output, once)
 EXACT = Operands.all("split")
 FAST = Operands(kk="split", ws="split", ku="split", qs="fp16", qk="fp16", pv="fp16")
+# fast under the wy_one_pass switch: every product rounded once
+ONE_PASS = Operands.all("fp16")
 # the operands of each WY kernel module (the macros at the top of cuda/gated_delta_wy.cu)
-KERNEL_OPERANDS = {"gated_delta_wy.cu": EXACT, "gated_delta_wy_fast.cu": FAST}
+KERNEL_OPERANDS = {"gated_delta_wy.cu": EXACT, "gated_delta_wy_fast.cu": FAST, "gated_delta_wy_one_pass.cu": ONE_PASS}
 
 
 def _h(x):

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from clefcore import kernel_select, precision
+from clefcore import kernel_select, precision, switches
 from clefcore.backends import cpu
 from clefcore.backends.cuda.compile import kernel_dir
 from clefcore.backends.cuda.delta_rule import DeltaRule
@@ -115,14 +115,15 @@ class TwinDevice:
     cp = NUMPY_CP
     sm_count = 132
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, on: frozenset = frozenset()):
         self.plan = Plan(path)
+        self.on = on              # the kernel switches in effect
         self.launched = []        # (module, kernel name, shared memory bytes)
 
     @property
     def setting(self) -> kernel_select.Setting:
-        """What the delta rule's choice reads (kernel_select.delta_rule): the plan's row, on an H100."""
-        return kernel_select.Setting(self.plan.row, frozenset(), kernel_select.Device((9, 0), True, 232_448, True))
+        """What the delta rule's choice reads (kernel_select.delta_rule): the plan's row and switches, on an H100."""
+        return kernel_select.Setting(self.plan.row, self.on, kernel_select.Device((9, 0), True, 232_448, True))
 
     to_host, upload = staticmethod(np.asarray), staticmethod(_arr)
 
@@ -180,12 +181,15 @@ class TwinDevice:
             out[t0:t0 + n] = O.transpose(1, 0, 2)[:n]
 
 
-def twin_rule(path: str) -> DeltaRule:
-    """The backend's DeltaRule on a TwinDevice of the plan ``path``, in launch groups of 128 chunks."""
-    return DeltaRule(TwinDevice(path), 128)
+def twin_rule(path: str, on: frozenset = frozenset()) -> DeltaRule:
+    """The backend's DeltaRule on a TwinDevice of the plan ``path`` and switches ``on``, in launch groups of 128
+    chunks."""
+    return DeltaRule(TwinDevice(path, on), 128)
 
 
-MODES = {"fast": "fp16", "exact": "split"}
+# each mode's kernels, and fast's under the wy_one_pass switch: (plan path, switches on)
+MODES = {"fast": ("fp16", frozenset()), "fast-one-pass": ("fp16", frozenset({switches.WY_ONE_PASS})),
+         "exact": ("split", frozenset())}
 
 
 @pytest.mark.parametrize("blk", [128, 2, 1], ids=["one-group", "groups-of-2", "groups-of-1"])
@@ -201,7 +205,7 @@ def test_host_code_on_numpy_twins_lands_on_the_reference(mode, cu, with_state, b
     cu = np.array(cu)
     S_ref, S_model = S0.copy(), S0.copy()
     ref = cpu.gated_delta_rule(*args, cu, S_ref if with_state else None)
-    ops = twin_rule(MODES[mode])
+    ops = twin_rule(*MODES[mode])
     ops.block_chunks = blk
     S = _arr(S0.copy()) if with_state else None
     got = ops.gated_delta_rule(*(_arr(a) for a in args), cu, S)
@@ -236,7 +240,7 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
     """Every WY launch asks for at most the 96 KB a block may have on sm_70; the model's 128 x 128 heads take the
     _d128 entries."""
     args, _ = inputs([0, 130], hk, hv, dk, dv, seed=1)
-    ops = twin_rule(MODES[mode])
+    ops = twin_rule(*MODES[mode])
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 130]))
     assert {n for _, n, _ in ops.ctx.launched} == {f"gdn_wy_{k}{'_d128' if dk == dv == 128 else ''}"
                                                    for k in ("prep", "scan", "out")}
@@ -244,19 +248,25 @@ def test_shared_memory_fits_volta(mode, hk, hv, dk, dv):
 
 
 # ------------------------------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("one_pass", [False, True], ids=["switches-off", "wy_one_pass"])
 @pytest.mark.parametrize("path", precision.KERNEL_PATHS)
-def test_each_path_runs_its_modes_wy_module(path):
-    """Every GPU path runs the WY kernels of its mode: fast's module, or exact's."""
+def test_each_path_runs_its_modes_wy_module(path, one_pass):
+    """Every GPU path runs the WY kernels of its mode: fast's module (its one-pass module under wy_one_pass), or
+    exact's (whatever the switch)."""
     args, _ = inputs([0, 65], 2, 4, 16, 16, seed=0)
-    ops = twin_rule(path)
+    ops = twin_rule(path, frozenset({switches.WY_ONE_PASS}) if one_pass else frozenset())
     ops.gated_delta_rule(*(_arr(a) for a in args), np.array([0, 65]))
-    want = precision.DELTA_FAST if precision.TABLE[path].mode == "fast" else precision.DELTA_EXACT
+    fast = precision.DELTA_ONE_PASS if one_pass else precision.DELTA_FAST
+    want = fast if precision.TABLE[path].mode == "fast" else precision.DELTA_EXACT
     assert ops.kernels() == want
     assert [(m, n) for m, n, _ in ops.ctx.launched] == [(want.module, f"gdn_wy_{k}") for k in ("prep", "scan", "out")]
 
 
 def test_every_wy_module_has_an_error_model():
-    """The GPU tests hold each WY module to the model of its operands: every module the table names has one."""
-    modules = {row.delta_rule.module for row in precision.TABLE.values() if row.delta_rule.module is not None}
+    """The GPU tests hold each WY module to the model of its operands: every module the selector can name, under
+    any switches, has one."""
+    device = kernel_select.Device((9, 0), True, 232_448, True)
+    modules = {kernel_select.delta_rule(kernel_select.Setting(row, frozenset(on), device)).module
+               for row in precision.TABLE.values() for on in ((), switches.SWITCHES)} - {None}
     assert modules == set(wy.KERNEL_OPERANDS)
     assert all((kernel_dir() / m).is_file() for m in modules)

@@ -1,7 +1,7 @@
-"""The WY-form delta rule's kernels (cuda/gated_delta_wy.cu for exact, gated_delta_wy_fast.cu for fast) on the
-GPU, beyond the op table's rows (tests/test_ops.py, which hold them to the reference with the error model's
-bound): the same bits twice, and the golden fixtures through the whole model. Natively and through the
-compute_70 PTX (the Volta code path)."""
+"""The WY-form delta rule's kernels (cuda/gated_delta_wy.cu for exact, gated_delta_wy_fast.cu for fast,
+gated_delta_wy_one_pass.cu for fast under the wy_one_pass switch) on the GPU, beyond the op table's rows
+(tests/test_ops.py, which hold them to the reference with the error model's bound): the same bits twice, and the
+golden fixtures through the whole model. Natively and through the compute_70 PTX (the Volta code path)."""
 
 
 import numpy as np
@@ -29,12 +29,14 @@ def _builds():
     return ["native"] + (["ptx70"] if C.ptx70_available() else [])
 
 
-@pytest.fixture(scope="module", params=[f"{b}-{m}" for b in _builds() for m in ("fast", "exact")])
+@pytest.fixture(scope="module", params=[f"{b}-{m}" for b in _builds() for m in ("fast", "exact", "one_pass")])
 def ops(request):
-    """Each mode by its kernel path (fp16, split: the wmma GEMMs, whatever cuBLAS and fp8 the card has)."""
+    """Each mode by its kernel path (fp16, split: the wmma GEMMs, whatever cuBLAS and fp8 the card has), and fast
+    under the wy_one_pass switch."""
     from clefcore.backends.cuda import CudaOps
     build, mode = request.param.split("-")
-    return CudaOps(0, ptx70=build == "ptx70", gemm="wmma", precision={"fast": "fp16", "exact": "split"}[mode])
+    return CudaOps(0, ptx70=build == "ptx70", gemm="wmma", precision="split" if mode == "exact" else "fp16",
+                   kernels="wy_one_pass" if mode == "one_pass" else None)
 
 
 def _run(ops, args, cu, S0):
@@ -69,5 +71,6 @@ def test_golden_fixtures(ops):
         hs, _ = backbone(ops, params, ids, np.array([0, L]), np.arange(L))
         for q, z in zip(rec["questions"], heads(ops, params, hs, ids, np.array([0, L]), [questions(rec)])[0]):
             worst = max(worst, float(np.max(np.abs(softmax(z) - np.array(q["probabilities"])))))
-    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode}): {worst:.3e}")
+    print(f"GOLDEN gdn_wy worst probability error ({'ptx70' if ops.ctx.ptx70 else 'native'}, {ops.mode}, "
+          f"{ops.gdn_kernels().module}): {worst:.3e}")
     assert worst <= BOUND[ops.mode]

@@ -11,7 +11,7 @@ that code run on stand-ins), so it holds the selector to the choices the GPU sui
   shape, split where split, else cublas.
 - Attention: attention_wgmma.cu on cc 9.0, native, D = 256, fp16 K/V; the bidirectional (vision) attention: the
   fp16 kernel where ``row.attention_fp16``, else fp32 products.
-- Delta rule: ``row.delta_rule``.
+- Delta rule: ``row.delta_rule``; fast's one-pass module under wy_one_pass.
 - Norms and gates: an fp16 GEMM operand where ``row.fused_elementwise`` and rows > 64.
 - Head: the reduction kernel for batched products where cuBLAS cannot be loaded, else cuBLAS.
 The per-row facts (ROWS) are the precision table's rows, written out here.
@@ -97,7 +97,8 @@ def test_every_choice_is_the_tabled_one(path, on, dev, tile):
         assert kernel_select.causal_attention(s, D, kv16) is want, (D, kv16)
         n += 1
     assert kernel_select.bidirectional_attention(s) is (Products.FP16_KERNEL if attn16 else Products.FP32_CUBLAS)
-    assert kernel_select.delta_rule(s).module == delta_file
+    one_pass = fp16 and switches.WY_ONE_PASS in on
+    assert kernel_select.delta_rule(s).module == ("gated_delta_wy_one_pass.cu" if one_pass else delta_file)
     for rows in OPERAND_ROWS:
         assert kernel_select.gemm_operand(s, rows) is (Operand.FP16 if fused and rows > 64 else Operand.FP32), rows
         n += 1

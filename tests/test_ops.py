@@ -31,7 +31,7 @@ import functools
 import itertools
 import types
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
@@ -62,19 +62,21 @@ def h16(a):
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """One backend and variant: numpy, or CUDA by build (native / ptx70), kernel path and ``--gemm`` choice."""
+    """One backend and variant: numpy, or CUDA by build (native / ptx70), kernel path, ``--gemm`` choice and
+    kernel switch."""
 
     build: str              # "numpy", "native", "ptx70"
     path: str = FP32        # the kernel path (precision.TABLE's key)
     gemm: str = ""          # --gemm's value (CUDA)
     gdn_chunks: int = 128   # the delta rule's chunks per launch group (1: the state carried between launches)
+    kernels: str = ""       # a kernel switch to turn on (clefcore/switches.py); SWITCH_VARIES: the rows it changes
 
     @property
     def id(self) -> str:
         if self.build == "numpy":
             return "numpy"
         chunks = "" if self.gdn_chunks == 128 else f"-chunks{self.gdn_chunks}"
-        return f"{self.build}-{self.path}-{self.gemm}{chunks}"
+        return f"{self.build}-{self.path}-{self.gemm}{chunks}" + (f"-{self.kernels}" if self.kernels else "")
 
     @property
     def first_gemm(self) -> bool:
@@ -107,7 +109,11 @@ BACKENDS = [
     BackendSpec("native", "split8", "cublas"),
     *(BackendSpec("ptx70", path, gemm) for path in ("fp16", "split") for gemm in ("wmma", "auto")),
     *(BackendSpec(build, path, "wmma", gdn_chunks=1) for build in ("native", "ptx70") for path in ("fp16", "split")),
+    *(BackendSpec(build, "fp16", "wmma", gdn_chunks=n, kernels="wy_one_pass") for build in ("native", "ptx70")
+      for n in (128, 1)),
 ]
+# the rows (Op.varies) each switch changes: on a switch's variant only those run
+SWITCH_VARIES = {"wy_one_pass": "delta"}
 
 
 @lru_cache(maxsize=None)
@@ -117,7 +123,7 @@ def backend(spec: BackendSpec):
     from clefcore.backends.cuda import CudaOps
     # token_block 128: the MLP's token blocking runs at the table's larger sizes
     return CudaOps(0, ptx70=spec.build == "ptx70", gemm=spec.gemm, precision=spec.path, token_block=128,
-                   gdn_block_chunks=spec.gdn_chunks)
+                   gdn_block_chunks=spec.gdn_chunks, kernels=spec.kernels or None)
 
 
 def _reference():
@@ -216,7 +222,8 @@ class Op:
         if spec.build == "numpy":
             return True
         return (spec.path in self.paths and (self.varies == "gemm" or spec.first_gemm)
-                and (self.varies == "delta" or spec.gdn_chunks == 128))
+                and (self.varies == "delta" or spec.gdn_chunks == 128)
+                and (not spec.kernels or self.varies == SWITCH_VARIES[spec.kernels]))
 
 
 class DeviceOnly(tuple):
@@ -524,10 +531,10 @@ def _drawn(name, k):
 
 
 @lru_cache(maxsize=8)
-def _bound(name, k, path):
-    """The bounds of a row's k-th size on a kernel path ({output: (bound, floor)}); the error model's run once."""
+def _bound(name, k, row):
+    """The bounds of a row's k-th size on a precision row ({output: (bound, floor)}); the error model's run once."""
     _, inp, ref = _drawn(name, k)
-    return _bounds(BY_NAME[name].bound(precision.TABLE[path], inp, ref), ref)
+    return _bounds(BY_NAME[name].bound(row, inp, ref), ref)
 
 
 def _bounds(bound, names):
@@ -541,11 +548,15 @@ def _bounds(bound, names):
 def test_op(spec, name, k):
     b, (op, size) = backend(spec), (BY_NAME[name], BY_NAME[name].sizes[k])
     assert b.plan.path == spec.path, f"{spec.id} runs {b.plan.path}"
+    row = precision.TABLE[spec.path]
+    if spec.build != "numpy":   # the delta rule the switches select: its error model gives the bound
+        assert {s.name for s in b.ctx.switches} == {spec.kernels} - {""}, f"{spec.id} runs {b.ctx.switches}"
+        row = replace(row, delta_rule=b.gdn_kernels())
     seed, inp, ref = _drawn(name, k)
     print(f"seed {seed}")
     got = {n: b.to_host(a) for n, a in op.call(b, inp).items()}
     assert got.keys() == ref.keys()
-    for out, (bound, floor) in _bound(name, k, spec.path).items():
+    for out, (bound, floor) in _bound(name, k, row).items():
         e = wy.rel(got[out], ref[out], floor)      # max |got - ref| / max(max |ref|, floor)
         print(f"ERR {spec.id} {name} {size} {out} {e:.3e} (bound {bound:.1e})")
         assert e <= bound, f"{name} {out} at {size} on {spec.id}: max rel error {e:.3e} > {bound:.1e}"

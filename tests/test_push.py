@@ -337,7 +337,6 @@ def registry():
 
 @pytest.fixture
 def image(tmp_path) -> dict:
-    """make_layout's default image at tmp_path/oci."""
     return make_layout(tmp_path / "oci")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import random
 import re
 import shlex
 import shutil
@@ -159,8 +160,7 @@ def test_runtime_stage():
     cmd = yaml.safe_load(next(a for k, a in final if k == "CMD"))  # JSON exec form
     assert cmd[0] == "serve" and "--model" in cmd   # the path, the docs' and the manifests': tests/test_k8s.py
     assert cmd[cmd.index("--port") + 1] == "8080" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
-    env = env_of(final)
-    assert env["PATH"].startswith("/opt/venv/bin:")
+    assert env_of(final)["PATH"].startswith("/opt/venv/bin:")
 
 
 def test_compile_caches_are_on_the_writable_volume():
@@ -245,8 +245,7 @@ def measure(*args):
 
 
 def test_measure_passes_and_fails_on_the_largest_blob(tmp_path):
-    rng = __import__("random").Random(0)
-    noise = bytes(rng.getrandbits(8) for _ in range(200_000))   # incompressible: blob size ~ file size
+    noise = random.Random(0).randbytes(200_000)     # incompressible: blob size ~ file size
     sizes = make_layout(tmp_path, [
         {"usr/lib/libsmall.so": b"\0" * 100_000},
         {"opt/venv/lib/python3.11/site-packages/cupy/big.so": noise, "etc/x": b"x"},
@@ -264,8 +263,7 @@ def test_measure_passes_and_fails_on_the_largest_blob(tmp_path):
 def test_measure_exempts_only_layers_of_the_chunked_file(tmp_path):
     """--chunked libcublasLt.so exempts a layer holding nothing but that file; a layer that also holds anything
     else stays over the limit."""
-    rng = __import__("random").Random(1)
-    noise = bytes(rng.getrandbits(8) for _ in range(200_000))
+    noise = random.Random(1).randbytes(200_000)
     sp = "opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib/"
     sizes = make_layout(tmp_path, [{sp + "libcublasLt.so.12": noise}, {"a": b"a"}])
     out = measure(tmp_path, "--limit", sizes[0] - 1, "--chunked", "libcublasLt.so")
@@ -286,9 +284,7 @@ def test_measure_default_limit_is_decimal_megabytes(tmp_path):
 
 def test_measure_refuses_a_blob_that_disagrees_with_its_manifest(tmp_path):
     make_layout(tmp_path, [{"a": b"abc"}], history=False)
-    manifest = json.loads((tmp_path / "index.json").read_text())["manifests"][0]["digest"].split(":")[1]
-    layer = json.loads((tmp_path / "blobs" / "sha256" / manifest).read_text())["layers"][0]
-    path = tmp_path / "blobs" / "sha256" / layer["digest"].split(":")[1]
+    path = _blob(tmp_path, _manifest(tmp_path)["layers"][0]["digest"])
     path.write_bytes(path.read_bytes() + b"\0")
     out = measure(tmp_path)
     assert out.returncode != 0 and "the manifest says" in out.stderr
@@ -296,8 +292,7 @@ def test_measure_refuses_a_blob_that_disagrees_with_its_manifest(tmp_path):
 
 def test_measure_names_a_missing_or_malformed_file_in_one_line(tmp_path):
     make_layout(tmp_path, [{"a": b"abc"}])
-    layer = _manifest(tmp_path)["layers"][0]["digest"]
-    path = tmp_path / "blobs" / "sha256" / layer.split(":")[1]
+    path = _blob(tmp_path, _manifest(tmp_path)["layers"][0]["digest"])
     path.write_bytes(b"x" * path.stat().st_size)      # the size the manifest says, not a gzip tar
     _fails_in_one_line(measure(tmp_path), f"{path}: not a readable gzip tar")
     path.unlink()
@@ -313,9 +308,13 @@ def compare(built: Path, pulled: Path):
                           capture_output=True, text=True)
 
 
+def _blob(layout: Path, digest: str) -> Path:
+    return layout / "blobs" / "sha256" / digest.split(":")[1]
+
+
 def _manifest(layout: Path) -> dict:
     digest = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
-    return json.loads((layout / "blobs" / "sha256" / digest.split(":")[1]).read_text())
+    return json.loads(_blob(layout, digest).read_text())
 
 
 def _fails_in_one_line(out: subprocess.CompletedProcess, message: str):
@@ -329,7 +328,7 @@ def test_compare_passes_equal_layouts_and_catches_an_altered_blob(tmp_path):
     out = compare(tmp_path / "built", tmp_path / "pulled")
     assert out.returncode == 0 and "4 of 4 digests the same" in out.stdout, out.stdout + out.stderr
     layer = _manifest(tmp_path / "pulled")["layers"][1]["digest"]
-    path = tmp_path / "pulled" / "blobs" / "sha256" / layer.split(":")[1]
+    path = _blob(tmp_path / "pulled", layer)
     data = path.read_bytes()
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))     # same name, other bytes
     out = compare(tmp_path / "built", tmp_path / "pulled")
@@ -342,14 +341,14 @@ def test_compare_names_a_missing_or_malformed_file_in_one_line(tmp_path):
     make_layout(built, [{"a": b"a"}])
     shutil.copytree(built, pulled)
     layer = _manifest(pulled)["layers"][0]["digest"]
-    missing = pulled / "blobs" / "sha256" / layer.split(":")[1]
+    missing = _blob(pulled, layer)
     missing.unlink()
     _fails_in_one_line(compare(built, pulled), f"compare.py: {missing}: unreadable (No such file or")
     shutil.rmtree(pulled)
     _fails_in_one_line(compare(built, pulled), f"{pulled / 'index.json'}: unreadable, so {pulled} is no OCI")
     shutil.copytree(built, pulled)
     manifest = json.loads((pulled / "index.json").read_text())["manifests"][0]["digest"]
-    manifest_file = pulled / "blobs" / "sha256" / manifest.split(":")[1]
+    manifest_file = _blob(pulled, manifest)
     manifest_file.write_text(json.dumps({"schemaVersion": 2, "config": _manifest(built)["config"]}))
     _fails_in_one_line(compare(built, pulled), f"{manifest_file}: not an image manifest")
     manifest_file.unlink()

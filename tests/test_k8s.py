@@ -175,26 +175,20 @@ def test_the_homelab_overlays_render_todays_objects():
         assert now[key] == today[key], key
 
 
-def pin_copy(tmp_path: Path, digest: str) -> Path:
-    """deploy/ copied, its homelab pinned to ``digest`` by the build's own pin.py; returns the copy's k8s/."""
-    shutil.copytree(REPO / "deploy", tmp_path / "deploy")
-    done = pin(tmp_path / CLUSTER.relative_to(REPO), digest)
-    assert done.returncode == 0, done.stderr
-    return tmp_path / "deploy" / "k8s"
-
-
 def test_a_pinned_digest_is_the_image_both_variants_run(tmp_path):
+    """deploy/ copied and its homelab pinned by the build's own pin.py: both variants run the pinned image."""
     digest = "sha256:" + "0123456789abcdef" * 4
-    k8s = pin_copy(tmp_path, digest)
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy")
+    cluster = tmp_path / CLUSTER.relative_to(REPO)
+    done = pin(cluster, digest)
+    assert done.returncode == 0, done.stderr
     for variant in VARIANTS:
-        pinned = kustomize(k8s / OVERLAYS[variant].relative_to(K8S))
+        pinned = kustomize(tmp_path / OVERLAYS[variant].relative_to(REPO))
         images = container_images(pinned)
         assert images == [f"{REGISTRY_IMAGE}:0.2.0@{digest}"], (variant, images)
         assert [image_unpinned(d) for d in pinned] == list(rendered(variant))
-    # a second pin replaces the first
-    again = "sha256:" + "f" * 64
-    done = pin(tmp_path / CLUSTER.relative_to(REPO), again)
-    assert done.returncode == 0 and (tmp_path / CLUSTER.relative_to(REPO)).read_text().count("digest:") == 1
+    done = pin(cluster, "sha256:" + "f" * 64)     # a second pin replaces the first
+    assert done.returncode == 0 and cluster.read_text().count("digest:") == 1
 
 
 @pytest.mark.parametrize("digest, error", [("sha256:abc", "not a sha256 digest"),
@@ -320,18 +314,22 @@ def test_the_prometheus_rule_holds_to_the_crd_fields():
 
 # --- the homelab's conventions ------------------------------------------------------------------------------
 
-def pods() -> list[tuple[str, dict, dict]]:
-    """(variant, pod spec, pod metadata) for the Deployment's template and the KServe predictor."""
+def pods() -> dict[str, tuple[dict, dict]]:
+    """variant -> (pod spec, pod metadata), for the Deployment's template and the KServe predictor."""
     deployment, isvc = one("Deployment"), one("InferenceService")
     predictor = isvc["spec"]["predictor"]
     template = deployment["spec"]["template"]
-    return [("deployment", template["spec"], template["metadata"]),
-            ("kserve", predictor, {"labels": predictor["labels"], "annotations": predictor["annotations"]})]
+    return {"deployment": (template["spec"], template["metadata"]),
+            "kserve": (predictor, {"labels": predictor["labels"], "annotations": predictor["annotations"]})}
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
+@pytest.fixture(params=VARIANTS)
+def variant(request) -> str:
+    return request.param
+
+
 def test_pod_fits_worker_1(variant):
-    (spec, meta) = next((s, m) for v, s, m in pods() if v == variant)
+    spec, meta = pods()[variant]
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"kubernetes.io/hostname": "worker-1"}
     (container,) = spec["containers"]
@@ -379,22 +377,21 @@ def test_one_model_path_for_the_docs_the_image_and_both_variants():
     cmd = yaml.safe_load(cmd)
     assert cmd[cmd.index("--model") + 1] == path
     assert f'VOLUME ["{str(Path(path).parent)}",' in dockerfile
-    for variant, spec, _ in pods():
+    for variant, (spec, _) in pods().items():
         assert serve_args(spec["containers"][0]).model == path, variant
 
 
 def test_one_sizing_for_the_docs_and_both_variants():
     cpu, memory, cpu_limit, memory_limit = documented(
         r"requests of (\d+) CPUs and (\d+) GiB of memory, limits of (\d+) CPUs and (\d+) GiB, and one GPU")
-    for variant, spec, _ in pods():
+    for variant, (spec, _) in pods().items():
         resources = spec["containers"][0]["resources"]
         assert resources == {"requests": {"cpu": cpu, "memory": f"{memory}Gi", "nvidia.com/gpu": 1},
                              "limits": {"cpu": cpu_limit, "memory": f"{memory_limit}Gi", "nvidia.com/gpu": 1}}, variant
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_probes_budget_a_first_load(variant):
-    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    spec, _ = pods()[variant]
     (container,) = spec["containers"]
     startup, ready, live = (container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert startup["httpGet"]["path"] == ready["httpGet"]["path"] == "/health"
@@ -413,15 +410,13 @@ def test_probes_budget_a_first_load(variant):
 
 
 def test_the_rules_sit_beside_the_server():
-    meta = one("PrometheusRule")["metadata"]
-    assert meta["namespace"] == NAMESPACE
+    meta = one("PrometheusRule")["metadata"]    # its namespace: test_every_overlay_renders_its_variant_namespaced
     # the Deployment's own labels: a ruleSelector that picks the llm-serving apps picks these rules too
     assert one("Deployment")["metadata"]["labels"].items() <= meta["labels"].items()
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_prometheus_scrapes_the_api_port(variant):
-    (_, meta) = next((s, m) for v, s, m in pods() if v == variant)
+    _, meta = pods()[variant]
     assert meta["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
                                    "prometheus.io/path": "/metrics"}
 
@@ -449,14 +444,13 @@ def test_kserve_variant():
     assert isvc["metadata"]["name"] != "clef-serve"
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_the_gateways_service_reaches_either_variant(variant):
     service = one("Service")
     assert service["metadata"]["name"] == "clef-serve"
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     (port,) = service["spec"]["ports"]
     assert port["port"] == 80 and port["targetPort"] == PORT
-    (_, meta) = next((s, m) for v, s, m in pods() if v == variant)
+    _, meta = pods()[variant]
     assert service["spec"]["selector"].items() <= meta["labels"].items()
 
 
@@ -486,9 +480,8 @@ def check_pod_hardening(spec: dict) -> None:
     assert own.get("runAsUser", 10001) != 0 and not own.get("privileged", False)
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_the_pod_needs_the_api_key_and_is_hardened(variant):
-    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    spec, _ = pods()[variant]
     check_api_key_required(spec["containers"][0])
     check_pod_hardening(spec)
 
@@ -516,7 +509,7 @@ def check_network_policy(policy: dict, pod_labels: list[dict]) -> None:
 def test_network_policy_admits_only_the_gateway_and_prometheus():
     policy = one("NetworkPolicy")
     assert policy["metadata"]["name"] == "clef-serve"
-    check_network_policy(policy, [meta["labels"] for _, _, meta in pods()])
+    check_network_policy(policy, [meta["labels"] for _, meta in pods().values()])
 
 
 def test_the_fail_closed_checks_can_fail():
@@ -532,7 +525,7 @@ def test_the_fail_closed_checks_can_fail():
     del spec["automountServiceAccountToken"]
     with pytest.raises(AssertionError, match="automountServiceAccountToken"):
         check_pod_hardening(spec)
-    labels = [meta["labels"] for _, _, meta in pods()]
+    labels = [meta["labels"] for _, meta in pods().values()]
     policy = one("NetworkPolicy")
     split = copy.deepcopy(policy)           # namespace OR label: any pod of monitoring, or any "prometheus"
     prometheus = split["spec"]["ingress"][1]["from"][0]
@@ -549,7 +542,6 @@ def test_the_fail_closed_checks_can_fail():
             check_network_policy(broken, labels)
 
 
-@pytest.mark.parametrize("variant", ["deployment", "kserve"])
 def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
     """Each manifest carries, commented, the model volume's other layout (the Hugging Face cache, as the SGLang
     predictor used it): a Hub id that clefcore's parser takes in place of the folder, and HF_HOME on the volume's
@@ -559,7 +551,7 @@ def test_the_hub_cache_layout_is_offered_commented(variant, monkeypatch):
     assert re.findall(r"#\s+- (--(?:model|revision)=\S+)", text) == ["--model=Cloudflare/clef-flash",
                                                                      "--revision=<commit>"]
     (home,) = re.findall(r"#\s+- name: HF_HOME\b.*\n\s*#\s+value: (\S+)", text)
-    (spec, _) = next((s, m) for v, s, m in pods() if v == variant)
+    spec, _ = pods()[variant]
     (container,) = spec["containers"]
     args = [a for a in container["args"] if not a.startswith("--model=")]
     args += ["--model=Cloudflare/clef-flash", "--revision=" + "0" * 40]

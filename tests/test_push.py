@@ -337,7 +337,6 @@ def registry():
 
 @pytest.fixture
 def image(tmp_path) -> dict:
-    """make_layout's default image at tmp_path/oci."""
     return make_layout(tmp_path / "oci")
 
 
@@ -399,12 +398,14 @@ def patches_of(reg: Registry) -> list[dict]:
     return [e for e in reg.log if e["method"] == "PATCH"]
 
 
-def failure_lines(err: str, plain_http_login: bool = True) -> list[str]:
-    """stderr's lines without the warning a push with credentials over plain HTTP prints (asserted present,
-    and only then)."""
+def failure_line(rc: int, err: str, plain_http_login: bool = True) -> str:
+    """A failed push's one line of stderr, no traceback, beside the warning a push with credentials over plain
+    HTTP prints (asserted present, and only then)."""
+    assert rc == 1 and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert any(line.startswith(PLAIN_HTTP_WARNING) for line in lines) == plain_http_login, err
-    return [line for line in lines if not line.startswith(PLAIN_HTTP_WARNING)]
+    (line,) = [line for line in lines if not line.startswith(PLAIN_HTTP_WARNING)]
+    return line
 
 
 # ---- the whole push ---------------------------------------------------------------------------------------
@@ -452,9 +453,7 @@ def test_chunk_over_the_proxy_limit_gets_413_and_a_smaller_one_passes(registry, 
     image = make_layout(tmp_path / "oci", sizes=(20_000_001,))
     env = login_env(tmp_path, reg, CLEFCORE_IMAGE_PUSH_TLS="0")
     out = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test", "--chunk-bytes", 20_000_000, env=env)
-    assert out.returncode == 1
-    assert "413: request body too large - lower --chunk-bytes" in out.stderr
-    assert "Traceback" not in out.stderr and len(failure_lines(out.stderr)) == 1
+    assert "413: request body too large - lower --chunk-bytes" in failure_line(out.returncode, out.stderr)
     assert not reg.manifests
     ok = run_push(tmp_path / "oci", f"{reg.host}/{NAME}:test",
                   env={**env, "CLEFCORE_IMAGE_PUSH_CHUNK": "1000000"})
@@ -566,10 +565,9 @@ def test_gives_up_after_the_retries_naming_blob_offset_and_answer(registry, imag
     reg = registry()
     reg.fail.update({n: "503" for n in range(1, 100)})
     rc, _, err = push(reg, "--retries", "2")
-    assert rc == 1 and "Traceback" not in err
-    config = image["order"][0]
-    assert f"config {config}" in err and "chunk at offset 0 failed 3 times" in err
-    assert "503 Service Unavailable: UNAVAILABLE: injected 503" in err
+    line = failure_line(rc, err)
+    assert f"config {image['order'][0]}" in line and "chunk at offset 0 failed 3 times" in line
+    assert "503 Service Unavailable: UNAVAILABLE: injected 503" in line
     # three tries at byte 0; before each retry the registry's "0-0" (empty, or byte 0?) costs one 416
     assert [p["status"] for p in patches_of(reg)] == [503, 416, 503, 416, 503] and inproc.waits == [1, 2]
     assert not reg.manifests
@@ -662,8 +660,7 @@ def test_a_persistent_failure_gives_up_in_one_line(registry, image, inproc, push
     reg = registry()
     reg.faults.update({(kind, n): fault for n in range(1, 50)})
     rc, out, err = push(reg, "--retries", "2")
-    assert rc == 1 and "Traceback" not in err and len(failure_lines(err)) == 1
-    assert message.format(config=image["order"][0], host=reg.host) in err
+    assert message.format(config=image["order"][0], host=reg.host) in failure_line(rc, err)
     assert inproc.waits == [1, 2]
     assert sum(e.get("fault") == fault for e in reg.log) == 3
     assert not reg.manifests
@@ -806,9 +803,8 @@ def test_https_is_the_default(registry, tmp_path, inproc, capsys, monkeypatch):
     reg = registry()
     make_layout(tmp_path / "oci", sizes=(100,))
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "auth.json", reg.host)))
-    assert inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test"]) == 1
-    err = capsys.readouterr().err
-    assert "SSL" in err and len(failure_lines(err, plain_http_login=False)) == 1
+    rc = inproc.main([str(tmp_path / "oci"), f"{reg.host}/{NAME}:test"])
+    assert "SSL" in failure_line(rc, capsys.readouterr().err, plain_http_login=False)
     assert not reg.manifests
 
 
@@ -845,8 +841,7 @@ def test_another_hosts_401_is_an_error_not_a_login(registry, image, push):
     """The host the uploads are sent to asks for credentials: it gets none, and the push stops saying why."""
     reg = registry(upload_host="locked")
     rc, out, err = push(reg)
-    assert rc == 1 and "Traceback" not in err
-    (line,) = failure_lines(err)
+    line = failure_line(rc, err)
     assert f"push.py sends the credentials for {reg.host} to no other host" in line and "401" in line
     elsewhere = [e for e in reg.log if e["host"] == reg.upload_host]
     assert [(e["method"], e["auth"]) for e in elsewhere] == [("PATCH", None)]
@@ -865,8 +860,7 @@ def test_https_push_and_a_location_down_to_http_is_refused(registry, tls_cert, i
         assert_pushed(reg, image)
         assert reg.token_requests >= 1 and PLAIN_HTTP_WARNING not in err
         return
-    assert rc == 1 and "Traceback" not in err
-    (line,) = failure_lines(err, plain_http_login=False)
+    line = failure_line(rc, err, plain_http_login=False)
     assert f"Location http://{reg.host}/v2/{NAME}/blobs/uploads/u0?_state=1 goes from https down to plain " \
            "http: refused" in line
     assert not patches_of(reg) and not reg.manifests
@@ -883,8 +877,7 @@ def test_a_token_realm_that_is_not_https_is_refused(registry, tls_cert, tmp_path
     reg = registry(realm=realm, **({} if plain else {"tls": tls_cert}))
     make_layout(tmp_path / "oci", sizes=(1000,))
     rc, out, err = push(reg, ca=None if plain else tls_cert[0])
-    assert rc == 1 and "Traceback" not in err
-    (line,) = failure_lines(err, plain_http_login=False)
+    line = failure_line(rc, err, plain_http_login=False)
     assert f"the token realm {reg.realm!r} is not https: refused" in line
     assert reg.token_requests == 0 and listener.log == []
     assert all(e["auth"] is None for e in reg.log)
@@ -901,8 +894,7 @@ def test_a_huge_answer_is_not_read_whole(registry, tmp_path, inproc, push, kind,
     reg.faults[(kind, 1)] = fault
     make_layout(tmp_path / "oci", sizes=(1000,))
     rc, out, err = push(reg)
-    assert rc == 1 and "Traceback" not in err
-    (line,) = failure_lines(err)
+    line = failure_line(rc, err)
     said = f"the answer's body is {FLOOD} bytes, over the {inproc.MAX_ANSWER} push.py reads"
     streamed = f"the answer's body goes on past the {inproc.MAX_ANSWER} bytes push.py reads"
     assert (said if fault == "flood" else streamed) in line
@@ -928,8 +920,7 @@ def test_a_registry_taking_a_byte_per_patch_is_given_up_on(registry, image, inpr
     reg = registry()
     reg.fail.update({n: "trickle" for n in range(1, 100)})
     rc, out, err = push(reg, "--retries", "2")
-    assert rc == 1 and "Traceback" not in err
-    (line,) = failure_lines(err)
+    line = failure_line(rc, err)
     config = image["order"][0]
     size = len(image["blobs"][config])
     assert f"config {config}: the registry took 1 of the {size - 2} bytes sent at offset 2, under 1/4 of a " \

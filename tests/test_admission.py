@@ -108,8 +108,12 @@ def whole_prompts_kept_coming() -> float:
     return share.share(NOW)
 
 
-def test_queued_long_prompts_do_not_count_against_a_short_one():
-    policy = CostPolicy(BUDGETS)
+@pytest.fixture
+def policy() -> CostPolicy:
+    return CostPolicy(BUDGETS)
+
+
+def test_queued_long_prompts_do_not_count_against_a_short_one(policy):
     long = (entry(8_000, NOW),)                                            # 8 s of long work, not started
     assert policy.expected_wait(100, view(long=long)) == pytest.approx(0.1)
     assert policy.refusal(100, view(long=long)) is None
@@ -124,24 +128,21 @@ def test_queued_long_prompts_do_not_count_against_a_short_one():
     assert policy.expected_wait(9_000, view(three, long)) == pytest.approx((1 - share) * alone + share * flowing)
 
 
-def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone():
-    policy = CostPolicy(BUDGETS)
+def test_a_short_request_counts_what_is_left_of_the_running_step_and_is_never_refused_for_it_alone(policy):
     running = view(lanes=(LaneView(4_000, NOW - 1.0, None, math.inf),), chunk=0)   # a 4 s step, 1 s done
     assert policy.expected_wait(100, running) == pytest.approx(3.1)        # 3,000 left + its own
     assert policy.budget(100, running) == pytest.approx(4.1)   # that step + its own, over the 1 s floor
     assert policy.refusal(100, running) is None
 
 
-def test_the_started_runs_next_chunk_counts_once_it_is_due():
-    policy = CostPolicy(BUDGETS)
+def test_the_started_runs_next_chunk_counts_once_it_is_due(policy):
     due = LaneView(0, 0.0, 5_000, NOW - 4)          # its next chunk's key came long ago
     assert policy.expected_wait(100, view(lanes=(due,))) == pytest.approx(1.1)   # one chunk, not the 5,000 left
     stepped = LaneView(0, 0.0, 5_000, NOW + 1)      # just stepped: due in 1 s
     assert policy.expected_wait(100, view(lanes=(stepped,))) == pytest.approx(0.1)
 
 
-def test_over_budget_a_short_request_is_refused_with_retry_after():
-    policy = CostPolicy(BUDGETS)
+def test_over_budget_a_short_request_is_refused_with_retry_after(policy):
     refusal = policy.refusal(400, view(whole(*[(300, NOW)] * 15)))      # 4.5 s of short work
     assert refusal.reason is Reason.QUEUED_WORK and refusal.wait_s == pytest.approx(4.9)
     # what the order alone may make it wait: a step, the next chunk and its own, over the 1 s floor
@@ -149,8 +150,7 @@ def test_over_budget_a_short_request_is_refused_with_retry_after():
     assert refusal.retry_after_s == 3
 
 
-def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompts_keep_coming():
-    policy = CostPolicy(BUDGETS)
+def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompts_keep_coming(policy):
     one = whole((300, NOW))
     # the order alone: its aging (5 s), a step and a chunk, then its run, twice its tokens' time while whole
     # prompts keep coming (each 1,000-token chunk lets pass what arrives within its aging: 1 s of work)
@@ -175,11 +175,10 @@ def test_a_long_prompt_counts_the_shorter_work_that_passes_it_while_whole_prompt
     assert policy.refusal(500, ahead) is None
 
 
-def test_a_burst_of_whole_prompts_counts_before_it_moves_the_recent_share():
+def test_a_burst_of_whole_prompts_counts_before_it_moves_the_recent_share(policy):
     """A long prompt that arrives with a burst of whole prompts queued, before a step has ended since the burst
     came (the recent share still 0), is judged as the burst will make it wait: for the burst's run, at least,
     whole prompts wait, so that share of its wait is the flowing case's."""
-    policy = CostPolicy(BUDGETS)
     burst = whole(*[(300, NOW)] * 10)                  # 3 s of whole work, just queued
     alone = 3 + 5                                      # the burst, then its own 5 s
     flowing = 5 + 5_000 * 4 / 1_000                    # from its key at 5 s, at 4x (3,000 queued per chunk)
@@ -190,13 +189,12 @@ def test_a_burst_of_whole_prompts_counts_before_it_moves_the_recent_share():
     assert policy.expected_wait(5_000, view()) == pytest.approx(5.0)
 
 
-def test_a_queued_long_prompt_slowed_by_the_order_is_kept_and_one_a_run_holds_back_is_evicted():
+def test_a_queued_long_prompt_slowed_by_the_order_is_kept_and_one_a_run_holds_back_is_evicted(policy):
     """Before each chunk runs the whole work queued when it became due (here more than a chunk's aging lets
     pass), which slows a queued long prompt down past the answer time it was promised at 17 s. The order gives a
     prompt of its size a larger budget now (a fresh one would be admitted beside it), so it is kept: refusing it
     would turn a request that finishes in time into a late 429. A chunked run that started before it moves it
     out of that budget too: evicted."""
-    policy = CostPolicy(BUDGETS)
     share = whole_prompts_kept_coming()
     waiting = promised(policy, entry(5_000, NOW))
     assert waiting.answer_by - NOW == pytest.approx(17.0)
@@ -213,8 +211,7 @@ def test_a_queued_long_prompt_slowed_by_the_order_is_kept_and_one_a_run_holds_ba
     assert eviction.refusal.wait_s == pytest.approx((1 - share) * 12 + share * 36)   # past 27 + 6.75 s
 
 
-def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one():
-    policy = CostPolicy(BUDGETS)
+def test_a_long_prompt_whose_key_came_counts_one_chunk_against_a_short_one(policy):
     long = (entry(3_000, NOW - 2.95),)                  # key now + 0.05: it starts before the next one
     assert policy.expected_wait(100, view(long=long)) == pytest.approx(1.1)   # its first chunk, then its own 100
     assert policy.expected_wait(40, view(long=long)) == pytest.approx(0.04)   # key now + 0.04: this one first

@@ -109,17 +109,22 @@ def _spans_rows(cu, qs):
     return np.concatenate([np.arange(s, e) for s, e in spans])
 
 
-@pytest.mark.parametrize("stream", [BASE, SHIFTED], ids=["base", "shifted"])
-def test_a_padded_layouts_table_holds_its_own_positions(stream):
+@pytest.mark.parametrize("stream, tokens", [(BASE, 128), (SHIFTED, 128), (BASE, None)],
+                         ids=["base", "shifted", "exact"])
+def test_a_layouts_table_holds_its_own_positions(stream, tokens):
     cu, qs = stream
-    lay = HeadLayout(cu, qs, 4096, 128)
+    lay = HeadLayout(cu, qs, 4096, tokens)
     ix = lay.views(lay.table)
     T = cu[-1]
-    assert np.array_equal(ix.local, lay.rows)                         # picked from the whole stream
+    if tokens is None:   # the exact layout is today's: head rows sorted and unique, the host's views, no key (no graph)
+        assert lay.key is None and lay.tokens == T and np.array_equal(lay.rows, head_rows(cu, qs))
+        for name in lay.host.__dataclass_fields__:
+            assert np.array_equal(getattr(ix, name), getattr(lay.host, name)), name
+    assert np.array_equal(ix.local, lay.rows)                         # one 4096-token block: the whole stream
     assert np.array_equal(lay.rows[ix.span_rows], _spans_rows(cu, qs))
     assert np.array_equal(lay.rows[ix.last], [cu[1] - 1, cu[1] - 1, T - 1])
-    assert np.array_equal(ix.mem_seq, np.repeat([0, 1, 2], [cu[1], T - cu[1], 128 - T]))   # pad rows: group B
-    # what the schema fixes: the same in both
+    assert np.array_equal(ix.mem_seq, np.repeat([0, 1, 2], [cu[1], T - cu[1], lay.tokens - T]))   # pad rows: group B
+    # what the schema fixes: the same in all
     assert np.array_equal(ix.owner, [0, 0, 1, 1, 1, 2, 2]) and np.array_equal(ix.types, [0, 1, 2])
     assert np.array_equal(ix.q_seq, [0, 0, 1]) and np.array_equal(ix.opt_seq, [0, 0, 0, 0, 0, 1, 1])
     assert np.array_equal(ix.span_starts, [0, 4, 8, 11, 13, 16, 18, 21, 22, 24]) and ix.span_ends[-1] == 27
@@ -133,19 +138,6 @@ def test_a_padded_layout_keeps_coinciding_rows_apart():
     cu, qs = [0, 31], [[q((20, 24), [(25, 27), (27, 31)], 1)]]
     assert len(HeadLayout(cu, qs, 0).rows) == 10 and len(HeadLayout(cu, qs, 0, 128).rows) == 11
     assert HeadLayout(cu, qs, 0, 128).key == HeadLayout([0, 40], qs, 0, 128).key
-
-
-def test_the_exact_layout_is_todays():
-    """No padding: the head rows sorted and unique, positions among them, no key (never a graph)."""
-    lay = HeadLayout(*BASE, 4096)
-    views = lay.views(lay.table)
-    for name in lay.host.__dataclass_fields__:
-        assert np.array_equal(getattr(views, name), getattr(lay.host, name)), name
-    assert lay.key is None and lay.tokens == 100 and np.array_equal(lay.rows, head_rows(*BASE))
-    assert np.array_equal(lay.rows[views.last], [59, 59, 99])                  # each question's sequence's last row
-    assert np.array_equal(lay.rows[views.span_rows], _spans_rows(*BASE))
-    assert np.array_equal(views.owner, [0, 0, 1, 1, 1, 2, 2]) and np.array_equal(views.types, [0, 1, 2])
-    assert np.array_equal(views.opt_seq, [0, 0, 0, 0, 0, 1, 1]) and len(views.mem_seq) == 100
 
 
 @pytest.mark.parametrize("cu,tokens,match", [(BASE[0], 99, "99 padded tokens for a stream of 100"),
@@ -222,6 +214,8 @@ def test_heads_go_through_the_cache_with_the_schema_as_key(gold_params):
         assert len(reads) == len(p.head) and all(any(r is w for w in p.head.values()) for r in reads)
         np.testing.assert_allclose(_flat(got), _flat(want), **REORDERED)
     assert rec.calls[0][0] == rec.calls[1][0]                          # one key for both states
+    # a graph is kept per plan (the range-safe fallback runs other kernels): the keys of two plans differ
+    assert (key[0], Plan("fp16")) != (key[0], Plan("split", range_safe=True))
     ops.head_graphs = rec = _Recording(max_tokens=100)                 # its bucket too large: never offered
     heads(ops, p, *_stream(p, rng, BASE[0]), *BASE)
     assert rec.calls == []
@@ -459,9 +453,3 @@ def test_segment_kernel_model_is_its_numpy_twin_bit_for_bit(sizes):
         got = segment_kernel_model(sc, vals, owner, len(sizes))
         want = cpu.segment_softmax_sum(sc, vals, owner, len(sizes))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-def test_plans_name_different_graphs():
-    """A graph is kept per plan (the range-safe fallback runs other kernels): the key the head passes differs."""
-    lay = _padded()
-    assert (lay.key, Plan("fp16")) != (lay.key, Plan("split", range_safe=True))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A kernel switch, checked then timed against the defaults in one device call that ends within 9 minutes:
-#   1. its GPU tests: the op table's rows on its variants (tests/test_ops.py -k SWITCH) and TESTS (default the
-#      delta rule's GPU tests, which run it natively and through the compute_70 PTX);
+#   1. its GPU tests: the op table's rows on its variants (tests/test_ops.py -k SWITCH), then the golden sets
+#      (text and images, every mode, natively and through the compute_70 PTX) with it on (CLEFCORE_<SWITCH>=1),
+#      each worst |dp| printed;
 #   2. the delta rule alone at 8,192 tokens, fast, without and with it (gdn_profile.py, CUDA events);
 #   3. clefcore bench, fast, end to end at 2,048 and 8,192 tokens and 16 x 512 packed, without and with it,
 #      alternating (A B A B), no kernel table, no peer.
@@ -11,7 +12,6 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/switch-ab-out}
 SWITCH=${SWITCH:?name the switch, e.g. SWITCH=wy_one_pass}
-TESTS=${TESTS:-tests/test_gdn_wy_gpu.py}
 ROOT=$(pwd)
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$ROOT"/.whl/deps/*.whl \
@@ -21,9 +21,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv >"$OUT/device.txt" 2>&1
 # `pytest`, not `python3 -m pytest`: the installed package, not the source tree (setup.cfg: --import-mode=importlib)
 timeout "${T_TESTS:-120}" pytest -q -p no:cacheprovider -m gpu tests/test_ops.py -k "$SWITCH" 2>&1 \
   | grep -E "passed|failed|FAILED|Error" | tee "$OUT/tests.txt"
-# shellcheck disable=SC2086  # TESTS is a list of paths
-timeout "${T_TESTS:-120}" pytest -q -s -p no:cacheprovider -m gpu $TESTS 2>&1 \
-  | grep -E "GOLDEN|passed|failed|FAILED|Error" | tee -a "$OUT/tests.txt"
+env "CLEFCORE_${SWITCH^^}=1" timeout "${T_GOLDEN:-90}" pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
+  tests/test_vision_gpu.py -k "golden and probabilities" 2>&1 | grep -E "GOLDEN|passed|failed|FAILED|Error" \
+  | tee -a "$OUT/tests.txt"
 if ! grep -q " passed" "$OUT/tests.txt" || grep -qE "failed|FAILED|Error" "$OUT/tests.txt"; then
   echo "the switch's tests did not all pass: nothing timed"; exit 1
 fi

@@ -116,30 +116,25 @@ def test_spans_cover_rendered_pieces(encoders):
     (1e-05, "1e-05"), (1e16, "1e+16"), (1e15, "1000000000000000.0"), (-0.0, "-0.0"), (5e-324, "5e-324"),
     (1250.0, "1250.0"), (1.5e300, "1.5e+300"), (0.0001, "0.0001"), (float("inf"), "Infinity"),
     (float("-inf"), "-Infinity"), (10**30, "1" + "0" * 30), (True, "true"), (None, "null"),
+    ([float("inf"), float("nan")], "[Infinity,NaN]"),    # the reference's spelling; parse_body refuses them
+    # the int/float distinction of the incoming JSON survives parse_body
+    (parse_body('[1e5, 2.5E-3, 2.50, -0, -0.0, 123456789.123456789, 7]'),
+     "[100000.0,0.0025,2.5,0,-0.0,123456789.12345679,7]"),
+    ("raw \"text\"\n", "raw \"text\"\n"),
+    (["\x00\x1f\b\f\n\r\t\"\\"], '["\\u0000\\u001f\\b\\f\\n\\r\\t\\"\\\\"]'),
+    (["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"], '["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"]'),
+    # keys sorted by code point, recursively; arrays keep their order
+    ({"b": {"z": 1, "Z": 2}, "a": [3, 1], "\u00e9": 0, "B": None}, '{"B":null,"a":[3,1],"b":{"Z":2,"z":1},"\u00e9":0}'),
+    ({"option_id": "x", "description": "d"}, '{"description":"d","option_id":"x"}'),
 ])
-def test_render_numbers(value, text):
+def test_render(value, text):
     assert render(value) == text
 
 
-def test_render_parsed_literals():
-    # The int/float distinction of the incoming JSON survives parse_body and render.
-    body = parse_body('[1e5, 2.5E-3, 2.50, -0, -0.0, 123456789.123456789, 7]')
-    assert render(body) == "[100000.0,0.0025,2.5,0,-0.0,123456789.12345679,7]"
-    # render itself follows the reference for non-finite floats; parse_body refuses them (not echoable)
-    assert render([float("inf"), float("nan")]) == "[Infinity,NaN]"
-    for literal in ("1E400", "NaN", "-Infinity"):
-        with pytest.raises(RequestError, match="not finite"):
-            parse_body(f'{{"state": [{literal}]}}')
-
-
-def test_render_strings_and_objects():
-    assert render("raw \"text\"\n") == "raw \"text\"\n"
-    assert render(["\x00\x1f\b\f\n\r\t\"\\"]) == '["\\u0000\\u001f\\b\\f\\n\\r\\t\\"\\\\"]'
-    assert render(["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"]) == '["\u2028\u2029\x7f\u00e9\u4e2d\U0001f680"]'
-    # Keys sorted by code point, recursively; arrays keep their order.
-    assert render({"b": {"z": 1, "Z": 2}, "a": [3, 1], "\u00e9": 0, "B": None}) == \
-        '{"B":null,"a":[3,1],"b":{"Z":2,"z":1},"\u00e9":0}'
-    assert render({"option_id": "x", "description": "d"}) == '{"description":"d","option_id":"x"}'
+@pytest.mark.parametrize("literal", ["1E400", "NaN", "-Infinity"])
+def test_parse_body_refuses_non_finite_numbers(literal):
+    with pytest.raises(RequestError, match="not finite"):
+        parse_body(f'{{"state": [{literal}]}}')
 
 
 # --- tokenizer regex ------------------------------------------------------------------------------
@@ -187,11 +182,10 @@ def _texts(n: int) -> dict:
     pool = ["a", " ", "\n", "0", "é", "e\u0301", "U\u0308\u0304", "日本", "🚀", "<|im_end|>", "<|endoftext|>",
             " สวัสดีครับ", "Subscription", "{", "}", "\"", "\\", "\u2028"]
     rng = np.random.default_rng(47)
-    texts = {"longest": " สวัสดีครับ" * n, "ascii": "Subscription" * n, "added": "<|endoftext|>" * n,
-             "word": "a" * n, "spaces": " " * n + "x", "composed": "U\u0308\u0304" * n, "digits": "0123456789" * n,
-             "json": {"rows": [{"id": i, "tag": "Subscription"} for i in range(n // 4)]},
-             "mix": "".join(pool[i] for i in rng.integers(0, len(pool), n))}
-    return texts
+    return {"longest": " สวัสดีครับ" * n, "ascii": "Subscription" * n, "added": "<|endoftext|>" * n,
+            "word": "a" * n, "spaces": " " * n + "x", "composed": "U\u0308\u0304" * n, "digits": "0123456789" * n,
+            "json": {"rows": [{"id": i, "tag": "Subscription"} for i in range(n // 4)]},
+            "mix": "".join(pool[i] for i in rng.integers(0, len(pool), n))}
 
 
 def _encode_uncut(encoder: Encoder, request: dict, context_length: int, monkeypatch):
@@ -214,7 +208,7 @@ def test_the_cut_never_changes_the_prompt(encoders, monkeypatch, regex, room):
     context = fixed + room
     cut = state_text_cut(room, encoder.tokenizer.max_chars_per_token)
     assert encoder.tokenizer.max_chars_per_token == 2 * 31   # the golden vocabulary's " สวัสดีครับ", 31 bytes
-    cases = {name: text for name, text in _texts(cut + 5).items()}
+    cases = _texts(cut + 5)
     cases.update({f"mix{d:+d}": cases["mix"][:cut + d] for d in (-1, 0, 1)})
     for name, state in cases.items():
         record = encoder.encode(dict(request, state=state), context)
@@ -235,9 +229,9 @@ def test_a_cut_below_the_bound_would_change_the_prompt(encoders, monkeypatch):
     state, room = "Subscription " * 1000, 40
     whole = _encode_uncut(encoder, dict(request, state=state), fixed + room, monkeypatch)
     start, end = whole.state_span
-    covered = len(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
-    assert state.startswith(encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist()))
-    monkeypatch.setattr("clefcore.encode.state_text_cut", lambda room, longest: covered - 1)
+    kept = encoder.tokenizer._tok.decode(whole.input_ids[start:end].tolist())
+    assert state.startswith(kept)
+    monkeypatch.setattr("clefcore.encode.state_text_cut", lambda room, longest: len(kept) - 1)
     short = encoder.encode(dict(request, state=state), fixed + room)
     assert short.input_ids.tolist() != whole.input_ids.tolist()
 
@@ -260,7 +254,6 @@ def test_no_cut_where_a_token_may_stand_for_unbounded_text(tmp_path, change):
         spec["decoder"] = {"type": "Fuse"}
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(spec), encoding="utf-8")
-    assert Tokenizer(TOKENIZER).max_chars_per_token == 62
     tokenizer = Tokenizer(path)
     assert tokenizer.max_chars_per_token is None
     encoder = Encoder(tokenizer)

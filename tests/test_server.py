@@ -3,7 +3,6 @@ client rules of systemone-protocol.md §11. One server (golden tiny checkpoint, 
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import pytest
@@ -150,11 +149,9 @@ def test_400_malformed_json_and_bad_utf8(server):
 
 
 def test_415_content_type(server):
-    for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/xml"):
-        error_of(server.request("POST", "/v1/systemone", json.dumps(SUPPORT_TICKET),
-                                {"Content-Type": content_type}), 415, "unsupported_media_type")
-    no_type = server.request("POST", "/v1/systemone", json.dumps(SUPPORT_TICKET))
-    error_of(no_type, 415, "unsupported_media_type")
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Content-Type": "application/xml"}, {}):
+        error_of(server.request("POST", "/v1/systemone", SUPPORT_TICKET, headers), 415, "unsupported_media_type")
     ok = server.post("/v1/systemone", json.dumps(SUPPORT_TICKET),
                      {"Content-Type": "application/json; charset=utf-8"})
     assert ok.status == 200
@@ -164,23 +161,11 @@ def test_413_body_too_large_with_and_without_content_length(server):
     big = ticket("x" * 30000)
     err = error_of(server.decide(big), 413, "request_too_large")
     assert err["limit"] == "20000 bytes"
-    # Chunked upload: no Content-Length, the server counts while reading.
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        payload = json.dumps(big).encode()
-        conn.putrequest("POST", "/v1/systemone")
-        conn.putheader("Content-Type", "application/json")
-        conn.putheader("Transfer-Encoding", "chunked")
-        conn.endheaders()
-        for i in range(0, len(payload), 4096):
-            chunk = payload[i:i + 4096]
-            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        conn.send(b"0\r\n\r\n")
-        reply = conn.getresponse()
-        assert reply.status == 413
-        assert json.loads(reply.read())["error"]["type"] == "request_too_large"
-    finally:
-        conn.close()
+    # Chunked upload (http.client sends an iterable body so): no Content-Length, the server counts while reading.
+    payload = json.dumps(big).encode()
+    chunks = (payload[i:i + 4096] for i in range(0, len(payload), 4096))
+    error_of(server.request("POST", "/v1/systemone", chunks, {"Content-Type": "application/json"}), 413,
+             "request_too_large")
 
 
 @pytest.mark.parametrize("mutate, field, limit", [

@@ -63,30 +63,25 @@ def send(server, data: bytes, encoding: str, path: str = "/v1/systemone"):
     return server.post(path, data, headers={"Content-Encoding": encoding})
 
 
-@pytest.mark.parametrize("encoding", sorted(ENCODERS))
-def test_each_coding_answers_like_the_plain_body(server, body, plain, encoding):
-    data = ENCODERS[encoding](body)
-    assert len(data) < len(body)
-    reply = send(server, data, encoding)
-    assert reply.status == 200, reply
-    assert reply.json() == plain
-    rid = reply.headers["x-request-id"]
-    seen = server.wait_for_events("request", lambda events: any(e["request_id"] == rid for e in events))
-    (line,) = [e for e in seen if e["request_id"] == rid]
-    assert line["content_encoding"] == encoding and line["bytes_in"] == len(body)
-
-
-# Some clients send "deflate" as a bare DEFLATE stream (no zlib header); "x-gzip" is gzip's old alias; stacked
-# codings are listed in the order they were applied (RFC 9110 8.4).
+# Beside the four codings: some clients send "deflate" as a bare DEFLATE stream (no zlib header); "x-gzip" is gzip's
+# old alias; stacked codings are listed in the order they were applied (RFC 9110 8.4).
 @pytest.mark.parametrize("encoding, encode", [
+    *sorted(ENCODERS.items()),
     ("GZIP", gzip.compress), (" zstd ", zstd.compress), ("Br", brotli.compress), ("identity", lambda b: b),
     ("deflate", raw_deflate), ("x-gzip", gzip.compress),
     ("gzip, br", lambda b: brotli.compress(gzip.compress(b))),
 ])
-def test_coding_names_aliases_and_stacks(server, body, plain, encoding, encode):
-    reply = send(server, encode(body), encoding)
+def test_each_coding_alias_and_stack_answers_like_the_plain_body(server, body, plain, encoding, encode):
+    data = encode(body)
+    reply = send(server, data, encoding)
     assert reply.status == 200, reply
     assert reply.json() == plain
+    if encode is ENCODERS.get(encoding):     # one of the four: it compresses, and the log line names it
+        assert len(data) < len(body)
+        rid = reply.headers["x-request-id"]
+        seen = server.wait_for_events("request", lambda events: any(e["request_id"] == rid for e in events))
+        (line,) = [e for e in seen if e["request_id"] == rid]
+        assert line["content_encoding"] == encoding and line["bytes_in"] == len(body)
 
 
 @pytest.mark.parametrize("encoding", sorted(ENCODERS))
@@ -144,14 +139,22 @@ def test_no_500_and_still_healthy(server):
 # --- the decoder itself (clefcore.server.codings) -----------------------------------------------------------
 
 limits = codings.Limits.for_limit
+LONG = json.dumps([str(i) * (i % 50) for i in range(40_000)]).encode()   # ~1 MB, compresses ~10x
 
 
-def test_decoder_limits_members_and_garbage():
-    data = bytes(range(256)) * 8
+@pytest.mark.parametrize("data", [bytes(range(256)) * 8, LONG], ids=["short", "long"])
+def test_decoder_gives_back_what_was_encoded_and_stops_at_the_limit(data):
+    """Exactly at the limit is fine, one byte less is TooLarge: for a short body, and for one of many decoder steps
+    (output held inside a decoder)."""
     for name, encode in ENCODERS.items():
-        assert codings.decode(encode(data), [name], limits(len(data))) == data  # exactly at the limit is fine
+        assert codings.decode(encode(data), [name], limits(len(data))) == data
         with pytest.raises(codings.TooLarge):
             codings.decode(encode(data), [name], limits(len(data) - 1))
+    assert codings.decode(raw_deflate(data), ["deflate"], limits(len(data))) == data
+
+
+def test_decoder_members_and_garbage():
+    data = bytes(range(256)) * 8
     # gzip members and zstd frames may be concatenated; both are one body.
     assert codings.decode(gzip.compress(data) + gzip.compress(data), ["gzip"], limits(10**6)) == data * 2
     assert codings.decode(zstd.compress(data) + zstd.compress(data), ["zstd"], limits(10**6)) == data * 2
@@ -169,28 +172,19 @@ def test_decoder_limits_members_and_garbage():
     assert codings.parse("gzip, compress") is None
 
 
-def test_decoder_streams_through_many_slices():
-    """Bodies far longer than one decoder step (members that end inside a slice, output held inside a decoder)
-    decode to exactly what was encoded, and are still cut at the limit."""
-    text = json.dumps([str(i) * (i % 50) for i in range(40_000)]).encode()   # ~1 MB, compresses ~10x
-    assert len(text) > 10 * codings.STEP
-    for name, encode in ENCODERS.items():
-        assert codings.decode(encode(text), [name], limits(len(text))) == text
-        with pytest.raises(codings.TooLarge):
-            codings.decode(encode(text), [name], limits(len(text) - 1))
+def test_long_members_end_inside_the_decoders_slices():
+    assert len(LONG) > 10 * codings.STEP
     for name in ("gzip", "zstd"):
-        odd = ENCODERS[name](text) + ENCODERS[name](b"[1]") + ENCODERS[name](text)
-        assert codings.decode(odd, [name], limits(10**7)) == text + b"[1]" + text
-    assert codings.decode(raw_deflate(text), ["deflate"], limits(len(text))) == text
+        odd = ENCODERS[name](LONG) + ENCODERS[name](b"[1]") + ENCODERS[name](LONG)
+        assert codings.decode(odd, [name], limits(10**7)) == LONG + b"[1]" + LONG
 
 
 def test_stacked_codings_decode_as_a_pipeline():
     """The inner coding asks the outer one for more only as it needs it: a bad inner stream is refused before the
     outer one is decoded in full (here, before its cut-off end is reached), and a good one decodes whole."""
-    text = json.dumps([str(i) * (i % 50) for i in range(40_000)]).encode()
     for inner, outer in (("gzip", "br"), ("zstd", "gzip"), ("br", "deflate")):
-        data = ENCODERS[outer](ENCODERS[inner](text))
-        assert codings.decode(data, [inner, outer], limits(len(text))) == text
+        data = ENCODERS[outer](ENCODERS[inner](LONG))
+        assert codings.decode(data, [inner, outer], limits(len(LONG))) == LONG
     cut = gzip.compress(gzip.compress(b"") * 100_000)[:-100]
     with pytest.raises(codings.CodingError, match="a gzip member decodes to nothing"):
         codings.decode(cut, ["gzip", "gzip"], limits(13 * 1024 * 1024))

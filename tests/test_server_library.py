@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -114,13 +115,20 @@ def test_an_embedded_service_reports_a_faulted_device_and_refuses_until_it_is_gi
     assert "given up after 2 s faulted" in failed.reason
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+@contextlib.asynccontextmanager
+async def _served(service: Service, app: web.Application | None = None):
+    """``service``'s routes under /clef/ (API key KEY) in ``app``, served on loopback: the base URL. Stops both."""
+    app = web.Application() if app is None else app
+    routes.mount(app, "/clef/", service, api_key=KEY)
     runner = web.AppRunner(app, handler_cancellation=True, auto_decompress=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port picked for 0
-    return runner, f"http://127.0.0.1:{port}"
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001 - the port picked for 0
+    finally:
+        await runner.cleanup()
+        await service.stop()
 
 
 def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
@@ -131,10 +139,8 @@ def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
         service = Service(ServiceConfig(model=str(MODEL)))
         app = web.Application()
         app.router.add_get("/hello", hello)
-        routes.mount(app, "/clef/", service, api_key=KEY)
-        runner, base = await _serve(app)
         auth = {"Authorization": f"Bearer {KEY}"}
-        try:
+        async with _served(service, app) as base:
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{base}/clef/health") as r:      # before start: loading
                     loading = r.status, r.headers.get("Retry-After"), (await r.json())["status"]
@@ -169,9 +175,6 @@ def test_routes_mounted_under_a_prefix_in_an_application_of_our_own(engine):
                     hello_reply = r.status, await r.json(), r.headers.get("x-request-id")
                 assert hello_reply == (200, {"hello": "world"}, None)
             await service.drain(5.0)
-        finally:
-            await runner.cleanup()
-            await service.stop()
 
     asyncio.run(main())
 
@@ -205,19 +208,13 @@ def test_an_admission_policy_of_our_own_is_the_one_asked(engine):
 
     async def main():
         service = Service(ServiceConfig(model=str(MODEL), admission=policy, min_queue_wait=2.0, max_queue_wait=9.0))
-        app = web.Application()
-        routes.mount(app, "/clef/", service, api_key=KEY)
-        runner, base = await _serve(app)
-        try:
+        async with _served(service) as base:
             await service.start()
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{base}/clef/v1/systemone", json=SUPPORT_TICKET,
                                      headers={"Authorization": f"Bearer {KEY}"}) as r:
                     answer = r.status, r.headers.get("Retry-After"), await r.json()
             await service.drain(5.0)
-        finally:
-            await runner.cleanup()
-            await service.stop()
         return answer
 
     with pytest.raises(ValueError, match="admission must be a callable .* got 'cost'"):
@@ -265,18 +262,18 @@ def test_the_service_needs_no_aiohttp():
 def test_service_config_is_the_serve_flags():
     """The config an embedding program builds from keywords is the one `clefcore serve` builds from its flags,
     defaults included; a value out of range names the field and the limit."""
-    args = cli.build_parser().parse_args(["serve", "--model", "m"])
-    assert ServiceConfig.from_args(args) == ServiceConfig(model="m")
-    args = cli.build_parser().parse_args(["serve", "--model", "m", "--max-queue", "7", "--age-rate", "inf",
-                                          "--chunk-tokens", "0", "--max-queue-wait", "3"])
-    config = ServiceConfig.from_args(args)
+    def serve(*flags: str) -> ServiceConfig:
+        return ServiceConfig.from_args(cli.build_parser().parse_args(["serve", "--model", "m", *flags]))
+
+    assert serve() == ServiceConfig(model="m")
+    config = serve("--max-queue", "7", "--age-rate", "inf", "--chunk-tokens", "0", "--max-queue-wait", "3")
     assert (config.max_queue, config.age_rate, config.chunk_tokens, config.wait_budget) == (7, float("inf"), 0, 3.0)
     assert ServiceConfig(model="m", request_timeout=10).wait_budget == 5.0
     assert ServiceConfig(model="m", device="cuda:0, cuda:1").devices == ("cuda:0", "cuda:1")
     with pytest.raises(ValueError, match="device must name at least one device"):
         ServiceConfig(model="m", device=" , ")
-    args = cli.build_parser().parse_args(["serve", "--model", "m", "--stall-timeout", "5", "--device-grace", "9"])
-    assert (ServiceConfig.from_args(args).stall_timeout, ServiceConfig.from_args(args).device_grace) == (5.0, 9.0)
+    config = serve("--stall-timeout", "5", "--device-grace", "9")
+    assert (config.stall_timeout, config.device_grace) == (5.0, 9.0)
     for field, value, limit in (("max_queue", 0, "> 0"), ("age_rate", 0.0, "> 0"),
                                 ("stall_timeout", 0.0, "> 0"), ("device_grace", -1.0, "> 0"),
                                 ("on_overflow", "drop", "one of truncate, reject")):

@@ -25,7 +25,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-n
   tail -3 "$OUT/profile.txt"
 )
 mkdir -p /tmp/overload
-BEHAVIOURS=${BEHAVIOURS:-"polite storm"} DUR=${DUR:-20} TREES="$BASE new" SITE='' OUT=/tmp/overload \
+# SITE: this tree and its dependencies as installed above (run-overload.sh installs only the baseline then)
+BEHAVIOURS=${BEHAVIOURS:-"polite storm"} DUR=${DUR:-20} TREES="$BASE new" SITE=/tmp/site-new:/tmp/site-deps OUT=/tmp/overload \
   timeout "${T_OVERLOAD:-330}" bash docs/bench/run-overload.sh \
   >"$OUT/overload-log.txt" 2>&1
 tar -C /tmp -cf "$OUT/overload.tar" overload
